@@ -1,0 +1,253 @@
+"""The ``tinyloop`` command line.
+
+Each subcommand is one ``_add_<name>(subparsers)`` that declares its parser and sets
+``func``, plus one ``cmd_<name>(args) -> int`` that does the work; ``_COMMANDS`` lists the
+``_add_*`` functions. TinyLoop errors print ``error: ...`` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyloop.errors import ConfigError, TinyLoopError
+from tinyloop.model.artifact import inspect_artifact, save_artifact
+from tinyloop.model.config import ModelConfig, kv_bytes_per_token, kv_slots_per_token
+from tinyloop.model.presets import PRESETS, init_model, param_count
+from tinyloop.tokenizer import Tokenizer, default_tokenizer, gpt2_tokenizer
+
+__all__ = ["main", "build_parser"]
+
+_TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {"default": default_tokenizer, "gpt2": gpt2_tokenizer}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# -- init ------------------------------------------------------------------------------------
+
+
+def _add_init(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("init", help="write an artifact with random weights",
+                       description="Write a .tinyloop artifact with deterministic random weights.")
+    p.add_argument("out", type=Path, help="artifact path to write")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                        help="named config (default: tiny)")
+    source.add_argument("--config", type=Path, metavar="FILE.json", help="config JSON file")
+    p.add_argument("--seed", type=int, default=0, help="init seed (default: 0)")
+    p.add_argument("--tokenizer", choices=sorted(_TOKENIZERS), default="default")
+    p.add_argument("--dtype", choices=list(_DTYPES), default="float32", help="stored weight dtype")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override a config field; VALUE is JSON (a bare word is a string); "
+                        "exit.threshold=0.5 sets a field of exit; repeatable")
+    p.set_defaults(func=cmd_init)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw  # block_style=peri_ln: a bare word is a string
+    return key.split("."), value
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    keys, value = _parse_override(item)
+    target = data
+    for key in keys[:-1]:
+        if not isinstance(target.get(key), dict):
+            raise ConfigError(f"--set {item!r}: {key!r} is not a config object")
+        target = target[key]
+    target[keys[-1]] = value
+
+
+def _init_config(args: argparse.Namespace, tokenizer_vocab: int) -> ModelConfig:
+    """The preset or file config, then each --set, then vocab_size raised to fit the tokenizer."""
+    if args.config is not None:
+        try:
+            text = args.config.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(args.config)!r}: {exc}") from exc
+        data = ModelConfig.from_json(text).to_dict()
+    else:
+        data = PRESETS[args.preset].to_dict()
+    for item in args.overrides:
+        _apply_override(data, item)
+    config = ModelConfig.from_dict(data)
+    if config.vocab_size < tokenizer_vocab:
+        config = config.replace(vocab_size=tokenizer_vocab)
+    return config
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    tokenizer = _TOKENIZERS[args.tokenizer]()
+    config = _init_config(args, tokenizer.vocab_size)
+    model = init_model(config, args.seed).to(_DTYPES[args.dtype])
+    save_artifact(args.out, model, tokenizer)
+    print(f"wrote {args.out}")
+    print(f"parameters: {param_count(config):,}")
+    print(f"file size: {_size(args.out.stat().st_size)}")
+    return 0
+
+
+# -- inspect ---------------------------------------------------------------------------------
+
+
+def _add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("inspect", help="describe an artifact (header only)",
+                       description="Print an artifact's config, size, tokenizer and KV cache cost.")
+    p.add_argument("path", type=Path)
+    p.add_argument("--loops", type=int, help="loops for the KV numbers (default: the config's default_loops)")
+    p.add_argument("--cache-window", type=int, help="KV cache window (default: loops, the full cache)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_inspect)
+
+
+def kv_report(config: ModelConfig, dtype: str, loops: int | None = None,
+              cache_window: int | None = None) -> dict[str, Any]:
+    """KV bytes per token at (loops, cache_window) and for windows 1, 2 and loops, in fp16 and ``dtype``."""
+    loops = config.default_loops if loops is None else loops
+    if not 1 <= loops <= config.max_loops:
+        raise ConfigError(f"loops must be in [1, max_loops={config.max_loops}], got {loops}")
+    window = loops if cache_window is None else cache_window
+    itemsize = getattr(torch, dtype).itemsize  # dtype is a torch name: "float32", "bfloat16"
+
+    def row(w: int) -> dict[str, int]:
+        return {"cache_window": w, "slots": kv_slots_per_token(config, loops, w),
+                "bytes_fp16": kv_bytes_per_token(config, loops, w, 2),
+                "bytes_dtype": kv_bytes_per_token(config, loops, w, itemsize)}
+
+    return {"loops": loops, "dtype": dtype, **row(window),
+            "by_cache_window": [row(w) for w in sorted({1, min(2, loops), loops})]}
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = inspect_artifact(args.path)
+    config = ModelConfig.from_dict(info["config"])
+    info["kv_cache"] = kv_report(config, info["dtype"], args.loops, args.cache_window)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        _print_inspect(info)
+    return 0
+
+
+def _print_inspect(info: dict[str, Any]) -> None:
+    special = info["special_tokens"]
+    pad = "none" if special["pad_id"] is None else special["pad_id"]
+    kv = info["kv_cache"]
+    print(f"path            {info['path']}")
+    print(f"format version  {info['format_version']}")
+    print(f"file size       {_size(info['file_size'])}")
+    print(f"parameters      {info['parameters']:,}")
+    print(f"dtype           {', '.join(info['dtypes'])}")
+    print(f"tokenizer       {info['tokenizer_vocab_size']} tokens; bos {special['bos_id']}, "
+          f"eos {special['eos_id']}, eos_ids {special['eos_ids']}, pad {pad}")
+    print("config")
+    for key, value in info["config"].items():
+        print(f"  {key:<16}{value}")
+    print(f"KV cache per token (loops {kv['loops']}, cache_window {kv['cache_window']}): "
+          f"{kv['bytes_fp16']:,} B fp16, {kv['bytes_dtype']:,} B {kv['dtype']}")
+    print(f"  {'cache_window':>12} {'slots':>6} {'fp16':>10} {kv['dtype']:>10}")
+    for r in kv["by_cache_window"]:
+        print(f"  {r['cache_window']:>12} {r['slots']:>6} {r['bytes_fp16']:>10,} {r['bytes_dtype']:>10,}")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit} ({n:,} bytes)"
+    return f"{n} bytes"
+
+
+# -- generate --------------------------------------------------------------------------------
+
+
+def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt",
+                       description="Generate from a prompt, streaming to the terminal with --stream.")
+    p.add_argument("--model", help="artifact path (default: TINYLOOP_MODEL_PATH or the bundled demo model)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--loops", type=int, help="loops per token (default: the model's default)")
+    p.add_argument("--cache-window", type=int, help="KV slots kept per core layer (default: loops)")
+    p.add_argument("--warm-start", action="store_true", help="start each token from the previous token's state")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tinyloop.engine.engine import Engine
+    from tinyloop.requests import GenerationRequest, SamplingParams
+    from tinyloop.settings import Settings
+
+    settings = Settings.from_env(model_path=args.model)
+    engine = Engine.load(settings.resolve_model_path(), max_seq_len=settings.max_seq_len)
+    text = args.prompt
+    if args.chat:
+        text = engine.tokenizer.render_chat([{"role": "user", "content": text}],
+                                            template=engine.chat_template)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              seed=args.seed, stop=tuple(args.stop))
+    request = GenerationRequest(prompt_tokens=tuple(engine.tokenizer.encode(text)),
+                                max_tokens=args.max_tokens, loops=args.loops,
+                                cache_window=args.cache_window, warm_start=args.warm_start,
+                                sampling=sampling)
+    if args.stream and not args.json:
+        result = engine.generate_stream(request, lambda c: print(c.text, end="", flush=True))
+        print()
+    else:
+        result = engine.generate(request)
+    if args.json:
+        print(json.dumps({"text": result.text, "tokens": result.tokens,
+                          "finish_reason": result.finish_reason, "stop_reason": result.stop_reason,
+                          "prompt_tokens": result.prompt_tokens,
+                          "completion_tokens": result.completion_tokens,
+                          "loops": result.loops_used, "wall_ms": round(result.wall_ms, 3)}))
+    elif not args.stream:
+        print(result.text)
+    return 0
+
+
+# -- entry point -----------------------------------------------------------------------------
+
+_COMMANDS = (_add_init, _add_inspect, _add_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tinyloop", description="Serve looped transformer LMs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; returns the exit status (2 for usage and TinyLoop errors)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help and usage errors; callers get a status, not an exception
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    try:
+        return int(args.func(args))
+    except TinyLoopError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""The engine: a loaded looped model, its paged KV pool, and the steps of the engine contract.
+
+Sequence-level, so batching, the prefix pool and speculation share one mechanism:
+
+- ``start(request) -> Sequence``  validate and set up (no model work, no KV yet)
+- ``prefill_step(seq)``           run the next ``prefill_chunk`` prompt tokens; ``prefill`` all
+- ``decode(seqs) -> logits``      one token for each sequence, one batched call
+- ``step(seqs) -> events``        one iteration: a prefill chunk for new sequences, a decode
+                                  step for the rest, sampling, stop checks, detokenisation
+- ``fork(seq)`` / ``free(seq)``   share a KV prefix copy-on-write / give the KV back
+
+Every method is blocking and runs on the caller's thread: the runtime calls it from a worker
+thread. One engine is driven by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence as Seq
+from os import PathLike
+from typing import Any
+
+import torch
+
+from tinyloop.engine.sampling import StopMatcher, make_generator, sample_batch
+from tinyloop.engine.sequence import Sequence, TokenEvent
+from tinyloop.errors import KVCacheExhausted, PromptTooLongError, RequestError
+from tinyloop.model.config import ModelConfig, kv_bytes_per_token
+from tinyloop.model.context import PagedContext
+from tinyloop.model.kvcache import KVPool, KVPoolStats, SeqKV, slot_count
+from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
+from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult
+from tinyloop.tokenizer import Tokenizer
+
+__all__ = ["Engine"]
+
+DEFAULT_KV_BUDGET_MB = 1024
+
+
+class Engine:
+    """A looped model ready to serve: model, tokenizer, KV pool and limits."""
+
+    def __init__(self, model: LoopedLM, tokenizer: Tokenizer, *, max_seq_len: int | None = None,
+                 kv_cache_mb: float | None = None, block_size: int = 16, prefill_chunk: int = 512,
+                 chat_template: str | None = None, name: str = "tinyloop") -> None:
+        self.model = model.eval()
+        self.config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.name = name
+        self.chat_template = chat_template or tokenizer.chat_template
+        self.max_seq_len = max_seq_len or self.config.max_position
+        if self.max_seq_len > self.config.max_position:
+            raise RequestError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position "
+                               f"{self.config.max_position}", param="max_seq_len")
+        if prefill_chunk < 1:
+            raise RequestError("prefill_chunk must be >= 1", param="prefill_chunk")
+        self.prefill_chunk = prefill_chunk
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.pool = KVPool(self.config, self._num_blocks(kv_cache_mb, block_size), block_size,
+                           dtype=self.dtype, device=self.device)
+
+    @classmethod
+    def load(cls, path: str | PathLike[str], *, max_seq_len: int | None = None, device: str = "cpu",
+             dtype: torch.dtype | None = None, **options: Any) -> Engine:
+        """Load a ``.tinyloop`` artifact; ``options`` go to the constructor (kv_cache_mb, ...)."""
+        from tinyloop.model.artifact import load_artifact
+
+        art = load_artifact(path, max_seq_len=max_seq_len, device=device, dtype=dtype)
+        options.setdefault("name", str(path).rsplit("/", 1)[-1].removesuffix(".tinyloop"))
+        return cls(art.model, art.tokenizer, max_seq_len=max_seq_len,
+                   chat_template=art.chat_template, **options)
+
+    def _num_blocks(self, kv_cache_mb: float | None, block_size: int) -> int:
+        c = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_block = 2 * c.kv_heads * c.head_dim * elem * block_size
+        if kv_cache_mb is None:
+            # Room for 8 full-length sequences at the default loops, capped by the budget.
+            need = 8 * kv_bytes_per_token(c, c.default_loops, None, elem) * self.max_seq_len
+            budget = min(need, DEFAULT_KV_BUDGET_MB * 2**20)
+        else:
+            budget = int(kv_cache_mb * 2**20)
+        return max(1, budget // per_block)
+
+    # -- introspection -------------------------------------------------------------------------
+    @property
+    def default_loops(self) -> int:
+        return self.config.default_loops
+
+    def kv_statistics(self) -> KVPoolStats:
+        return self.pool.statistics()
+
+    def kv_bytes_per_token(self, loops: int | None = None, cache_window: int | None = None) -> int:
+        loops = loops or self.config.default_loops
+        return kv_bytes_per_token(self.config, loops, cache_window, self.pool.k.element_size())
+
+    def __repr__(self) -> str:
+        return f"<Engine {self.name} max_seq_len={self.max_seq_len} {self.pool!r}>"
+
+    # -- lifecycle of a sequence ---------------------------------------------------------------
+    def validate(self, req: GenerationRequest) -> tuple[int, int]:
+        """Check a request against this model; returns its (loops, window)."""
+        c = self.config
+        loops = req.loops or c.default_loops
+        if loops > c.max_loops:
+            raise RequestError(f"loops must be <= {c.max_loops} for this model", param="loops")
+        window = min(req.cache_window or loops, loops)
+        if len(req.prompt_tokens) + req.max_tokens > self.max_seq_len:
+            raise PromptTooLongError(len(req.prompt_tokens), req.max_tokens, self.max_seq_len)
+        if max(req.prompt_tokens) >= c.vocab_size:
+            raise RequestError(f"prompt token id {max(req.prompt_tokens)} is outside the "
+                               f"vocabulary ({c.vocab_size})", param="prompt")
+        return loops, window
+
+    def start(self, req: GenerationRequest) -> Sequence:
+        """A new sequence for ``req`` (validated; no KV is taken until it runs)."""
+        loops, window = self.validate(req)
+        seed = req.sampling.seed
+        # The randn initial state is seeded by the request's seed, else fixed: greedy decoding
+        # stays reproducible whether or not a seed is given.
+        noise_seed = seed if seed is not None else 0
+        return Sequence(
+            request=req, loops=loops, window=window,
+            kv=SeqKV(self.pool, slot_count(self.config, loops, window)),
+            generator=make_generator(seed), noise_seed=noise_seed,
+            detokenizer=self.tokenizer.stream_decoder(),
+            stop_matcher=StopMatcher(req.sampling.stop), prompt=list(req.prompt_tokens))
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A copy of ``seq`` sharing its KV blocks copy-on-write (beam, prefix pool)."""
+        child = self.start(seq.request)
+        child.kv = seq.kv.fork()
+        child.output = list(seq.output)
+        child.pending = seq.pending
+        child.warm_state = seq.warm_state
+        child.prompt = list(seq.prompt)
+        return child
+
+    def free(self, seq: Sequence) -> None:
+        """Give the sequence's KV blocks back to the pool. Safe to call twice."""
+        seq.kv.free()
+
+    # -- model work ----------------------------------------------------------------------------
+    def _spec(self, seq: Sequence, start: int, warm: bool) -> RowSpec:
+        return RowSpec(loops=seq.loops, window=seq.window, start=start, noise_seed=seq.noise_seed,
+                       warm_state=seq.warm_state if warm else None)
+
+    def _forward(self, seqs: Seq[Sequence], tokens: torch.Tensor, warm: bool) -> ForwardOutput:
+        n_new = tokens.shape[1]
+        starts = [s.kv.length for s in seqs]
+        for s in seqs:
+            s.kv.reserve(s.kv.length + n_new)
+        ctx = PagedContext(self.pool, self.model.rope, [s.kv for s in seqs], starts, n_new)
+        specs = [self._spec(s, st, warm) for s, st in zip(seqs, starts)]
+        out = self.model(tokens.to(self.device), ctx, specs)
+        for row, (s, used) in enumerate(zip(seqs, out.loops_used)):
+            s.kv.length += n_new
+            s.last_loops = used
+            if s.request.warm_start:
+                s.warm_state = out.state[row, -1].clone()
+        return out
+
+    @torch.inference_mode()
+    def prefill_step(self, seq: Sequence) -> torch.Tensor | None:
+        """Run the next ``prefill_chunk`` prompt tokens; the last logits ``[V]`` once done."""
+        start = seq.kv.length
+        chunk = seq.prompt[start:start + self.prefill_chunk]
+        out = self._forward([seq], torch.tensor([chunk], dtype=torch.long), warm=False)
+        if seq.prefilling:
+            return None
+        seq.loops_total += out.loops_used[0]
+        return out.logits[0, -1]
+
+    def prefill(self, seq: Sequence) -> torch.Tensor:
+        """Run the whole (remaining) prompt; returns the last position's logits ``[V]``."""
+        while True:
+            logits = self.prefill_step(seq)
+            if logits is not None:
+                return logits
+
+    @torch.inference_mode()
+    def decode(self, seqs: Seq[Sequence]) -> torch.Tensor:
+        """Feed each sequence its pending token in one batched call; logits ``[B, V]``."""
+        tokens = torch.tensor([[s.pending] for s in seqs], dtype=torch.long)  # [B, 1]
+        out = self._forward(seqs, tokens, warm=True)
+        for s, used in zip(seqs, out.loops_used):
+            s.loops_total += used
+            s.pending = None
+        return out.logits[:, -1]
+
+    # -- one iteration -------------------------------------------------------------------------
+    def step(self, seqs: Seq[Sequence]) -> list[TokenEvent]:
+        """One iteration over ``seqs``: a prefill chunk for each prefilling sequence, one batched
+        decode for the others, then sampling. A sequence that cannot get KV blocks finishes with
+        an error (``seq.error``) without touching the others."""
+        events: list[TokenEvent] = []
+        ready: list[tuple[Sequence, torch.Tensor]] = []
+        decoding = [s for s in seqs if not s.finished and not s.prefilling]
+        for seq in [s for s in seqs if not s.finished and s.prefilling]:
+            try:
+                logits = self.prefill_step(seq)
+            except KVCacheExhausted as exc:
+                self._fail(seq, exc)
+                continue
+            if logits is not None:
+                ready.append((seq, logits))
+        decoding = self._reserve_or_fail(decoding)
+        if decoding:
+            logits = self.decode(decoding)
+            ready.extend(zip(decoding, logits))
+        if ready:
+            events = self._sample([s for s, _ in ready], torch.stack([l for _, l in ready]))
+        return events
+
+    def _reserve_or_fail(self, seqs: list[Sequence]) -> list[Sequence]:
+        ok = []
+        for s in seqs:
+            try:
+                s.kv.reserve(s.kv.length + 1)
+            except KVCacheExhausted as exc:
+                self._fail(s, exc)
+            else:
+                ok.append(s)
+        return ok
+
+    @staticmethod
+    def _fail(seq: Sequence, exc: BaseException) -> None:
+        seq.error = exc
+        seq.finish("error", "error")
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        results = sample_batch(logits.float(), [s.request.sampling for s in seqs],
+                               [s.generator for s in seqs], [s.prompt for s in seqs],
+                               [s.output for s in seqs])
+        return [self._accept(s, r.token_id, r.logprob) for s, r in zip(seqs, results)]
+
+    def _accept(self, seq: Sequence, token: int, logprob: Any) -> TokenEvent:
+        """Append a sampled token: stop checks, detokenisation, bookkeeping."""
+        params = seq.request.sampling
+        seq.output.append(token)
+        seq.pending = token
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        text, stopped = seq.stop_matcher.feed(seq.detokenizer.push(token))
+        if stopped:
+            seq.finish("stop", "stop_string")
+        elif token in self.tokenizer.eos_ids and not params.ignore_eos:
+            seq.finish("stop", "eos")
+        elif token in params.stop_token_ids:
+            seq.finish("stop", "stop_token")
+        elif len(seq.output) >= seq.request.max_tokens:
+            seq.finish("length", "length")
+        if seq.finished and not stopped:
+            tail, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
+            text += tail
+            if stopped:
+                seq.stop_reason = "stop_string"
+                seq.finish_reason = "stop"
+            else:
+                text += seq.stop_matcher.flush()
+        seq.text_parts.append(text)
+        return TokenEvent(seq, token, text, len(seq.output) - 1, logprob,
+                          seq.last_loops, seq.finished)
+
+    # -- blocking conveniences -----------------------------------------------------------------
+    def generate(self, req: GenerationRequest) -> GenerationResult:
+        """Run one request to completion."""
+        return self.generate_many([req])[0]
+
+    def generate_stream(self, req: GenerationRequest, emit: Callable[[GenerationChunk], None]) -> GenerationResult:
+        """Run one request, calling ``emit`` with each chunk as its token is sampled."""
+        return self.generate_many([req], emit=lambda _i, chunk: emit(chunk))[0]
+
+    def generate_many(self, reqs: Seq[GenerationRequest],
+                      emit: Callable[[int, GenerationChunk], None] | None = None) -> list[GenerationResult]:
+        """Run several requests as one continuous batch; results in request order."""
+        seqs = [self.start(r) for r in reqs]
+        index = {id(s): i for i, s in enumerate(seqs)}
+        try:
+            while not all(s.finished for s in seqs):
+                for ev in self.step([s for s in seqs if not s.finished]):
+                    if emit is not None:
+                        emit(index[id(ev.sequence)], ev.chunk())
+            for s in seqs:
+                if s.error is not None:
+                    raise s.error
+        finally:
+            for s in seqs:
+                self.free(s)
+        return [s.result() for s in seqs]

@@ -1,0 +1,308 @@
+"""Choosing the next token: a pure function of logits, ``SamplingParams``, history and a generator.
+
+Every request owns a CPU ``torch.Generator`` (``make_generator``) and is sampled on its own row,
+so its draws are the same whether it runs alone or in a batch of any size or composition: no
+random number is ever shared between requests, and greedy rows draw none.
+
+The pipeline of ``sample_token``:
+
+1. penalties (``apply_penalties``): repetition (HF style), presence and frequency (OpenAI style);
+2. greedy (``temperature == 0``): argmax, ties to the lowest id; otherwise
+3. ``softmax(logits / temperature)`` in float32, then top-k, top-p (on the top-k distribution,
+   as HF chains them), min-p, each renormalising, and one ``torch.multinomial`` draw over the
+   tokens left.
+
+Logprobs are reported from ``log_softmax`` of the raw logits, before penalties, temperature and
+filters, as vLLM does by default, so they describe the model rather than the sampler.
+
+``StopMatcher`` cuts stop strings out of the streamed text, holding back only what could still
+become one.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tinyloop.requests import SamplingParams, TokenLogprob
+
+__all__ = [
+    "SampleResult",
+    "StopMatcher",
+    "apply_penalties",
+    "make_generator",
+    "sample_batch",
+    "sample_token",
+]
+
+_SEED_MODULUS = 2**64  # torch seeds are uint64; negatives already map by two's complement
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    """One chosen token, and its logprob when the request asked for logprobs."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with ``seed``, or from OS entropy when ``seed`` is None.
+
+    Seeds are reduced modulo 2**64 so any Python int is accepted (torch itself rejects seeds
+    outside 64 bits); a negative seed gives the same stream as ``torch.manual_seed`` would.
+    """
+    generator = torch.Generator(device="cpu")
+    value = secrets.randbits(64) if seed is None else seed % _SEED_MODULUS
+    generator.manual_seed(value)
+    return generator
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_tokens: Sequence[int],
+    output_tokens: Sequence[int],
+) -> torch.Tensor:
+    """``logits`` [V] with repetition, presence and frequency penalties applied.
+
+    The repetition penalty covers every token seen in prompt or output: positive logits are
+    divided by it, negative ones multiplied, so a penalty > 1 always makes a seen token less
+    likely. Presence and frequency cover the output only: ``logit -= presence * (count > 0) +
+    frequency * count``. The input is never modified; it is returned as is when no penalty
+    applies.
+    """
+    penalised = logits
+    if params.repetition_penalty != 1.0 and (prompt_tokens or output_tokens):
+        penalised = _repetition_penalty(penalised, params.repetition_penalty,
+                                        [*prompt_tokens, *output_tokens])
+    if (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0) and output_tokens:
+        penalised = _output_penalties(penalised, params.presence_penalty,
+                                      params.frequency_penalty, output_tokens)
+    return penalised
+
+
+def _repetition_penalty(logits: torch.Tensor, penalty: float, seen: Sequence[int]) -> torch.Tensor:
+    """A copy of ``logits`` [V] with each seen token penalised once, however often it was seen."""
+    ids = torch.tensor(sorted(set(seen)), dtype=torch.long)  # [U]
+    picked = logits.index_select(0, ids)  # [U]
+    penalised = torch.where(picked > 0, picked / penalty, picked * penalty)  # [U]
+    return logits.index_copy(0, ids, penalised)  # [V]
+
+
+def _output_penalties(
+    logits: torch.Tensor, presence: float, frequency: float, output_tokens: Sequence[int]
+) -> torch.Tensor:
+    """``logits`` [V] minus presence and frequency penalties counted over the output tokens."""
+    ids = torch.tensor(output_tokens, dtype=torch.long)  # [N]
+    counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)  # [V]
+    return logits - presence * (counts > 0).to(logits.dtype) - frequency * counts  # [V]
+
+
+def sample_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    *,
+    prompt_tokens: Sequence[int],
+    output_tokens: Sequence[int],
+) -> SampleResult:
+    """The next token for one request from its ``logits`` [V], and its logprob if asked for.
+
+    Greedy requests never touch ``generator``; sampled ones draw exactly once from it.
+    """
+    raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
+    penalised = apply_penalties(raw, params, prompt_tokens, output_tokens)  # [V]
+    if params.greedy:
+        token_id = int(torch.argmax(penalised))  # argmax returns the first maximum: lowest id
+    else:
+        token_id = _draw(_filtered_probs(penalised, params), generator)
+    return SampleResult(token_id, _logprob(raw, token_id, params))
+
+
+def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Renormalised probabilities [V] after temperature, top-k, top-p and min-p.
+
+    Each filter keeps every token tied with its cut-off probability (as HF and vLLM do), so the
+    result never depends on how a sort orders ties, and the most likely token always survives.
+    """
+    # Shifting by the max first keeps a tiny temperature from overflowing to inf (and then NaN):
+    # the shift cancels in the softmax, and the limit is one-hot on the maximum.
+    scaled = (logits - logits.max()) / params.temperature  # [V]
+    probs = torch.softmax(scaled, dim=-1)  # [V]
+    if 0 < params.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, params.top_k).values[-1]
+        probs = _keep_at_least(probs, kth)  # [V]
+    if params.top_p < 1.0:
+        probs = _keep_at_least(probs, _nucleus_floor(probs, params.top_p))  # [V]
+    if params.min_p > 0.0:
+        probs = _keep_at_least(probs, params.min_p * probs.max())  # [V]
+    return probs
+
+
+def _keep_at_least(probs: torch.Tensor, floor: torch.Tensor | float) -> torch.Tensor:
+    """``probs`` [V] with every probability below ``floor`` zeroed, renormalised to sum to 1."""
+    kept = torch.where(probs >= floor, probs, torch.zeros_like(probs))  # [V]
+    return kept / kept.sum()  # [V]
+
+
+def _nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest probability in the nucleus: the fewest most-likely tokens with mass >= top_p.
+
+    Sorting the whole vocabulary dominates sampling time at V ~ 32k on a CPU, so only the
+    tokens within 1e-4 of the max are sorted when they alone hold enough mass (they usually
+    number a few hundred); the nucleus is a prefix of the sorted order, so it lies among them.
+    """
+    head = probs.masked_select(probs >= probs.max() * 1e-4)  # [H]
+    if float(head.sum()) < top_p + 1e-3:  # the margin absorbs rounding in the cumsum below
+        head = probs  # [V]
+    values = torch.sort(head, descending=True).values  # [H]
+    mass_before = torch.cumsum(values, dim=-1) - values  # [H]
+    return values[int((mass_before < top_p).sum()) - 1]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token drawn from ``probs`` [V] with ``generator``, among the tokens left non-zero.
+
+    Drawing over the surviving support only makes filtered sampling cheaper, since
+    ``torch.multinomial`` spends one exponential variate per entry.
+    """
+    support = probs.nonzero().squeeze(-1)  # [S]
+    if support.shape[0] == probs.shape[0]:
+        return int(torch.multinomial(probs, 1, generator=generator))
+    pick = torch.multinomial(probs.index_select(0, support), 1, generator=generator)  # [1]
+    return int(support[int(pick)])
+
+
+def _logprob(raw: torch.Tensor, token_id: int, params: SamplingParams) -> TokenLogprob | None:
+    """``token_id``'s logprob under the raw ``raw`` [V] logits and the best alternatives."""
+    if not params.logprobs and params.top_logprobs == 0:
+        return None
+    logprobs = torch.log_softmax(raw, dim=-1)  # [V]
+    top = _top_logprobs(logprobs, params.top_logprobs) if params.top_logprobs > 0 else ()
+    return TokenLogprob(token_id, float(logprobs[token_id]), top)
+
+
+def _top_logprobs(logprobs: torch.Tensor, n: int) -> tuple[tuple[int, float], ...]:
+    """The ``n`` best (id, logprob) pairs of ``logprobs`` [V], best first, ties to the lower id.
+
+    ``topk`` finds the cut-off cheaply but orders ties arbitrarily, so every token at or above
+    it is gathered in id order and stably sorted.
+    """
+    n = min(n, logprobs.shape[-1])
+    floor = torch.topk(logprobs, n).values[-1]
+    ids = (logprobs >= floor).nonzero().squeeze(-1)  # [C] ascending ids, C >= n
+    values, order = torch.sort(logprobs[ids], descending=True, stable=True)  # [C], [C]
+    return tuple(zip(ids[order[:n]].tolist(), values[:n].tolist()))
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+    prompt_tokens: Sequence[Sequence[int]],
+    output_tokens: Sequence[Sequence[int]],
+) -> list[SampleResult]:
+    """One ``SampleResult`` per row of ``logits`` [B, V], each as ``sample_token`` gives alone.
+
+    Rows that are greedy with no penalties and no logprobs share one vectorised argmax (the
+    same first-maximum rule as ``sample_token``); every other row is sampled on its own.
+    """
+    batch = logits.shape[0]
+    if not len(params) == len(generators) == len(prompt_tokens) == len(output_tokens) == batch:
+        raise ValueError(
+            f"sample_batch needs one params, generator and history per row: {batch} rows, "
+            f"{len(params)} params, {len(generators)} generators, {len(prompt_tokens)} prompts, "
+            f"{len(output_tokens)} outputs"
+        )
+    rows = logits.detach().to(device="cpu", dtype=torch.float32)  # [B, V]
+    fast = [i for i, p in enumerate(params) if _is_plain_greedy(p)]
+    argmax = rows[fast].argmax(dim=-1).tolist() if fast else []  # [F]
+    results = dict(zip(fast, (SampleResult(int(t)) for t in argmax)))
+    for i in range(batch):
+        if i not in results:
+            results[i] = sample_token(rows[i], params[i], generators[i],
+                                      prompt_tokens=prompt_tokens[i],
+                                      output_tokens=output_tokens[i])
+    return [results[i] for i in range(batch)]
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    """True when a row's token is just the argmax of its logits, with nothing to report."""
+    return (params.greedy and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and not params.logprobs
+            and params.top_logprobs == 0)
+
+
+class StopMatcher:
+    """Cuts stop strings out of streamed text.
+
+    ``feed`` returns the text that is safe to emit: everything except a trailing piece that could
+    still grow into a stop string, which is held back until the next feed settles it. When a stop
+    string completes, the text before its earliest occurrence is returned with ``stopped=True``
+    and the stop string itself is never emitted. ``flush`` hands back the held text when
+    generation ends for another reason.
+    """
+
+    __slots__ = ("_stops", "_held", "_stopped")
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        if isinstance(stop, str):
+            raise TypeError("stop must be a sequence of strings, not a single string")
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError("stop strings must be non-empty strings")
+        self._stops = tuple(stop)
+        self._held = ""
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string has been seen."""
+        return self._stopped
+
+    def __repr__(self) -> str:
+        return f"StopMatcher(stops={self._stops!r}, held={self._held!r}, stopped={self._stopped})"
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Newly detokenised ``text`` in; (text safe to emit now, whether a stop string ended it)."""
+        if self._stopped:
+            raise RuntimeError("StopMatcher.feed called after a stop string was matched")
+        if not self._stops:
+            return text, False
+        buffer = self._held + text
+        cut = _earliest_stop(buffer, self._stops)
+        if cut is not None:
+            self._held, self._stopped = "", True
+            return buffer[:cut], True
+        keep = _partial_stop_suffix(buffer, self._stops)
+        self._held = buffer[len(buffer) - keep:]
+        return buffer[:len(buffer) - keep], False
+
+    def flush(self) -> str:
+        """The held-back text, emitted when generation ends without a stop string."""
+        held, self._held = self._held, ""
+        return held
+
+
+def _earliest_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where the earliest stop string in ``text`` begins, or None when none occurs."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _partial_stop_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string.
+
+    Held text is bounded by the longest stop string, so a stop can never begin in text that
+    was already emitted.
+    """
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest

@@ -1,0 +1,334 @@
+"""The ``.tinyloop`` artifact: one safetensors file holding weights, config and tokenizer.
+
+Tensors carry the canonical ``LoopedLM.state_dict()`` names; the safetensors metadata (all
+strings) carries::
+
+    tinyloop.format_version   "1"
+    tinyloop.config           ModelConfig JSON
+    tinyloop.tokenizer        HF tokenizer JSON
+    tinyloop.chat_template    Jinja source ("" when none)
+    tinyloop.special_tokens   {"bos_id", "eos_id", "eos_ids", "pad_id"} JSON
+
+Everything is checked against the header before a tensor is read, and every failure is an
+``ArtifactError`` naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tinyloop.errors import ArtifactError, ConfigError, TinyLoopError
+from tinyloop.model.config import ModelConfig
+from tinyloop.model.looped import LoopedLM
+from tinyloop.model.presets import empty_model
+from tinyloop.tokenizer import Tokenizer
+
+__all__ = ["FORMAT_VERSION", "Artifact", "save_artifact", "load_artifact", "inspect_artifact"]
+
+FORMAT_VERSION = 1
+
+KEY_VERSION = "tinyloop.format_version"
+KEY_CONFIG = "tinyloop.config"
+KEY_TOKENIZER = "tinyloop.tokenizer"
+KEY_CHAT_TEMPLATE = "tinyloop.chat_template"
+KEY_SPECIAL = "tinyloop.special_tokens"
+REQUIRED_KEYS = (KEY_VERSION, KEY_CONFIG, KEY_TOKENIZER, KEY_CHAT_TEMPLATE, KEY_SPECIAL)
+
+# safetensors dtype tags -> torch dtypes (the floating types a model may be stored in).
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+}
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A loaded artifact: the model in eval mode without grads, its tokenizer and metadata."""
+
+    path: Path
+    config: ModelConfig
+    model: LoopedLM
+    tokenizer: Tokenizer
+    chat_template: str
+    metadata: dict[str, str]
+
+    @property
+    def special_tokens(self) -> dict[str, Any]:
+        """``bos_id``, ``eos_id``, ``eos_ids`` and ``pad_id`` as written at save time."""
+        return dict(json.loads(self.metadata[KEY_SPECIAL]))
+
+
+# -- save ------------------------------------------------------------------------------------
+
+
+def _special_tokens(tokenizer: Tokenizer) -> dict[str, Any]:
+    return {
+        "bos_id": tokenizer.bos_id,
+        "eos_id": tokenizer.eos_id,
+        "eos_ids": sorted(tokenizer.eos_ids),
+        "pad_id": getattr(tokenizer, "pad_id", None),
+    }
+
+
+def save_artifact(path: str | os.PathLike[str], model: LoopedLM, tokenizer: Tokenizer, *,
+                  chat_template: str | None = None,
+                  extra_metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``model`` and ``tokenizer`` to ``path`` atomically (temp file + ``os.replace``).
+
+    ``chat_template`` defaults to the tokenizer's ("" stores none: loading then falls back to
+    the tokenizer's default). ``extra_metadata`` adds string entries; it may not override the
+    keys this module owns.
+    """
+    path = Path(path)
+    template = tokenizer.chat_template if chat_template is None else chat_template
+    metadata = {
+        KEY_VERSION: str(FORMAT_VERSION),
+        KEY_CONFIG: model.config.to_json(),
+        KEY_TOKENIZER: tokenizer.to_json(),
+        KEY_CHAT_TEMPLATE: template or "",
+        KEY_SPECIAL: json.dumps(_special_tokens(tokenizer)),
+    }
+    for key, value in (extra_metadata or {}).items():
+        if key in metadata:
+            raise ArtifactError(f"{path}: extra metadata may not override {key!r}")
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ArtifactError(f"{path}: metadata entries must be str -> str, got {key!r}")
+        metadata[key] = value
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")  # same dir: atomic
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600; an artifact is shareable data
+        os.replace(tmp, path)
+    except Exception as exc:  # OSError, or safetensors' own error type for an unwritable path
+        raise ArtifactError(f"{path}: cannot write artifact: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where /proc allows."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere the only portable read is set-and-restore
+    os.umask(mask)
+    return mask
+
+
+# -- header ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Header:
+    metadata: dict[str, str]
+    tensors: dict[str, dict[str, Any]]  # name -> {"dtype", "shape", "data_offsets"}
+    file_size: int
+
+
+def _read_header(path: Path) -> _Header:
+    """Parse the safetensors header and check the file is as long as the header says."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ArtifactError(f"{path}: not a safetensors file (only {size} bytes)")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > _MAX_HEADER or n > size - 8:
+                raise ArtifactError(f"{path}: not a safetensors file, or truncated "
+                                    f"(header length {n}, file size {size})")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: no such artifact file") from None
+    except IsADirectoryError:
+        raise ArtifactError(f"{path}: is a directory, not an artifact file") from None
+    except OSError as exc:
+        raise ArtifactError(f"{path}: cannot read artifact: {exc}") from exc
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ArtifactError(f"{path}: not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ArtifactError(f"{path}: not a safetensors file (header is not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(_well_formed(t) for t in header.values()):
+        raise ArtifactError(f"{path}: not a safetensors file (malformed header entries)")
+    data_end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    if 8 + n + data_end > size:
+        raise ArtifactError(f"{path}: truncated: the header describes {8 + n + data_end} bytes "
+                            f"but the file has {size}")
+    return _Header(metadata=dict(metadata), tensors=header, file_size=size)
+
+
+def _well_formed(entry: Any) -> bool:
+    def ints(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(v, int) and v >= 0 for v in value)
+
+    return (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and ints(entry.get("shape"))
+            and ints(entry.get("data_offsets")) and len(entry["data_offsets"]) == 2)
+
+
+def _metadata_value(path: Path, header: _Header, key: str) -> str:
+    try:
+        return header.metadata[key]
+    except KeyError:
+        raise ArtifactError(f"{path}: metadata is missing {key!r}") from None
+
+
+def _check_version(path: Path, header: _Header) -> None:
+    found = _metadata_value(path, header, KEY_VERSION)
+    if found != str(FORMAT_VERSION):
+        raise ArtifactError(f"{path}: format version {found!r} is not supported "
+                            f"(this TinyLoop reads version {FORMAT_VERSION})")
+
+
+def _config(path: Path, header: _Header) -> ModelConfig:
+    try:
+        return ModelConfig.from_json(_metadata_value(path, header, KEY_CONFIG))
+    except ConfigError as exc:
+        raise ArtifactError(f"{path}: invalid {KEY_CONFIG}: {exc}") from exc
+
+
+def _tokenizer(path: Path, header: _Header, config: ModelConfig) -> Tokenizer:
+    text = _metadata_value(path, header, KEY_TOKENIZER)
+    try:
+        tokenizer = Tokenizer.from_json(text)
+    except Exception as exc:  # tokenizers raises bare Exception subclasses for bad JSON
+        raise ArtifactError(f"{path}: invalid {KEY_TOKENIZER}: {exc}") from exc
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ArtifactError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model "
+                            f"config has vocab_size {config.vocab_size}")
+    return tokenizer
+
+
+def _special(path: Path, header: _Header, config: ModelConfig) -> dict[str, Any]:
+    try:
+        special = json.loads(_metadata_value(path, header, KEY_SPECIAL))
+        ids = [special["bos_id"], special["eos_id"], special["pad_id"], *special["eos_ids"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ArtifactError(f"{path}: invalid {KEY_SPECIAL}: {exc!r}") from None
+    for token in ids:
+        if token is not None and not (isinstance(token, int) and 0 <= token < config.vocab_size):
+            raise ArtifactError(f"{path}: {KEY_SPECIAL} has token id {token!r} outside the "
+                                f"vocabulary (vocab_size {config.vocab_size})")
+    return dict(special)
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in empty_model(config).state_dict().items()}
+
+
+def _check_tensors(path: Path, header: _Header, config: ModelConfig) -> None:
+    """The header's tensors are exactly the model's: names, shapes, floating dtypes."""
+    expected = _expected_shapes(config)
+    missing = [name for name in expected if name not in header.tensors]
+    if missing:
+        raise ArtifactError(f"{path}: missing tensor(s): {', '.join(missing)}")
+    unexpected = sorted(set(header.tensors) - set(expected))
+    if unexpected:
+        raise ArtifactError(f"{path}: unexpected tensor(s): {', '.join(unexpected)}")
+    for name, shape in expected.items():
+        found = tuple(header.tensors[name]["shape"])
+        if found != shape:
+            raise ArtifactError(f"{path}: tensor {name} has shape {list(found)}, "
+                                f"expected {list(shape)}")
+        if header.tensors[name]["dtype"] not in _DTYPES:
+            raise ArtifactError(f"{path}: tensor {name} has dtype {header.tensors[name]['dtype']}, "
+                                f"expected one of {', '.join(_DTYPES)}")
+
+
+def _checked_header(path: Path) -> tuple[_Header, ModelConfig, Tokenizer, dict[str, Any]]:
+    header = _read_header(path)
+    for key in REQUIRED_KEYS:
+        _metadata_value(path, header, key)
+    _check_version(path, header)
+    config = _config(path, header)
+    tokenizer = _tokenizer(path, header, config)
+    special = _special(path, header, config)
+    _check_tensors(path, header, config)
+    return header, config, tokenizer, special
+
+
+# -- load ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _foreign_errors(path: Path) -> Iterator[None]:
+    """safetensors and torch report corrupt data with their own exception types."""
+    try:
+        yield
+    except TinyLoopError:
+        raise
+    except Exception as exc:
+        raise ArtifactError(f"{path}: cannot read tensors: {exc}") from exc
+
+
+def load_artifact(path: str | os.PathLike[str], *, max_seq_len: int | None = None,
+                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Artifact:
+    """Check and load an artifact onto ``device``.
+
+    ``dtype`` converts every weight (default: the stored dtype of ``embed.weight``, so a file
+    with mixed dtypes loads as one). A ``max_seq_len`` beyond the config's ``max_position``
+    extends the config, and the RoPE tables with it. The tokenizer's ``chat_template`` is set
+    to the artifact's.
+    """
+    path = Path(path)
+    header, config, tokenizer, _ = _checked_header(path)
+    if max_seq_len is not None:
+        if max_seq_len < 1:
+            raise ConfigError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        if max_seq_len > config.max_position:
+            config = config.replace(max_position=max_seq_len)
+    target = dtype or _DTYPES[header.tensors["embed.weight"]["dtype"]]
+    model = empty_model(config, device)
+    with _foreign_errors(path), safe_open(str(path), framework="pt", device=str(device)) as f:
+        state = {name: f.get_tensor(name).to(target) for name in header.tensors}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.eval().requires_grad_(False)
+    leftover = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover or model.rope.cos.is_meta:
+        raise ArtifactError(f"{path}: tensors left unloaded: {', '.join(leftover) or 'rope'}")
+    # An artifact saved without a template keeps the tokenizer's default (ChatML), so the
+    # tokenizer and the artifact never disagree about how a chat is rendered.
+    tokenizer.chat_template = header.metadata[KEY_CHAT_TEMPLATE] or tokenizer.chat_template
+    return Artifact(path=path, config=config, model=model, tokenizer=tokenizer,
+                    chat_template=tokenizer.chat_template, metadata=dict(header.metadata))
+
+
+def inspect_artifact(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What an artifact holds, from its header alone (no tensor is read). JSON-serialisable."""
+    path = Path(path)
+    header, config, tokenizer, special = _checked_header(path)
+    dtypes = sorted({str(_DTYPES[t["dtype"]]).removeprefix("torch.") for t in header.tensors.values()})
+    params = sum(math.prod(t["shape"]) for t in header.tensors.values())
+    return {
+        "path": str(path),
+        "format_version": FORMAT_VERSION,
+        "file_size": header.file_size,
+        "parameters": params,
+        "tensors": len(header.tensors),
+        "dtypes": dtypes,
+        "dtype": str(_DTYPES[header.tensors["embed.weight"]["dtype"]]).removeprefix("torch."),
+        "config": config.to_dict(),
+        "tokenizer_vocab_size": tokenizer.vocab_size,
+        "special_tokens": special,
+        "chat_template": header.metadata[KEY_CHAT_TEMPLATE],
+    }

@@ -1,0 +1,110 @@
+"""Attention contexts: where one forward's rows keep and read their K and V.
+
+``PagedContext`` is the serving path: K and V live in the paged pool (``kvcache.KVPool``), each
+row writes its new positions into the slot it is told and attends over everything its slot
+holds. ``FullContext`` keeps nothing: plain causal attention over the tokens of this call, the
+no-cache reference that incremental decoding is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tinyloop.model.kvcache import KVPool, SeqKV
+from tinyloop.model.layers import Rope
+
+__all__ = ["PagedContext", "FullContext"]
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t[rows]
+
+
+class PagedContext:
+    """B rows of T new tokens each; row b's new tokens sit at positions ``start_b .. start_b+T-1``.
+
+    The caller reserves the blocks first (``SeqKV.reserve``) and advances ``SeqKV.length`` after.
+    ``extra_mask`` (``[B, T, T]``, True = may attend) restricts attention among the new tokens,
+    for tree verification; by default they are causal.
+    """
+
+    def __init__(self, pool: KVPool, rope: Rope, seqs: Sequence[SeqKV], starts: Sequence[int],
+                 n_new: int, extra_mask: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> None:
+        self.pool = pool
+        bs = pool.block_size
+        n_slots = max(s.n_slots for s in seqs)
+        max_blocks = max(s.blocks_per_slot for s in seqs)
+        self.tables = torch.stack([s.table_tensor(max_blocks, n_slots) for s in seqs])  # [B, S, MB]
+        start = torch.tensor(list(starts), dtype=torch.long)  # [B]
+        offsets = torch.arange(n_new, dtype=torch.long)
+        slots_pos = start[:, None] + offsets  # [B, T] where each new token is stored
+        key_len = int((start + n_new).max())
+        key_pos = torch.arange(key_len, dtype=torch.long)  # [L]
+        self.write_block = slots_pos // bs  # [B, T]
+        self.write_offset = slots_pos % bs  # [B, T]
+        self.key_block = key_pos // bs  # [L]
+        self.key_offset = key_pos % bs  # [L]
+        mask = key_pos[None, None, :] <= slots_pos[:, :, None]  # [B, T, L]
+        if extra_mask is not None:
+            for b, s in enumerate(starts):
+                window = mask[b, :, s:s + n_new]
+                mask[b, :, s:s + n_new] = window & extra_mask[b]
+        self.mask = mask[:, None]  # [B, 1, T, L]
+        rope_pos = slots_pos if positions is None else positions  # tree tokens share depths
+        self.cos, self.sin = rope.tables(rope_pos)  # [B, T, D]
+
+    def rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _take(self.cos, rows), _take(self.sin, rows)
+
+    def _flat_index(self, rows: torch.Tensor | None, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.pool.block_size
+        tab = _take(self.tables, rows)[torch.arange(slots.numel()), slots]  # [R, MB]
+        write = tab.gather(1, _take(self.write_block, rows)) * bs + _take(self.write_offset, rows)
+        keys = tab[:, self.key_block] * bs + self.key_offset  # [R, L]
+        return write, keys
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        r, kvh, t, d = k.shape
+        write, keys = self._flat_index(rows, slots)
+        k_flat = self.pool.k.view(-1, kvh, d)
+        v_flat = self.pool.v.view(-1, kvh, d)
+        k_flat[write.flatten()] = k.transpose(1, 2).reshape(r * t, kvh, d)
+        v_flat[write.flatten()] = v.transpose(1, 2).reshape(r * t, kvh, d)
+        keys_k = k_flat[keys].transpose(1, 2)  # [R, KVH, L, D]
+        keys_v = v_flat[keys].transpose(1, 2)  # [R, KVH, L, D]
+        mask = _take(self.mask, rows)
+        return F.scaled_dot_product_attention(q, keys_k, keys_v, attn_mask=mask,
+                                              enable_gqa=q.shape[1] != kvh)
+
+    def copy_new(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the new tokens' K and V of ``rows`` from slot ``src`` to slot ``dst`` (per row)."""
+        w_src, _ = self._flat_index(rows, src)
+        w_dst, _ = self._flat_index(rows, dst)
+        k_flat = self.pool.k.view(-1, *self.pool.k.shape[2:])
+        v_flat = self.pool.v.view(-1, *self.pool.v.shape[2:])
+        k_flat[w_dst.flatten()] = k_flat[w_src.flatten()]
+        v_flat[w_dst.flatten()] = v_flat[w_src.flatten()]
+
+
+class FullContext:
+    """No cache: causal attention over the T tokens of this call (positions 0..T-1)."""
+
+    def __init__(self, rope: Rope, batch: int, n_tokens: int) -> None:
+        pos = torch.arange(n_tokens).expand(batch, n_tokens)
+        self.cos, self.sin = rope.tables(pos)
+
+    def rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _take(self.cos, rows), _take(self.sin, rows)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+    def copy_new(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Nothing is kept, so there is nothing to copy."""

@@ -1,0 +1,186 @@
+"""The paged KV cache with loop slots.
+
+One preallocated pool of fixed-size blocks holds K and V for every layer application of every
+sequence: ``k[num_blocks, block_size, kv_heads, head_dim]`` (and ``v``). A sequence owns one
+block table per *slot*; a slot is one layer application that keeps KV:
+
+    slot(prelude i)            = i
+    slot(core i, loop r)       = n_prelude + (r mod W) * n_core + i
+    slot(coda j)               = n_prelude + W * n_core + j
+
+with ``W = min(cache_window, loops)``: DESIGN.md's mapping, so loop ``r`` of core layer ``i``
+reuses the slot of loop ``r - W`` and past tokens keep what they last wrote. Every slot of a
+sequence covers the same positions, so all of its tables grow by one block together and a
+sequence holds exactly ``n_slots * ceil(length / block_size)`` blocks.
+
+Blocks are reference counted: ``fork`` shares a sequence's blocks (prefix pool, beam) and the
+first write into a shared block copies it (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinyloop.errors import KVCacheExhausted
+from tinyloop.model.config import ModelConfig, kv_slots_per_token
+
+__all__ = ["KVPool", "KVPoolStats", "SeqKV", "slot_count"]
+
+
+def slot_count(config: ModelConfig, loops: int, cache_window: int) -> int:
+    """Slots a sequence at ``loops``/``cache_window`` owns (the bytes-per-token formula's factor)."""
+    return kv_slots_per_token(config, loops, cache_window)
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolStats:
+    """A snapshot of the pool: blocks in use, free, total, and bytes per block."""
+
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    block_size: int
+    bytes_per_block: int
+
+
+class KVPool:
+    """A fixed pool of KV blocks with a free list and reference counts."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.config = config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, config.kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [N, bs, KVH, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [N, bs, KVH, D]
+        self.refcount = [0] * num_blocks
+        # A stack: the most recently freed block is reused first (warm in cache).
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    # -- accounting ----------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def statistics(self) -> KVPoolStats:
+        used = self.num_blocks - len(self._free)
+        per_block = 2 * self.k[0].numel() * self.k.element_size()
+        return KVPoolStats(self.num_blocks, used, len(self._free), self.block_size, per_block)
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return f"<KVPool used={s.blocks_used}/{s.blocks_total} block_size={s.block_size}>"
+
+    # -- blocks --------------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free blocks (refcount 1 each) or raise KVCacheExhausted, taking none."""
+        if n > len(self._free):
+            raise KVCacheExhausted(
+                f"KV cache exhausted: need {n} blocks, {len(self._free)} of {self.num_blocks} free")
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self.refcount[b] = 1
+        return out
+
+    def incref(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refcount[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; a block with none left returns to the free list."""
+        for b in blocks:
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                self._free.append(b)
+            elif self.refcount[b] < 0:
+                raise RuntimeError(f"KV block {b} released more often than taken")
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.k[dst].copy_(self.k[src])
+        self.v[dst].copy_(self.v[src])
+
+
+class SeqKV:
+    """One sequence's block tables: ``n_slots`` tables of equal length over a shared pool."""
+
+    def __init__(self, pool: KVPool, n_slots: int) -> None:
+        self.pool = pool
+        self.n_slots = n_slots
+        self.tables: list[list[int]] = [[] for _ in range(n_slots)]
+        self.length = 0  # positions written (the same in every slot)
+
+    @property
+    def blocks_per_slot(self) -> int:
+        return len(self.tables[0]) if self.tables else 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.n_slots * self.blocks_per_slot
+
+    def __repr__(self) -> str:
+        return f"<SeqKV slots={self.n_slots} length={self.length} blocks={self.num_blocks}>"
+
+    def capacity(self) -> int:
+        return self.blocks_per_slot * self.pool.block_size
+
+    def reserve(self, new_length: int) -> None:
+        """Make room for positions ``[length, new_length)`` in every slot, copying shared blocks.
+
+        All-or-nothing: raises KVCacheExhausted without taking any block when the pool is short.
+        """
+        bs = self.pool.block_size
+        need_per_slot = -(-new_length // bs) - self.blocks_per_slot
+        first_write_block = self.length // bs
+        shared = [s for s in range(self.n_slots)
+                  if first_write_block < self.blocks_per_slot
+                  and self.pool.refcount[self.tables[s][first_write_block]] > 1]
+        total = max(need_per_slot, 0) * self.n_slots + len(shared)
+        fresh = self.pool.allocate(total)
+        for s in shared:  # copy-on-write of the partly filled block we are about to write into
+            old = self.tables[s][first_write_block]
+            new = fresh.pop()
+            self.pool.copy_block(old, new)
+            self.tables[s][first_write_block] = new
+            self.pool.release([old])
+        for s in range(self.n_slots):
+            for _ in range(max(need_per_slot, 0)):
+                self.tables[s].append(fresh.pop())
+
+    def truncate(self, new_length: int) -> None:
+        """Forget positions ``>= new_length`` (speculation rollback); frees whole blocks past it."""
+        if new_length > self.length:
+            raise ValueError("truncate cannot grow a sequence")
+        keep = -(-new_length // self.pool.block_size)
+        for table in self.tables:
+            self.pool.release(table[keep:])
+            del table[keep:]
+        self.length = new_length
+
+    def fork(self) -> SeqKV:
+        """A new sequence sharing every block (copy-on-write on the next write)."""
+        other = SeqKV(self.pool, self.n_slots)
+        other.tables = [list(t) for t in self.tables]
+        other.length = self.length
+        for t in other.tables:
+            self.pool.incref(t)
+        return other
+
+    def free(self) -> None:
+        """Give every block back; the sequence is empty afterwards."""
+        for table in self.tables:
+            self.pool.release(table)
+            table.clear()
+        self.length = 0
+
+    def table_tensor(self, max_blocks: int, n_slots: int) -> torch.Tensor:
+        """Block ids as ``[n_slots, max_blocks]`` int64, zero-padded (padding is masked)."""
+        out = torch.zeros((n_slots, max_blocks), dtype=torch.long)
+        nb = self.blocks_per_slot
+        if nb:
+            out[: self.n_slots, :nb] = torch.tensor(self.tables, dtype=torch.long)
+        return out

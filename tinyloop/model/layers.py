@@ -1,0 +1,160 @@
+"""Transformer building blocks: RMSNorm, RoPE, attention with pluggable KV, SwiGLU MLP, Block.
+
+Attention does not own a cache: it hands its q, k, v to an ``AttentionContext`` (see
+``tinyloop.model.context``) which writes K and V where the sequence keeps them and attends.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyloop.model.config import ModelConfig
+
+__all__ = ["RMSNorm", "Rope", "Attention", "MLP", "Block", "AttentionContext"]
+
+
+class AttentionContext(Protocol):
+    """Where attention finds positions, past keys and values for the rows of one forward."""
+
+    def rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the new positions of ``rows``: ``[R, T, D]`` each."""
+        ...
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        """Store k, v in ``slots`` (one per row) and attend; q ``[R, Hq, T, D]``, k/v ``[R, Hkv, T, D]``."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight.float()).to(x.dtype)
+
+
+class Rope:
+    """RoPE tables up to ``max_position``; ``half`` rotates halves, ``interleaved`` adjacent pairs."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, style: str) -> None:
+        self.style = style
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv)  # [P, D/2]
+        if style == "half":
+            angles = torch.cat([angles, angles], dim=-1)  # [P, D]
+        else:
+            angles = angles.repeat_interleave(2, dim=-1)  # [P, D]
+        self.cos = angles.cos().float()
+        self.sin = angles.sin().float()
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x ``[R, H, T, D]``; cos/sin ``[R, T, D]``."""
+        cos = cos[:, None].to(x.dtype)
+        sin = sin[:, None].to(x.dtype)
+        if self.style == "half":
+            x1, x2 = x.chunk(2, dim=-1)
+            rotated = torch.cat([-x2, x1], dim=-1)
+        else:
+            pairs = x.unflatten(-1, (-1, 2))  # [..., D/2, 2]
+            rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        q_dim, kv_dim = config.q_dim, config.kv_dim
+        if config.fused_qkv:
+            self.qkv = nn.Linear(config.hidden, q_dim + 2 * kv_dim, bias=False)
+        else:
+            self.q = nn.Linear(config.hidden, q_dim, bias=False)
+            self.k = nn.Linear(config.hidden, kv_dim, bias=False)
+            self.v = nn.Linear(config.hidden, kv_dim, bias=False)
+        if config.qk_bias:
+            self.q_bias = nn.Parameter(torch.zeros(config.heads, config.head_dim))
+            self.k_bias = nn.Parameter(torch.zeros(config.kv_heads, config.head_dim))
+        self.o = nn.Linear(q_dim, config.hidden, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[R, T, H]`` -> q ``[R, T, Hq, D]``, k and v ``[R, T, Hkv, D]`` (before RoPE)."""
+        c = self.config
+        if c.fused_qkv:
+            q, k, v = self.qkv(x).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q = q.unflatten(-1, (c.heads, c.head_dim))
+        k = k.unflatten(-1, (c.kv_heads, c.head_dim))
+        v = v.unflatten(-1, (c.kv_heads, c.head_dim))
+        if c.qk_bias:
+            q = q + self.q_bias
+            k = k + self.k_bias
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
+                rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, H, T, D]
+        cos, sin = ctx.rope(rows)
+        q = rope.apply(q, cos, sin)
+        k = rope.apply(k, cos, sin)
+        out = ctx.attend(q, k, v, rows, slots)  # [R, Hq, T, D]
+        return self.o(out.transpose(1, 2).flatten(-2))  # [R, T, H]
+
+
+class MLP(nn.Module):
+    """SwiGLU with one fused input projection: ``fc`` = [gate; up], then ``proj``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.hidden, 2 * config.intermediate, bias=False)
+        self.proj = nn.Linear(config.intermediate, config.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """One transformer layer in one of three norm placements.
+
+    ``pre_ln``:   x = x + attn(n1(x));      x = x + mlp(n3(x))
+    ``peri_ln``:  x = x + n2(attn(n1(x)));  x = x + n4(mlp(n3(x)))   (Ouro)
+    ``sandwich``: x = n2(x + attn(n1(x)));  x = n4(x + mlp(n3(x)))   (Huginn)
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.style = config.block_style
+        eps = config.norm_eps
+        self.attn_norm = RMSNorm(config.hidden, eps)
+        self.mlp_norm = RMSNorm(config.hidden, eps)
+        if self.style != "pre_ln":
+            self.attn_post_norm = RMSNorm(config.hidden, eps)
+            self.mlp_post_norm = RMSNorm(config.hidden, eps)
+        self.attn = Attention(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
+                rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        a = self.attn(self.attn_norm(x), ctx, rope, rows, slots)
+        if self.style == "pre_ln":
+            x = x + a
+            return x + self.mlp(self.mlp_norm(x))
+        if self.style == "peri_ln":
+            x = x + self.attn_post_norm(a)
+            return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
+        x = self.attn_post_norm(x + a)
+        return self.mlp_post_norm(x + self.mlp(self.mlp_norm(x)))

@@ -1,0 +1,135 @@
+"""Named model configs, deterministic random init, and parameter counts.
+
+``PRESETS`` are the shapes ``tinyloop init`` knows by name: ``tiny`` and ``tiny-ouro`` for tests
+(one of each published family), ``small`` (~10M parameters) and ``base100m`` (~100M).
+
+Models are built on the meta device first (``empty_model``) so that neither loading nor init
+pays for, or draws global RNG state for, torch's default initialisation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tinyloop.model.config import ExitRule, ModelConfig
+from tinyloop.model.layers import Attention, MLP, Rope
+from tinyloop.model.looped import LoopedLM
+
+__all__ = ["PRESETS", "empty_model", "init_model", "param_count"]
+
+_TINY_DIMS = dict(vocab_size=4096, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                  max_loops=16, max_position=2048, default_loops=4)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Huginn-style: prelude, looped core with concat adapter injection, coda, random initial state.
+    "tiny": ModelConfig(**_TINY_DIMS, n_prelude=1, n_core=2, n_coda=1, block_style="sandwich",
+                        injection="concat_linear", state_init="randn"),
+    # Ouro-style: the whole stack looped, the state normed and fed back, an exit gate.
+    "tiny-ouro": ModelConfig(**_TINY_DIMS, n_prelude=0, n_core=2, n_coda=0, block_style="peri_ln",
+                             injection="none", state_init="embed", loop_norm="every_loop",
+                             tie_embeddings=False, exit=ExitRule("gate", 0.9)),
+    "small": ModelConfig(vocab_size=4096, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                         intermediate=1024, n_prelude=2, n_core=6, n_coda=2, default_loops=4,
+                         max_loops=32, max_position=4096, block_style="sandwich",
+                         injection="concat_linear", state_init="randn"),
+    "base100m": ModelConfig(vocab_size=32768, hidden=768, heads=12, kv_heads=4, head_dim=64,
+                            intermediate=3072, n_prelude=2, n_core=4, n_coda=2, default_loops=4,
+                            max_loops=32, max_position=4096, block_style="sandwich",
+                            injection="concat_linear", state_init="randn"),
+}
+
+_INIT_STD = 0.02
+
+
+class _Uninitialised(TorchFunctionMode):
+    """While a model is built: ``torch.nn.init`` is skipped and, with ``meta``, parameter
+    factories (``empty``, ``zeros``, ``ones``) go to the meta device.
+
+    Not ``with torch.device("meta")``: that would also put the RoPE tables (a plain object, not
+    a buffer) on meta, and meta ``arange``/``normal_``/``empty_like`` run through
+    ``torch._refs``, which imports ``torch._dynamo`` and sympy: seconds on the first model of
+    every process. A parameter made by another factory stays real: memory, not correctness.
+    """
+
+    _FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones})
+
+    def __init__(self, *, meta: bool) -> None:
+        super().__init__()
+        self.meta = meta
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        if self.meta and func in self._FACTORIES:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+def empty_model(config: ModelConfig, device: torch.device | str = "cpu") -> LoopedLM:
+    """A ``LoopedLM`` whose parameters live on the meta device, with real RoPE tables on ``device``.
+
+    For ``load_state_dict(..., assign=True)``: no weight is allocated or initialised twice.
+    """
+    with _Uninitialised(meta=True):
+        model = LoopedLM(config)
+    if torch.device(device).type != "cpu":
+        with torch.device(device):
+            model.rope = Rope(config.head_dim, config.max_position, config.rope_theta, config.rope_style)
+    return model
+
+
+def _gate_bias(config: ModelConfig) -> float:
+    """A per-loop exit probability whose cumulative CDF reaches the threshold at ``default_loops``.
+
+    With a constant probability p per loop, the CDF after L loops is ``1 - (1 - p)^L``; solving
+    for the threshold at L = default_loops means a random model neither exits at once nor never.
+    """
+    loops = max(config.default_loops, config.exit.min_loops)
+    p = 1.0 - (1.0 - config.exit.threshold) ** (1.0 / loops)
+    p = min(max(p, 1e-4), 1.0 - 1e-4)
+    return math.log(p / (1.0 - p))
+
+
+@torch.no_grad()
+def init_model(config: ModelConfig, seed: int = 0) -> LoopedLM:
+    """A float32 CPU model with deterministic random weights: the same (config, seed), the same bits.
+
+    Weights ~ N(0, 0.02); the residual-branch output projections are scaled by
+    ``1/sqrt(2 * L_eff)`` (GPT-2), with ``L_eff`` the layers a token passes through at the
+    default loop count; norms at 1; q/k biases at 0; the exit gate's bias from ``_gate_bias``.
+    The global torch RNG is untouched.
+    """
+    with _Uninitialised(meta=False):
+        model = LoopedLM(config)  # uninitialised CPU memory, every parameter is written below
+    generator = torch.Generator().manual_seed(seed)
+    depth = config.n_prelude + config.n_core * config.default_loops + config.n_coda
+    out_std = _INIT_STD / math.sqrt(2 * depth)
+    out_projections = set()
+    for module in model.modules():
+        if isinstance(module, Attention):
+            out_projections.add(id(module.o.weight))
+        elif isinstance(module, MLP):
+            out_projections.add(id(module.proj.weight))
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(("q_bias", "k_bias")):
+            param.zero_()
+        elif name == "exit_gate.bias":
+            param.fill_(_gate_bias(config))
+        else:
+            std = out_std if id(param) in out_projections else _INIT_STD
+            param.normal_(0.0, std, generator=generator)
+    return model.eval()
+
+
+def param_count(config: ModelConfig) -> int:
+    """Parameters stored for ``config`` (a tied head counts once), from a meta-device model."""
+    with _Uninitialised(meta=True):
+        model = LoopedLM(config)
+    return sum(p.numel() for p in model.parameters())

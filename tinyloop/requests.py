@@ -1,0 +1,193 @@
+"""What callers hand the runtime and what they get back.
+
+``GenerationRequest`` is validated on construction (``RequestError`` names the field), so a bad
+request never reaches the engine. ``SamplingParams`` is everything sampling needs; sampling itself
+is a pure function of logits, these params and a per-request ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tinyloop.errors import RequestError
+
+__all__ = [
+    "SamplingParams",
+    "GenerationRequest",
+    "GenerationChunk",
+    "GenerationResult",
+    "RequestState",
+    "FinishReason",
+    "TokenLogprob",
+]
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+StopReason = Literal["eos", "stop_token", "stop_string", "length", "cancelled", "error"]
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestState(enum.Enum):
+    """A request's lifecycle: QUEUED -> DISPATCHED -> DECODING -> DONE | ERROR | CANCELLED."""
+
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    DECODING = "decoding"
+    DONE = "done"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RequestState.DONE, RequestState.ERROR, RequestState.CANCELLED)
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise RequestError(message, param=param)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next token is chosen from the logits.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` and ``min_p == 0`` disable
+    those filters. ``repetition_penalty`` (HF style, over prompt and output) divides positive
+    logits and multiplies negative ones; ``presence_penalty``/``frequency_penalty`` (OpenAI
+    style, over the output) subtract per token. ``seed`` seeds the request's generator.
+    ``stop`` strings are cut from the text and not emitted; ``stop_token_ids`` end the request
+    like EOS. ``logprobs`` asks for each chosen token's logprob, ``top_logprobs`` for that many
+    alternatives.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        _check(not isinstance(self.stop, str), "stop must be a list of strings", "stop")
+        for name in ("stop", "stop_token_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        _check(_finite(self.temperature) and 0 <= self.temperature <= 100,
+               "temperature must be a finite number in [0, 100]", "temperature")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k must be an integer >= 0", "top_k")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty must be > 0", "repetition_penalty")
+        _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+               "presence_penalty must be in [-2, 2]", "presence_penalty")
+        _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+               "frequency_penalty must be in [-2, 2]", "frequency_penalty")
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63),
+               "seed must be a 64-bit integer", "seed")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty", "stop")
+        _check(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be non-negative integers", "stop_token_ids")
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's logprob and its top alternatives (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation: a tokenised prompt, how much to generate, and how.
+
+    ``loops``/``cache_window`` default to the model's default loops and a full cache.
+    ``warm_start`` starts each decoded token's core state from the previous token's final state.
+    ``mode`` is ``generate`` (plain, or through the prefix pool), ``speculative``, ``tree`` or
+    ``beam``.
+    """
+
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int = 16
+    mode: str = "generate"
+    loops: int | None = None
+    cache_window: int | None = None
+    warm_start: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt_tokens, list):
+            object.__setattr__(self, "prompt_tokens", tuple(self.prompt_tokens))
+        _check(isinstance(self.prompt_tokens, tuple) and len(self.prompt_tokens) > 0,
+               "prompt must contain at least one token", "prompt")
+        _check(all(_is_int(t) and t >= 0 for t in self.prompt_tokens),
+               "prompt tokens must be non-negative integers", "prompt")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an integer >= 1", "max_tokens")
+        _check(self.mode in ("generate", "speculative", "tree", "beam"),
+               "mode must be one of generate, speculative, tree, beam", "mode")
+        _check(self.loops is None or (_is_int(self.loops) and self.loops >= 1),
+               "loops must be an integer >= 1", "loops")
+        _check(self.cache_window is None or (_is_int(self.cache_window) and self.cache_window >= 1),
+               "cache_window must be an integer >= 1", "cache_window")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationChunk:
+    """One streamed step: the token and the text it completed (may be empty mid-character)."""
+
+    token_id: int
+    text: str
+    index: int = 0
+    logprob: TokenLogprob | None = None
+    loops_used: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """A finished generation.
+
+    ``finish_reason`` is OpenAI's (``stop`` or ``length``); ``stop_reason`` says which stop
+    fired (``eos``, ``stop_token``, ``stop_string``, ``length``). ``loops_used`` is the loop
+    count the request ran at (lower than asked when downgraded); ``mean_loops`` the mean loops
+    per generated token (lower with adaptive exit).
+    """
+
+    tokens: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    wall_ms: float
+    stop_reason: StopReason = "length"
+    logprobs: list[TokenLogprob] | None = None
+    loops_used: int | None = None
+    mean_loops: float | None = None
+    time_to_first_token_ms: float | None = None

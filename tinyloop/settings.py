@@ -1,0 +1,132 @@
+"""Runtime and server settings: one dataclass, filled from ``TINYLOOP_*`` variables and flags.
+
+Each field's metadata names its environment variable and its help text; ``tinyloop serve`` turns
+the same table into command-line flags, so a variable and its flag cannot drift apart. A flag
+beats the variable; the variable beats the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, get_args, get_type_hints
+
+from tinyloop.errors import ConfigError
+
+__all__ = ["Settings", "BUNDLED_MODEL"]
+
+BUNDLED_MODEL = "demo.tinyloop"  # in tinyloop/data/, served when no model path is set
+
+
+def _opt(default: Any, env: str, help: str) -> Any:
+    return field(default=default, metadata={"env": env, "help": help})
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything a runtime and its server can be configured with."""
+
+    model_path: str | None = _opt(None, "TINYLOOP_MODEL_PATH",
+                                  "path to the .tinyloop artifact (default: the bundled demo model)")
+    served_model_name: str | None = _opt(None, "TINYLOOP_SERVED_MODEL_NAME",
+                                         "model id shown to clients (default: the artifact's file name)")
+    max_seq_len: int = _opt(2048, "TINYLOOP_MAX_SEQ_LEN", "max prompt + generated tokens per request")
+    device: str = _opt("cpu", "TINYLOOP_DEVICE", "cpu or cuda")
+    dtype: str | None = _opt(None, "TINYLOOP_DTYPE", "float32, bfloat16 or float16 (default: the artifact's)")
+    kv_cache_mb: float | None = _opt(None, "TINYLOOP_KV_CACHE_MB", "KV cache budget in MiB")
+    kv_block_size: int = _opt(16, "TINYLOOP_KV_BLOCK_SIZE", "tokens per KV block")
+    kv_int4: bool = _opt(False, "TINYLOOP_KV_INT4", "store KV as 4-bit with per-group scales")
+    kv_h_mode: bool = _opt(False, "TINYLOOP_KV_H_MODE", "store the attention input h and recompute K,V")
+    h_mode_fp16_attn_qkv: bool = _opt(False, "TINYLOOP_H_MODE_FP16_ATTN_QKV",
+                                      "h-mode recompute projection in fp16")
+    prefill_chunk: int = _opt(512, "TINYLOOP_PREFILL_CHUNK", "prompt tokens per prefill step")
+    max_batch_size: int = _opt(8, "TINYLOOP_MAX_BATCH_SIZE", "sequences decoded together (1 = one at a time)")
+    max_queue_depth: int = _opt(128, "TINYLOOP_MAX_QUEUE_DEPTH", "queued requests before 503")
+    default_slo_ms: float | None = _opt(None, "TINYLOOP_DEFAULT_SLO_MS",
+                                        "SLO for requests that name none; admission rejects past it")
+    priority_aging_ms: float = _opt(1000.0, "TINYLOOP_PRIORITY_AGING_MS",
+                                    "a queued request gains one priority level per this many ms (0 = off)")
+    downgrade_on_admission: bool = _opt(False, "TINYLOOP_DOWNGRADE_ON_ADMISSION",
+                                        "admit at fewer loops instead of rejecting for the SLO")
+    downgrade_min_loops: int = _opt(1, "TINYLOOP_DOWNGRADE_MIN_LOOPS", "the lowest loops a downgrade may pick")
+    prefix_pool_capacity: int = _opt(16, "TINYLOOP_PREFIX_POOL_CAPACITY", "entries in the prefix pool (LRU)")
+    host: str = _opt("127.0.0.1", "TINYLOOP_HOST", "address to bind")
+    port: int = _opt(8000, "TINYLOOP_PORT", "port to bind")
+    api_key: str | None = _opt(None, "TINYLOOP_API_KEY", "require 'Authorization: Bearer KEY' (all but /healthz)")
+    cors_origins: str | None = _opt(None, "TINYLOOP_CORS_ORIGINS", "comma-separated origins allowed by CORS")
+    max_body_bytes: int = _opt(4 * 2**20, "TINYLOOP_MAX_BODY_BYTES", "largest request body accepted (413 past it)")
+    graceful_timeout: float = _opt(30.0, "TINYLOOP_GRACEFUL_TIMEOUT", "seconds in-flight requests get on shutdown")
+    commit: str | None = _opt(None, "TINYLOOP_COMMIT", "commit string reported in LM Studio's runtime.commit")
+
+    def __post_init__(self) -> None:
+        for name in ("max_seq_len", "kv_block_size", "prefill_chunk", "max_batch_size",
+                     "max_queue_depth", "prefix_pool_capacity", "downgrade_min_loops", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port must be in 0..65535")
+        if self.priority_aging_ms < 0 or self.graceful_timeout < 0:
+            raise ConfigError("priority_aging_ms and graceful_timeout must be >= 0")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @staticmethod
+    def fields() -> list[dataclasses.Field[Any]]:
+        return list(dataclasses.fields(Settings))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from ``TINYLOOP_*`` variables, then ``overrides`` (flags) on top."""
+        environ = os.environ if environ is None else environ
+        hints = get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in cls.fields():
+            raw = environ.get(f.metadata["env"])
+            if raw is not None and raw != "":
+                values[f.name] = _parse(raw, hints[f.name], f.metadata["env"])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    def resolve_model_path(self) -> Path:
+        """``model_path``, or the bundled demo model when none is set."""
+        if self.model_path:
+            return Path(self.model_path)
+        path = Path(str(files("tinyloop") / "data" / BUNDLED_MODEL))
+        if not path.exists():
+            raise ConfigError(f"no model given and the bundled demo model is missing ({path}); "
+                              "set TINYLOOP_MODEL_PATH or pass --model")
+        return path
+
+    @property
+    def kv_cache_mode(self) -> str:
+        """The KV mode name reported as ``model_info.kv_cache_mode``."""
+        parts = []
+        if self.kv_h_mode:
+            parts.append("h-mode-fp16-qkv" if self.h_mode_fp16_attn_qkv else "h-mode")
+        if self.kv_int4:
+            parts.append("int4")
+        return "+".join(parts) or "full"
+
+
+def _parse(raw: str, kind: Any, env: str) -> Any:
+    base = next((a for a in get_args(kind) if a is not type(None)), kind)
+    try:
+        if base is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        return base(raw)
+    except ValueError:
+        raise ConfigError(f"{env}={raw!r} is not a valid {base.__name__}") from None

