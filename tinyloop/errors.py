@@ -9,7 +9,8 @@ The tree::
     ├── RequestError             a request is invalid before any work is done
     │   └── PromptTooLongError   prompt + max_tokens exceeds max_seq_len
     ├── EngineError              model work failed while running a request
-    │   └── KVCacheExhausted     no free KV blocks for a sequence
+    │   ├── KVCacheExhausted     no free KV blocks for a sequence
+    │   └── EngineBroken         the engine cannot run any more work (runtime unhealthy)
     └── SchedulerError           the runtime refused or lost a request
         ├── QueueFullError       the queue is at max_queue_depth
         ├── AdmissionRejected    the SLO cannot be met (carries predicted_wait_ms)
@@ -29,6 +30,7 @@ __all__ = [
     "PromptTooLongError",
     "EngineError",
     "KVCacheExhausted",
+    "EngineBroken",
     "SchedulerError",
     "QueueFullError",
     "AdmissionRejected",
@@ -84,6 +86,11 @@ class EngineError(TinyLoopError):
 
 class KVCacheExhausted(EngineError):
     """Raised when the KV cache has no free block left for a sequence that needs one."""
+
+
+class EngineBroken(EngineError):
+    """Raised when the engine is unusable (its state may be corrupt): the runtime fails the
+    requests in flight, turns unhealthy and refuses new work."""
 
 
 class SchedulerError(TinyLoopError):

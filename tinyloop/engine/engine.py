@@ -35,6 +35,10 @@ from tinyloop.tokenizer import Tokenizer
 __all__ = ["Engine"]
 
 DEFAULT_KV_BUDGET_MB = 1024
+# The randn initial state depends on the token position only (never on the request), so the KV
+# of a prompt prefix is the same for every request: prefix sharing and reproducible greedy
+# decoding both rely on it.
+NOISE_SEED = 0
 
 
 class Engine:
@@ -113,19 +117,42 @@ class Engine:
                                f"vocabulary ({c.vocab_size})", param="prompt")
         return loops, window
 
-    def start(self, req: GenerationRequest) -> Sequence:
-        """A new sequence for ``req`` (validated; no KV is taken until it runs)."""
+    def start(self, req: GenerationRequest, prefix: Sequence | None = None) -> Sequence:
+        """A new sequence for ``req`` (validated; no KV is taken until it runs).
+
+        With ``prefix`` (a prefilled sequence at the same loops and window whose prompt
+        prefixes this one, see ``prefill_prefix``), the new sequence shares its KV blocks and
+        only the rest of the prompt is prefilled: the output is the same as without it.
+        """
         loops, window = self.validate(req)
-        seed = req.sampling.seed
-        # The randn initial state is seeded by the request's seed, else fixed: greedy decoding
-        # stays reproducible whether or not a seed is given.
-        noise_seed = seed if seed is not None else 0
-        return Sequence(
+        seq = Sequence(
             request=req, loops=loops, window=window,
             kv=SeqKV(self.pool, slot_count(self.config, loops, window)),
-            generator=make_generator(seed), noise_seed=noise_seed,
+            generator=make_generator(req.sampling.seed), noise_seed=NOISE_SEED,
             detokenizer=self.tokenizer.stream_decoder(),
             stop_matcher=StopMatcher(req.sampling.stop), prompt=list(req.prompt_tokens))
+        if prefix is not None:
+            n = len(prefix.prompt)
+            if (prefix.loops, prefix.window) != (loops, window) or seq.prompt[:n] != prefix.prompt:
+                raise ValueError("prefix does not match the request's prompt, loops and window")
+            seq.kv = prefix.kv.fork()
+            # The last prompt token always runs, so the first output token has its logits.
+            seq.kv.truncate(min(n, len(seq.prompt) - 1))
+        return seq
+
+    @torch.inference_mode()
+    def prefill_prefix(self, tokens: Seq[int], loops: int | None = None,
+                       cache_window: int | None = None) -> Sequence:
+        """Prefill ``tokens`` once and keep the KV (free it with ``free``): a prefix-pool entry."""
+        req = GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=1, loops=loops,
+                                cache_window=cache_window)
+        seq = self.start(req)
+        try:
+            self.prefill(seq)
+        except BaseException:
+            self.free(seq)
+            raise
+        return seq
 
     def fork(self, seq: Sequence) -> Sequence:
         """A copy of ``seq`` sharing its KV blocks copy-on-write (beam, prefix pool)."""

@@ -93,6 +93,15 @@ class LoopedLM(nn.Module):
         # Work counters: tests assert compute grows with loops by counting, never by timing.
         self.counters: Counter[str] = Counter()
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """``.to(device)`` and friends move the RoPE tables too (they are not parameters)."""
+        out = super()._apply(fn, recurse)
+        device = self.embed.weight.device
+        if device.type != "meta":
+            self.rope.cos = self.rope.cos.to(device)
+            self.rope.sin = self.rope.sin.to(device)
+        return out
+
     # -- pieces --------------------------------------------------------------------------------
     def head(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.config.tie_embeddings else self.lm_head.weight

@@ -1,0 +1,68 @@
+"""The metrics actor: turns the other actors' events into prometheus-client series.
+
+Counters and histograms move here, one event at a time; gauges (queue depth, in flight, KV
+blocks) are read from the actors' ``statistics()`` when the exposition is rendered, so there is
+no second set of counters to drift.
+
+Cancellation: cancelled with its nursery; events still buffered are dropped.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from tinyloop.messages import (
+    Admitted, Event, Finished, FirstToken, PoolDispatched, PrefixLookup, Rejected, Started, StepDone,
+)
+from tinyloop.metrics import Metrics
+from tinyloop.requests import GenerationResult, RequestState
+
+__all__ = ["run", "record"]
+
+
+def record(metrics: Metrics, event: Event) -> None:
+    """Apply one event to the metrics."""
+    match event:
+        case Admitted():
+            metrics.requests_submitted.inc()
+        case Rejected():
+            metrics.requests_rejected.inc()
+        case Started(queue_wait_ms=ms):
+            metrics.queue_wait_ms.observe(ms)
+        case FirstToken(ms=ms):
+            metrics.first_token_ms.observe(ms)
+        case PoolDispatched():
+            metrics.prefix_pool_hits.inc()
+        case PrefixLookup(queried_tokens=queried, hit_tokens=hit):
+            metrics.prefix_cache_queried_tokens.inc(queried)
+            metrics.prefix_cache_hit_tokens.inc(hit)
+        case StepDone(batch_size=n):
+            metrics.batch_size.observe(n)
+        case Finished(state=state, wall_ms=wall, dispatch_ms=dispatch, result=result):
+            _finished(metrics, state, wall, dispatch, result)
+
+
+def _finished(metrics: Metrics, state: RequestState, wall: float, dispatch: float | None,
+              result: GenerationResult | None) -> None:
+    metrics.request_wall_ms.observe(wall)
+    if dispatch is not None:
+        metrics.dispatch_ms.observe(dispatch)
+    if state is RequestState.DONE:
+        metrics.requests_completed.inc()
+    elif state is RequestState.ERROR:
+        metrics.requests_errored.inc()
+    else:
+        metrics.requests_cancelled.inc()
+    if result is not None:
+        metrics.tokens_generated.inc(result.completion_tokens)
+        metrics.prompt_tokens.inc(result.prompt_tokens)
+        if result.mean_loops is not None:
+            metrics.loops_per_token.observe(result.mean_loops)
+
+
+async def run(*, inbox: trio.MemoryReceiveChannel[Event], metrics: Metrics,
+              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async with inbox:
+        task_status.started()
+        async for event in inbox:
+            record(metrics, event)

@@ -1,0 +1,93 @@
+"""One request as its caller sees it: admission, then chunks, then the result.
+
+Leaving the stream early (``break``, an exception, cancellation, a client disconnect) cancels
+the request: a queued one leaves the queue, a running one leaves the batch at the engine's next
+step and its KV is freed. Nothing else is affected.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import trio
+
+from tinyloop.actors.ticket import Failure, Final, Ticket
+from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
+
+if TYPE_CHECKING:
+    from tinyloop.actors.runtime import Runtime
+
+__all__ = ["RequestStream"]
+
+
+class RequestStream:
+    """An async iterator of ``GenerationChunk`` and an async context manager."""
+
+    def __init__(self, runtime: Runtime, request: GenerationRequest, priority: int,
+                 slo_ms: float | None, stream: bool) -> None:
+        self._runtime = runtime
+        self.ticket = Ticket(request, priority, slo_ms, stream, trio.current_time())
+        self._started = False
+        self.result: GenerationResult | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.ticket.request_id
+
+    @property
+    def state(self) -> RequestState:
+        return self.ticket.state
+
+    def __repr__(self) -> str:
+        return f"<RequestStream {self.ticket!r}>"
+
+    async def start(self) -> None:
+        """Pass admission (raises its refusal). Idempotent; iteration calls it if needed."""
+        if self._started:
+            return
+        self._started = True
+        try:
+            await self._runtime._admit(self.ticket)
+        except BaseException:
+            self._runtime._cancel(self.ticket)
+            self.ticket.receive.close()
+            raise
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        try:
+            await self.start()
+            item = await self.ticket.receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        except BaseException:
+            self.cancel()
+            raise
+        match item:
+            case Final(result=result):
+                self.result = result
+                raise StopAsyncIteration
+            case Failure(error=error):
+                raise error
+            case _:
+                return item
+
+    def cancel(self) -> None:
+        """Abandon the request (synchronous: safe in ``finally`` and under cancellation)."""
+        if self._started:
+            self._runtime._cancel(self.ticket)
+        self.ticket.receive.close()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if not self.ticket.state.terminal or self.result is None:
+            self.cancel()

@@ -1,0 +1,95 @@
+"""What the engine actor needs from an engine, and the adapter that runs ours in a thread.
+
+``EnginePort`` is the async face of the engine contract. ``ThreadedEngine`` wraps the blocking
+``Engine`` and runs each step in a worker thread (``trio.to_thread.run_sync``), translating
+foreign errors at that boundary: out-of-memory and any other failure of a step become
+``EngineError`` (the requests of that step fail, the engine stays usable). The pure-Trio
+``tinyloop.testing.FakeEngine`` implements the same port.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+import trio
+
+from tinyloop.engine.engine import Engine
+from tinyloop.engine.sequence import Sequence as Seq, TokenEvent
+from tinyloop.errors import EngineError, TinyLoopError
+from tinyloop.model.kvcache import KVPoolStats
+from tinyloop.requests import GenerationRequest
+
+__all__ = ["EnginePort", "ThreadedEngine", "engine_errors"]
+
+
+class EnginePort(Protocol):
+    """The engine as the engine actor drives it."""
+
+    max_seq_len: int
+    default_loops: int
+
+    def start(self, req: GenerationRequest, prefix: Any = None) -> Any:
+        """Validate and set up a sequence (cheap, no model work); raises RequestError."""
+        ...
+
+    async def step(self, seqs: Sequence[Any]) -> Sequence[TokenEvent]:
+        """One iteration over the active sequences."""
+        ...
+
+    def free(self, seq: Any) -> None: ...
+
+    async def prefill_prefix(self, tokens: Sequence[int], loops: int | None,
+                             cache_window: int | None) -> Any: ...
+
+    def kv_statistics(self) -> KVPoolStats | None: ...
+
+    def kv_bytes_per_token(self) -> int | None: ...
+
+
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """Map foreign failures of model work to EngineError (TinyLoop errors pass through)."""
+    try:
+        yield
+    except TinyLoopError:
+        raise
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise EngineError(f"out of memory: {exc}") from exc
+    except Exception as exc:
+        raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+
+
+class ThreadedEngine:
+    """``Engine`` behind the port: every model call in a worker thread, one at a time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.max_seq_len = engine.max_seq_len
+        self.default_loops = engine.default_loops
+
+    def __repr__(self) -> str:
+        return f"<ThreadedEngine {self.engine!r}>"
+
+    def start(self, req: GenerationRequest, prefix: Seq | None = None) -> Seq:
+        return self.engine.start(req, prefix)
+
+    async def step(self, seqs: Sequence[Seq]) -> list[TokenEvent]:
+        with engine_errors():
+            return await trio.to_thread.run_sync(self.engine.step, list(seqs))
+
+    def free(self, seq: Seq) -> None:
+        self.engine.free(seq)
+
+    async def prefill_prefix(self, tokens: Sequence[int], loops: int | None,
+                             cache_window: int | None) -> Seq:
+        with engine_errors():
+            return await trio.to_thread.run_sync(self.engine.prefill_prefix, tokens, loops, cache_window)
+
+    def kv_statistics(self) -> KVPoolStats:
+        return self.engine.kv_statistics()
+
+    def kv_bytes_per_token(self) -> int:
+        return self.engine.kv_bytes_per_token()

@@ -1,0 +1,141 @@
+"""The frozen messages actors exchange (no dicts between actors).
+
+Control flow::
+
+    Runtime ──Admit──▶ admission ──Enqueue──▶ queue ──Ready──▶ dispatcher ──Dispatch──▶ engine
+       └──Cancel───────────────────────────────▶ queue ◀──Pull── dispatcher ◀──SlotFreed── engine
+    engine ──Observe──▶ admission            every actor ──Event──▶ metrics
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tinyloop.requests import GenerationResult, RequestState
+
+if TYPE_CHECKING:
+    import trio
+
+    from tinyloop.actors.ticket import Ticket
+    from tinyloop.policy.admission import Decision
+
+__all__ = [
+    "Admit", "AdmitReply", "Observe", "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
+    "RegisterPrefix", "Event", "Admitted", "Rejected", "Started", "FirstToken", "Finished",
+    "StepDone", "PoolDispatched", "PrefixLookup",
+]
+
+
+# -- control -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AdmitReply:
+    decision: Decision | None
+    error: BaseException | None
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    ticket: Ticket
+    reply: trio.MemorySendChannel[AdmitReply]
+
+
+@dataclass(frozen=True, slots=True)
+class Observe:
+    """A finished request's service time, for the admission predictor."""
+
+    service_ms: float
+    loops: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueue:
+    ticket: Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Take a queued ticket out; ``error`` (if any) is what its caller is told."""
+
+    ticket: Ticket
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """The dispatcher has one free engine slot."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    ticket: Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    ticket: Ticket
+    via_pool: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SlotFreed:
+    ticket: Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterPrefix:
+    tokens: tuple[int, ...]
+    loops: int | None
+    cache_window: int | None
+    reply: trio.MemorySendChannel[BaseException | None]
+
+
+# -- events for the metrics actor --------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    queue_wait_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    state: RequestState
+    wall_ms: float
+    dispatch_ms: float | None
+    result: GenerationResult | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLookup:
+    """A prompt looked up in the prefix pool: its length and how many tokens the KV covered."""
+
+    queried_tokens: int
+    hit_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDispatched:
+    pass
+
+
+Event = Admitted | Rejected | Started | FirstToken | Finished | StepDone | PoolDispatched | PrefixLookup

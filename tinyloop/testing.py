@@ -1,0 +1,142 @@
+"""Test doubles for code that embeds the runtime.
+
+``FakeEngine`` implements the engine port in pure Trio, so ``pytest-trio``'s ``autojump_clock``
+drives every delay and a test of queueing, admission, cancellation or streaming is
+deterministic and takes milliseconds::
+
+    engine = FakeEngine(latency_ms=50, stream_tokens=[1, 2, 3])
+    async with tinyloop.open_runtime(engine, Settings(max_batch_size=1)) as rt:
+        result = await rt.submit(GenerationRequest(prompt_tokens=(1,), max_tokens=3))
+        assert result.tokens == [1, 2, 3]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from tinyloop.engine.sequence import TokenEvent
+from tinyloop.errors import PromptTooLongError, RequestError
+from tinyloop.requests import GenerationRequest, GenerationResult
+
+__all__ = ["FakeEngine", "FakeSequence"]
+
+
+@dataclass(eq=False)
+class FakeSequence:
+    """What FakeEngine keeps per request: the tokens it will emit and how far it got."""
+
+    request: GenerationRequest
+    loops: int
+    window: int
+    script: list[int]
+    started_at: float
+    prefix: object | None = None
+    output: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return list(self.request.prompt_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def result(self) -> GenerationResult:
+        n = len(self.output)
+        now = trio.current_time()
+        return GenerationResult(
+            tokens=list(self.output), text="".join(self.text),
+            finish_reason="length" if self.finish_reason == "length" else "stop",
+            prompt_tokens=len(self.request.prompt_tokens), completion_tokens=n,
+            wall_ms=(now - self.started_at) * 1000,
+            stop_reason="length" if self.finish_reason == "length" else "eos",
+            loops_used=self.loops, mean_loops=float(self.loops) if n else None,
+            time_to_first_token_ms=None if self.first_token_at is None
+            else (self.first_token_at - self.started_at) * 1000)
+
+
+@dataclass
+class FakeEngine:
+    """A pure-Trio engine: emits ``stream_tokens`` (up to ``max_tokens``) as chunks ``"<t>"``.
+
+    ``latency_ms`` is the time of a step that starts a request (its prefill), ``token_latency_ms``
+    the time of every later step. ``fail_with`` is raised by every step while set. ``started``
+    records request ids in the order the engine started them; ``batches`` the batch size of
+    each step.
+    """
+
+    latency_ms: float = 10.0
+    fail_with: BaseException | None = None
+    stream_tokens: list[int] = field(default_factory=lambda: [1, 2, 3])
+    max_seq_len: int = 2048
+    default_loops: int = 8
+    token_latency_ms: float = 0.0
+    max_loops: int = 64
+    started: list[str] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)
+    prefixes: list[tuple[int, ...]] = field(default_factory=list)
+    live: int = 0
+
+    def start(self, req: GenerationRequest, prefix: object | None = None) -> FakeSequence:
+        if len(req.prompt_tokens) + req.max_tokens > self.max_seq_len:
+            raise PromptTooLongError(len(req.prompt_tokens), req.max_tokens, self.max_seq_len)
+        loops = req.loops or self.default_loops
+        if loops > self.max_loops:
+            raise RequestError(f"loops must be <= {self.max_loops}", param="loops")
+        self.started.append(req.request_id)
+        self.live += 1
+        return FakeSequence(req, loops, min(req.cache_window or loops, loops),
+                            list(self.stream_tokens[: req.max_tokens]), trio.current_time(), prefix)
+
+    async def step(self, seqs: Sequence[FakeSequence]) -> list[TokenEvent]:
+        fresh = any(not s.output for s in seqs)
+        await trio.sleep((self.latency_ms if fresh else self.token_latency_ms) / 1000)
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.batches.append(len(seqs))
+        events = []
+        for seq in seqs:
+            if not seq.script:
+                seq.finish_reason = "stop"
+                continue
+            token = seq.script.pop(0)
+            seq.output.append(token)
+            seq.text.append(f"<{token}>")
+            if seq.first_token_at is None:
+                seq.first_token_at = trio.current_time()
+            if not seq.script:
+                seq.finish_reason = "length" if len(seq.output) >= seq.request.max_tokens else "stop"
+            events.append(TokenEvent(seq, token, f"<{token}>", len(seq.output) - 1,  # type: ignore[arg-type]
+                                     None, seq.loops, seq.finished))
+        return events
+
+    def free(self, seq: FakeSequence) -> None:
+        self.live -= 1
+
+    async def prefill_prefix(self, tokens: Sequence[int], loops: int | None,
+                             cache_window: int | None) -> FakeSequence:
+        req = GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=1, loops=loops,
+                                cache_window=cache_window)
+        self.prefixes.append(tuple(tokens))
+        seq = self.start(req)
+        self.started.pop()
+        return seq
+
+    def kv_statistics(self) -> None:
+        return None
+
+    def kv_bytes_per_token(self) -> None:
+        return None
+
+
