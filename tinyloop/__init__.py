@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from tinyloop.actors.runtime import (
+    Runtime as Runtime,
+    RuntimeStatistics as RuntimeStatistics,
+    open_runtime as open_runtime,
+)
+from tinyloop.actors.stream import RequestStream as RequestStream
 from tinyloop.engine.engine import Engine as Engine
 from tinyloop.errors import (
     AdmissionRejected as AdmissionRejected,
     ArtifactError as ArtifactError,
     ConfigError as ConfigError,
+    EngineBroken as EngineBroken,
     EngineError as EngineError,
     KVCacheExhausted as KVCacheExhausted,
     PromptTooLongError as PromptTooLongError,
