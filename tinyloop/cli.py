@@ -223,9 +223,73 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- serve -----------------------------------------------------------------------------------
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from typing import get_args, get_type_hints
+
+    from tinyloop.settings import Settings
+
+    p = sub.add_parser("serve", help="run the HTTP server",
+                       description="Serve the OpenAI, LM Studio and native APIs. Every flag is also "
+                                   "a TINYLOOP_* environment variable; a flag beats the variable.")
+    hints = get_type_hints(Settings)
+    for f in Settings.fields():
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag, "--model"] if f.name == "model_path" else [flag]
+        kind = next((a for a in get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+        help_text = f"{f.metadata['help']} [{f.metadata['env']}]"
+        if kind is bool:
+            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=help_text)
+        else:
+            p.add_argument(*names, dest=f.name, type=kind, default=None, help=help_text)
+    p.add_argument("--detach", action="store_true",
+                   help="start in the background (own process group); print pid, address and log path")
+    p.add_argument("--log", default="/tmp/tinyloop_server.log", help="log file for --detach")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from tinyloop.http.serve import serve
+    from tinyloop.settings import Settings
+
+    overrides = {f.name: getattr(args, f.name) for f in Settings.fields()}
+    settings = Settings.from_env(**overrides)
+    if args.detach:
+        return _detach(args, settings)
+
+    async def main() -> None:
+        async def announce(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+            await serve(settings, task_status=task_status)
+
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(announce)
+            print(f"TinyLoop serving on {', '.join(binds)}", file=sys.stderr, flush=True)
+
+    trio.run(main)
+    return 0
+
+
+def _detach(args: argparse.Namespace, settings: Any) -> int:
+    import os
+    import subprocess
+
+    argv = [a for a in sys.argv[1:] if a != "--detach"] if sys.argv[1:2] == ["serve"] else ["serve"]
+    with open(args.log, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tinyloop.cli", *argv], stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=os.environ.copy())
+    print(f"TinyLoop server pid={proc.pid} on {settings.host}:{settings.port} — log {args.log}")
+    return 0
+
+
 # -- entry point -----------------------------------------------------------------------------
 
-_COMMANDS = (_add_init, _add_inspect, _add_generate)
+_COMMANDS = (_add_init, _add_inspect, _add_generate, _add_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

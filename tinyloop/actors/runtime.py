@@ -203,6 +203,10 @@ class Runtime:
         return self.metrics.render().decode()
 
     # -- shutdown ------------------------------------------------------------------------------
+    def refuse_new_requests(self) -> None:
+        """Start shutting down: from now on admission answers SchedulerShutdown."""
+        self._shutting_down = True
+
     async def shutdown(self, drain: bool = True) -> None:
         """Refuse new requests; with ``drain`` let queued and in-flight ones finish, else fail
         the queued ones with SchedulerShutdown and cancel those in flight."""

@@ -1,0 +1,165 @@
+"""OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+
+The handlers take a ``lmstudio`` flag: LM Studio's ``/api/v0`` routes are the same objects plus
+``stats``, ``model_info`` and ``runtime`` (on the final chunk when streaming).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quart import Blueprint, Response, jsonify
+
+from tinyloop.actors.stream import RequestStream
+from tinyloop.http.formats import chat_logprobs, completion_logprobs, lmstudio_extras, model_card, usage
+from tinyloop.http.schemas import ChatCompletionRequest, CompletionRequest
+from tinyloop.http.service import (
+    DONE, Served, collect, make_requests, new_id, parse_body, served, sse, sse_guard, start_all,
+)
+
+__all__ = ["blueprint", "chat_completions", "completions"]
+
+blueprint = Blueprint("openai", __name__, url_prefix="/v1")
+
+
+@blueprint.get("/models")
+async def list_models() -> Response:
+    return jsonify({"object": "list", "data": [model_card(served().model, lmstudio=False)]})
+
+
+@blueprint.get("/models/<path:name>")
+async def get_model(name: str) -> Response:
+    model = served().model
+    model.check_name(name)
+    return jsonify(model_card(model, lmstudio=False))
+
+
+@blueprint.post("/chat/completions")
+async def chat_route() -> Response:
+    return await chat_completions(lmstudio=False)
+
+
+@blueprint.post("/completions")
+async def completions_route() -> Response:
+    return await completions(lmstudio=False)
+
+
+def _stream_response(body: AsyncIterator[bytes], streams: list[RequestStream]) -> Response:
+    response = Response(sse_guard(body, streams), content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response.timeout = None
+    return response
+
+
+async def chat_completions(*, lmstudio: bool) -> Response:
+    s = served()
+    body: ChatCompletionRequest = await parse_body(ChatCompletionRequest)
+    s.model.check_name(body.model)
+    tokens = s.model.encode_chat(body.messages)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    reqs = make_requests(body, s.model, tokens, max_tokens, body.n, seed=body.seed,
+                         stop=body.stop_list(), logprobs=body.logprobs,
+                         top_logprobs=body.top_logprobs or 0)
+    context_limited = max_tokens in (None, -1)
+    streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms)
+    rid, created = new_id("chatcmpl"), int(time.time())
+    head = {"id": rid, "created": created, "model": s.model.id}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _stream_response(_chat_events(s, streams, head, include_usage, lmstudio, context_limited),
+                                streams)
+    results = await collect(streams)
+    choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                "logprobs": chat_logprobs(s.model.tokenizer, r.logprobs) if body.logprobs else None,
+                "finish_reason": r.finish_reason} for i, r in enumerate(results)]
+    out: dict[str, Any] = {**head, "object": "chat.completion", "system_fingerprint": None,
+                           "choices": choices, "usage": usage(results)}
+    if lmstudio:
+        out.update(lmstudio_extras(s.model, results[0], s.settings.commit, context_limited))
+    return jsonify(out)
+
+
+async def _chat_events(s: Served, streams: list[RequestStream], head: dict[str, Any],
+                       include_usage: bool, lmstudio: bool, context_limited: bool) -> AsyncIterator[bytes]:
+    base = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None,
+              logprobs: Any = None, **extra: Any) -> bytes:
+        return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish}], "usage": None, **extra})
+
+    results = []
+    for i, stream in enumerate(streams):
+        yield chunk(i, {"role": "assistant", "content": ""})
+        async for c in stream:
+            lp = None
+            if c.logprob is not None:
+                lp = chat_logprobs(s.model.tokenizer, [c.logprob])
+            if c.text or lp is not None:
+                yield chunk(i, {"content": c.text}, logprobs=lp)
+        result = stream.result
+        assert result is not None
+        results.append(result)
+        extra = lmstudio_extras(s.model, result, s.settings.commit, context_limited) if lmstudio else {}
+        yield chunk(i, {}, result.finish_reason, **extra)
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage(results)})
+    yield DONE
+
+
+async def completions(*, lmstudio: bool) -> Response:
+    s = served()
+    body: CompletionRequest = await parse_body(CompletionRequest)
+    s.model.check_name(body.model)
+    tokens = s.model.encode_prompt(body.prompt)
+    want_lp = body.logprobs is not None
+    reqs = make_requests(body, s.model, tokens, body.max_tokens, body.n, seed=body.seed,
+                         stop=body.stop_list(), logprobs=want_lp, top_logprobs=body.logprobs or 0)
+    context_limited = body.max_tokens in (None, -1)
+    streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms)
+    head = {"id": new_id("cmpl"), "created": int(time.time()), "model": s.model.id}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _stream_response(
+            _completion_events(s, streams, head, include_usage, lmstudio, context_limited), streams)
+    results = await collect(streams)
+    choices = [{"index": i, "text": r.text,
+                "logprobs": completion_logprobs(s.model.tokenizer, r.logprobs) if want_lp else None,
+                "finish_reason": r.finish_reason} for i, r in enumerate(results)]
+    out: dict[str, Any] = {**head, "object": "text_completion", "system_fingerprint": None,
+                           "choices": choices, "usage": usage(results)}
+    if lmstudio:
+        out.update(lmstudio_extras(s.model, results[0], s.settings.commit, context_limited))
+    return jsonify(out)
+
+
+async def _completion_events(s: Served, streams: list[RequestStream], head: dict[str, Any],
+                             include_usage: bool, lmstudio: bool,
+                             context_limited: bool) -> AsyncIterator[bytes]:
+    base = {**head, "object": "text_completion", "system_fingerprint": None}
+
+    def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None,
+              **extra: Any) -> bytes:
+        return sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                         "finish_reason": finish}], "usage": None, **extra})
+
+    results = []
+    for i, stream in enumerate(streams):
+        offset = 0
+        async for c in stream:
+            lp = None
+            if c.logprob is not None:
+                lp = completion_logprobs(s.model.tokenizer, [c.logprob], offset)
+            offset += len(c.text)
+            if c.text or lp is not None:
+                yield chunk(i, c.text, logprobs=lp)
+        result = stream.result
+        assert result is not None
+        results.append(result)
+        extra = lmstudio_extras(s.model, result, s.settings.commit, context_limited) if lmstudio else {}
+        yield chunk(i, "", result.finish_reason, **extra)
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage(results)})
+    yield DONE

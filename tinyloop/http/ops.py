@@ -1,0 +1,32 @@
+"""Operations routes: ``/healthz`` (plain text) and ``/metrics`` (Prometheus exposition)."""
+
+from __future__ import annotations
+
+from quart import Blueprint, Response, current_app
+
+from tinyloop.metrics import CONTENT_TYPE
+
+__all__ = ["blueprint"]
+
+blueprint = Blueprint("ops", __name__)
+
+
+@blueprint.get("/healthz")
+async def healthz() -> Response:
+    state = current_app.extensions.get("tinyloop")
+    if state is None:
+        return Response("model not loaded\n", status=503, content_type="text/plain")
+    stats = state.runtime.statistics()
+    if not stats.healthy:
+        return Response(f"engine broken: {stats.broken}\n", status=503, content_type="text/plain")
+    if stats.shutting_down:
+        return Response("shutting down\n", status=503, content_type="text/plain")
+    return Response("ok\n", content_type="text/plain")
+
+
+@blueprint.get("/metrics")
+async def metrics() -> Response:
+    state = current_app.extensions.get("tinyloop")
+    if state is None:
+        return Response("", content_type=CONTENT_TYPE)
+    return Response(state.runtime.metrics_text(), content_type=CONTENT_TYPE)

@@ -1,0 +1,223 @@
+"""What every router shares: the served model, request building, admission of n choices, SSE.
+
+The HTTP layer only translates: it tokenises, validates limits (a 400 before anything is
+queued), hands ``GenerationRequest``s to the runtime and formats what comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from quart import current_app, request
+
+from tinyloop.actors.runtime import Runtime
+from tinyloop.actors.stream import RequestStream
+from tinyloop.errors import PromptTooLongError, RequestError
+from tinyloop.http.errors import ApiError, from_exception
+from tinyloop.requests import GenerationRequest, GenerationResult, SamplingParams
+from tinyloop.settings import Settings
+from tinyloop.tokenizer import Tokenizer
+
+__all__ = ["ServedModel", "Served", "served", "sse", "DONE", "new_id", "start_all", "parse_body"]
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What clients see of the model: its id, tokenizer, limits and a description."""
+
+    id: str
+    tokenizer: Tokenizer
+    chat_template: str
+    max_seq_len: int
+    default_loops: int
+    max_loops: int
+    vocab_size: int
+    arch: str = "looped"
+    quant: str = "float32"
+    kv_cache_mode: str = "full"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def from_engine(cls, engine: Any, settings: Settings, name: str | None = None) -> ServedModel:
+        """Describe a loaded ``Engine``."""
+        cfg = engine.config
+        style = "ouro" if cfg.injection == "none" else "huginn"
+        return cls(id=name or settings.served_model_name or engine.name, tokenizer=engine.tokenizer,
+                   chat_template=engine.chat_template, max_seq_len=engine.max_seq_len,
+                   default_loops=cfg.default_loops, max_loops=cfg.max_loops,
+                   vocab_size=cfg.vocab_size, arch=f"tinyloop-{style}",
+                   quant=str(engine.dtype).removeprefix("torch."),
+                   kv_cache_mode=settings.kv_cache_mode)
+
+    def check_name(self, name: str | None) -> None:
+        if name is not None and name != self.id:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model",
+                           code="model_not_found")
+
+    def encode_chat(self, messages: Sequence[Any]) -> list[int]:
+        text = self.tokenizer.render_chat([{"role": m.role, "content": m.text()} for m in messages],
+                                          template=self.chat_template)
+        return self.tokenizer.encode(text)
+
+    def encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            tokens = self.tokenizer.encode(prompt)
+        else:
+            tokens = list(prompt)
+            bad = [t for t in tokens if t >= self.vocab_size]
+            if bad:
+                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary ({self.vocab_size})",
+                               param=param, code="invalid_value")
+        if not tokens:
+            raise ApiError(400, "the prompt is empty", param=param, code="invalid_value")
+        return tokens
+
+    def max_tokens(self, prompt_len: int, asked: int | None) -> int:
+        """``asked`` checked against the context; None or -1 means up to the context's end."""
+        if asked is None or asked == -1:
+            asked = self.max_seq_len - prompt_len
+            if asked < 1:
+                raise from_exception(PromptTooLongError(prompt_len, 1, self.max_seq_len))
+        if prompt_len + asked > self.max_seq_len:
+            raise from_exception(PromptTooLongError(prompt_len, asked, self.max_seq_len))
+        return asked
+
+    def check_loops(self, loops: int | None) -> None:
+        if loops is not None and loops > self.max_loops:
+            raise ApiError(400, f"loops must be <= {self.max_loops} for this model", param="loops",
+                           code="invalid_value")
+
+
+@dataclass(frozen=True)
+class Served:
+    runtime: Runtime
+    model: ServedModel
+    settings: Settings
+
+
+def served() -> Served:
+    """The runtime and model of the app serving this request (503 while none is loaded)."""
+    state: Served | None = current_app.extensions.get("tinyloop")
+    if state is None:
+        raise ApiError(503, "the model is not loaded yet", code="model_not_loaded",
+                       headers={"Retry-After": "1"})
+    return state
+
+
+async def parse_body(model: type[Any]) -> Any:
+    """The JSON body validated against ``model`` (400 naming the field otherwise)."""
+    from pydantic import ValidationError
+
+    from tinyloop.http.errors import from_validation
+
+    raw = await request.get_data()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def sampling_from(body: Any, *, seed: int | None, stop: tuple[str, ...], logprobs: bool,
+                  top_logprobs: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, seed=seed, stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+            logprobs=logprobs, top_logprobs=top_logprobs)
+    except RequestError as exc:
+        raise from_exception(exc) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def make_requests(body: Any, model: ServedModel, tokens: list[int], max_tokens: int | None,
+                  n: int, *, seed: int | None, stop: tuple[str, ...], logprobs: bool,
+                  top_logprobs: int, mode: str = "generate") -> list[GenerationRequest]:
+    """One request per choice; choice ``i`` samples with ``seed + i`` so choices differ."""
+    model.check_loops(body.loops)
+    limit = model.max_tokens(len(tokens), max_tokens)
+    out = []
+    for i in range(n):
+        choice_seed = None if seed is None else (seed + i) % 2**63
+        sampling = sampling_from(body, seed=choice_seed, stop=stop, logprobs=logprobs,
+                                 top_logprobs=top_logprobs)
+        try:
+            out.append(GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=limit, mode=mode,
+                                         loops=body.loops, cache_window=body.cache_window,
+                                         warm_start=body.warm_start, sampling=sampling))
+        except RequestError as exc:
+            raise from_exception(exc) from None
+    return out
+
+
+async def start_all(rt: Runtime, reqs: Sequence[GenerationRequest], priority: int,
+                    slo_ms: float | None) -> list[RequestStream]:
+    """Admit every request (all or none: a refusal cancels the ones already admitted)."""
+    streams: list[RequestStream] = []
+    try:
+        for req in reqs:
+            stream = rt.submit_stream(req, priority=priority, slo_ms=slo_ms)
+            streams.append(stream)
+            await stream.start()
+    except BaseException as exc:
+        for s in streams:
+            s.cancel()
+        if isinstance(exc, Exception):
+            raise from_exception(exc) from exc
+        raise
+    return streams
+
+
+async def collect(streams: Sequence[RequestStream]) -> list[GenerationResult]:
+    """Wait for every stream's result (they run concurrently in the engine)."""
+    results = []
+    try:
+        for s in streams:
+            async for _ in s:
+                pass
+            assert s.result is not None
+            results.append(s.result)
+    except BaseException as exc:
+        for s in streams:
+            s.cancel()
+        if isinstance(exc, Exception):
+            raise from_exception(exc) from exc
+        raise
+    return results
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def sse_guard(events: AsyncIterator[bytes], streams: Sequence[RequestStream]) -> AsyncIterator[bytes]:
+    """Wrap an SSE body: a failure after streaming began becomes an error event then [DONE];
+    a client that goes away cancels every stream."""
+    try:
+        async for chunk in events:
+            yield chunk
+    except Exception as exc:  # the stream already started: report in-band
+        err = from_exception(exc)
+        yield sse({"error": {"message": err.message, "type": "server_error" if err.status >= 500
+                             else "invalid_request_error", "param": err.param, "code": err.code}})
+        yield DONE
+    finally:
+        for s in streams:
+            s.cancel()
