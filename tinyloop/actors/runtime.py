@@ -183,13 +183,18 @@ class Runtime:
     def statistics(self) -> RuntimeStatistics:
         kv = self.engine.kv_statistics()
         return RuntimeStatistics(
-            queue_depth=len(self._queue), in_flight=self._dispatch.in_flight,
+            queue_depth=len(self._queue), in_flight=self._in_flight(),
             slots=self._dispatch.slots, dispatched=self._dispatch.dispatched,
             prefix_pool_size=self._pool.size(),
             kv_blocks_used=None if kv is None else kv.blocks_used,
             kv_blocks_total=None if kv is None else kv.blocks_total,
             healthy=self.health.broken is None, broken=self.health.broken,
             shutting_down=self._shutting_down)
+
+    def _in_flight(self) -> int:
+        """Requests DISPATCHED or DECODING, read from the tickets' own states (never stale)."""
+        running = (RequestState.DISPATCHED, RequestState.DECODING)
+        return sum(1 for t in self._tickets.values() if t.state in running)
 
     @property
     def healthy(self) -> bool:
