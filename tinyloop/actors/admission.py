@@ -55,7 +55,8 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Admit | Observe],
                             slo_ms=ticket.slo_ms, shutting_down=now.shutting_down,
                             loops=req.loops or default_loops, max_tokens=req.max_tokens)
                     except SchedulerError as exc:
-                        events.send_nowait(Rejected(type(exc).__name__))
+                        if not isinstance(exc, SchedulerShutdown):  # the seeds count queue-full and SLO only
+                            events.send_nowait(Rejected(type(exc).__name__))
                         reply.send_nowait(AdmitReply(None, exc))
                         continue
                     if decision.downgraded and decision.loops is not None:

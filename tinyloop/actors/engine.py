@@ -21,9 +21,9 @@ from typing import Any
 import trio
 
 from tinyloop.actors.ticket import Failure, Final, Ticket
-from tinyloop.engine.port import EnginePort
+from tinyloop.engine.port import EnginePort, engine_errors
 from tinyloop.engine.prefix_pool import PrefixPool
-from tinyloop.errors import EngineBroken, EngineError, TinyLoopError
+from tinyloop.errors import EngineBroken, EngineError, SchedulerShutdown, TinyLoopError
 from tinyloop.messages import (
     Dispatch, Event, Finished, FirstToken, Observe, PrefixLookup, RegisterPrefix, SlotFreed, Started,
     StepDone,
@@ -57,7 +57,8 @@ class _Loop:
                 await self.admit(ticket, via_pool)
             case RegisterPrefix(tokens=tokens, loops=loops, cache_window=window, reply=reply):
                 try:
-                    handle = await self.engine.prefill_prefix(tokens, loops, window)
+                    with engine_errors():
+                        handle = await self.engine.prefill_prefix(tokens, loops, window)
                 except TinyLoopError as exc:
                     reply.send_nowait(exc)
                     return
@@ -86,7 +87,8 @@ class _Loop:
                 hit = 0 if found is None else min(found[0], len(req.prompt_tokens) - 1)
                 self.events.send_nowait(PrefixLookup(len(req.prompt_tokens), hit))
                 prefix = None if found is None else found[1]
-            seq = self.engine.start(req, prefix)
+            with engine_errors():
+                seq = self.engine.start(req, prefix)
         except TinyLoopError as exc:
             await self.retire(None, ticket, RequestState.ERROR, exc)
             return
@@ -100,8 +102,9 @@ class _Loop:
             return
         seqs = [seq for seq, _ in self.active.values()]
         try:
-            events = await self.engine.step(seqs)
-        except EngineError as exc:
+            with engine_errors():  # a foreign exception fails this step's requests, not the runtime
+                events = await self.engine.step(seqs)
+        except TinyLoopError as exc:
             if isinstance(exc, EngineBroken):
                 self.health.broken = str(exc)
             for seq, ticket in list(self.active.values()):
@@ -151,6 +154,8 @@ class _Loop:
     async def close(self) -> None:
         for seq, ticket in list(self.active.values()):
             ticket.cancelled = True
+            if ticket.cancel_error is None:  # the runtime stopped under a caller still reading
+                ticket.cancel_error = SchedulerShutdown("the runtime stopped while this request ran")
         with trio.CancelScope(shield=True):
             await self.reap()
 

@@ -79,6 +79,8 @@ class Runtime:
         self._pool: PrefixPool[Any] = PrefixPool(settings.prefix_pool_capacity)
         self._admission = Admission.from_settings(settings)
         self._shutting_down = False
+        self._stopped = False
+        self._admitting = 0  # callers waiting for admission's answer
         self._tickets: OrderedDict[str, Ticket] = OrderedDict()
         self.started_at = time.time()
 
@@ -136,10 +138,20 @@ class Runtime:
         return stream.result
 
     async def _admit(self, ticket: Ticket) -> None:
+        if self._stopped:  # the admission actor is gone: nobody would answer
+            raise SchedulerShutdown("the runtime has stopped")
         reply_send, reply_recv = trio.open_memory_channel[Any](1)
         self._remember(ticket)
-        await self._admit_send.send(Admit(ticket, reply_send))
-        reply = await reply_recv.receive()
+        self._admitting += 1
+        try:
+            await self._admit_send.send(Admit(ticket, reply_send))
+            reply = await reply_recv.receive()
+        except trio.BrokenResourceError:
+            ticket.state = RequestState.CANCELLED
+            self._tickets.pop(ticket.request_id, None)
+            raise SchedulerShutdown("the runtime has stopped") from None
+        finally:
+            self._admitting -= 1
         if reply.error is not None:
             ticket.state = RequestState.CANCELLED
             self._tickets.pop(ticket.request_id, None)
@@ -150,6 +162,7 @@ class Runtime:
         if ticket.state.terminal or ticket.cancelled:
             return
         ticket.cancelled = True
+        ticket.cancel_error = error
         if ticket.state is RequestState.QUEUED:
             self._queue_send.send_nowait(Cancel(ticket, error))
 
@@ -219,9 +232,13 @@ class Runtime:
         if not drain:
             for ticket in list(self._tickets.values()):
                 self._cancel(ticket, SchedulerShutdown("the runtime shut down before this request ran"))
-        while len(self._queue) or self._dispatch.in_flight:
+        # Every admitted ticket counts, wherever it is: in the queue, in a channel between two
+        # actors (admitted but not yet queued, popped but not yet dispatched), or in the engine;
+        # and every caller still waiting for admission gets its answer before admission stops.
+        while self._admitting or len(self._queue) or self._dispatch.in_flight or any(
+                not t.state.terminal and not t.cancelled for t in self._tickets.values()):
             await trio.sleep(0.005)
-        self._nursery.cancel_scope.cancel()
+        self._stop()
 
     def _close(self) -> None:
         """Last resort on exit: no caller may wait forever on a ticket."""
@@ -230,6 +247,11 @@ class Runtime:
             if not ticket.state.terminal:
                 ticket.cancelled = True
                 ticket.terminate(RequestState.CANCELLED, Failure(SchedulerShutdown("the runtime closed")))
+        self._stop()
+
+    def _stop(self) -> None:
+        """Cancel the actors (only them: the caller's code around the runtime goes on)."""
+        self._stopped = True
         self._nursery.cancel_scope.cancel()
 
 
@@ -242,10 +264,20 @@ async def open_runtime(engine: Engine | EnginePort, settings: Settings | None = 
     """
     port: EnginePort = ThreadedEngine(engine) if isinstance(engine, Engine) else engine
     async with trio.open_nursery() as nursery:
-        rt = Runtime(port, settings or Settings(), nursery)
-        await rt._start()
+        # The actors get a nursery of their own: shutdown() cancels it, and with it no more
+        # than the actors. Yielding inside the nursery that runs them would put the caller's
+        # body under the same cancel scope, and shutdown() would silently cut the body short.
+        actors: trio.Nursery = await nursery.start(_actor_nursery)
+        rt = Runtime(port, settings or Settings(), actors)
         try:
+            await rt._start()
             yield rt
             await rt.shutdown(drain=True)
         finally:
             rt._close()
+
+
+async def _actor_nursery(*, task_status: trio.TaskStatus[trio.Nursery] = trio.TASK_STATUS_IGNORED) -> None:
+    async with trio.open_nursery() as nursery:
+        task_status.started(nursery)
+        await trio.sleep_forever()

@@ -45,6 +45,7 @@ class Ticket:
     submitted_at: float  # trio.current_time()
     state: RequestState = RequestState.QUEUED
     cancelled: bool = False
+    cancel_error: BaseException | None = None  # told to the caller when the runtime cancels it
     dispatched_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -75,6 +76,8 @@ class Ticket:
         """Enter a terminal state, deliver the last item, close the engine's end."""
         self.state = state
         self.finished_at = trio.current_time()
+        if item is None and state is RequestState.CANCELLED and self.cancel_error is not None:
+            item = Failure(self.cancel_error)
         if item is not None:
             self.deliver(item)
         self.send.close()
