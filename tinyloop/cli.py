@@ -278,7 +278,7 @@ def _detach(args: argparse.Namespace, settings: Any) -> int:
     import os
     import subprocess
 
-    argv = [a for a in sys.argv[1:] if a != "--detach"] if sys.argv[1:2] == ["serve"] else ["serve"]
+    argv = [a for a in args.argv if a != "--detach"]  # what main() parsed, not sys.argv
     with open(args.log, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tinyloop.cli", *argv], stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -302,10 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns the exit status (2 for usage and TinyLoop errors)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help and usage errors; callers get a status, not an exception
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    args.argv = argv  # serve --detach re-runs the same command line in the background
     try:
         return int(args.func(args))
     except TinyLoopError as exc:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from quart import Blueprint, Response, jsonify
@@ -37,6 +37,7 @@ async def generate() -> Response:
     body: GenerateRequest = await parse_body(GenerateRequest)
     tokens = s.model.encode_prompt(body.prompt if body.prompt is not None else body.prompt_tokens or [],
                                    "prompt" if body.prompt is not None else "prompt_tokens")
+    s.model.check_context(tokens, "prompt" if body.prompt is not None else "prompt_tokens")
     reqs = make_requests(body, s.model, tokens, body.max_tokens, 1, seed=body.sample_seed,
                          stop=tuple(body.stop or ()), logprobs=body.logprobs or body.top_logprobs > 0,
                          top_logprobs=body.top_logprobs)
@@ -50,7 +51,7 @@ async def generate() -> Response:
     return jsonify(result_json(rid, (await collect(streams))[0]))
 
 
-async def _events(rid: str, stream: RequestStream) -> AsyncIterator[bytes]:
+async def _events(rid: str, stream: RequestStream) -> AsyncGenerator[bytes, None]:
     async for c in stream:
         event: dict[str, Any] = {"id": rid, "index": c.index, "token_id": c.token_id, "text": c.text,
                                  "loops": c.loops_used}

@@ -7,7 +7,7 @@ The handlers take a ``lmstudio`` flag: LM Studio's ``/api/v0`` routes are the sa
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from quart import Blueprint, Response, jsonify
@@ -46,7 +46,7 @@ async def completions_route() -> Response:
     return await completions(lmstudio=False)
 
 
-def _stream_response(body: AsyncIterator[bytes], streams: list[RequestStream]) -> Response:
+def _stream_response(body: AsyncGenerator[bytes, None], streams: list[RequestStream]) -> Response:
     response = Response(sse_guard(body, streams), content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     response.timeout = None
@@ -58,10 +58,13 @@ async def chat_completions(*, lmstudio: bool) -> Response:
     body: ChatCompletionRequest = await parse_body(ChatCompletionRequest)
     s.model.check_name(body.model)
     tokens = s.model.encode_chat(body.messages)
+    s.model.check_context(tokens, "messages")
     max_tokens = body.max_completion_tokens or body.max_tokens
     reqs = make_requests(body, s.model, tokens, max_tokens, body.n, seed=body.seed,
                          stop=body.stop_list(), logprobs=body.logprobs,
-                         top_logprobs=body.top_logprobs or 0)
+                         top_logprobs=body.top_logprobs or 0,
+                         max_tokens_param="max_completion_tokens" if body.max_completion_tokens
+                         else "max_tokens")
     context_limited = max_tokens in (None, -1)
     streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms)
     rid, created = new_id("chatcmpl"), int(time.time())
@@ -82,7 +85,8 @@ async def chat_completions(*, lmstudio: bool) -> Response:
 
 
 async def _chat_events(s: Served, streams: list[RequestStream], head: dict[str, Any],
-                       include_usage: bool, lmstudio: bool, context_limited: bool) -> AsyncIterator[bytes]:
+                       include_usage: bool, lmstudio: bool,
+                       context_limited: bool) -> AsyncGenerator[bytes, None]:
     base = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None,
@@ -114,6 +118,7 @@ async def completions(*, lmstudio: bool) -> Response:
     body: CompletionRequest = await parse_body(CompletionRequest)
     s.model.check_name(body.model)
     tokens = s.model.encode_prompt(body.prompt)
+    s.model.check_context(tokens, "prompt")
     want_lp = body.logprobs is not None
     reqs = make_requests(body, s.model, tokens, body.max_tokens, body.n, seed=body.seed,
                          stop=body.stop_list(), logprobs=want_lp, top_logprobs=body.logprobs or 0)
@@ -137,7 +142,7 @@ async def completions(*, lmstudio: bool) -> Response:
 
 async def _completion_events(s: Served, streams: list[RequestStream], head: dict[str, Any],
                              include_usage: bool, lmstudio: bool,
-                             context_limited: bool) -> AsyncIterator[bytes]:
+                             context_limited: bool) -> AsyncGenerator[bytes, None]:
     base = {**head, "object": "text_completion", "system_fingerprint": None}
 
     def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None,

@@ -20,7 +20,7 @@ from quart_trio import QuartTrio
 from tinyloop.actors.runtime import Runtime, open_runtime
 from tinyloop.engine.engine import Engine
 from tinyloop.errors import ConfigError
-from tinyloop.http.app import attach, create_app
+from tinyloop.http.factory import attach, create_app
 from tinyloop.http.service import ServedModel
 from tinyloop.settings import Settings
 

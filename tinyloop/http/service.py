@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from quart import current_app, request
+from quart import current_app, g, request
 
 from tinyloop.actors.runtime import Runtime
 from tinyloop.actors.stream import RequestStream
@@ -79,14 +80,25 @@ class ServedModel:
             raise ApiError(400, "the prompt is empty", param=param, code="invalid_value")
         return tokens
 
-    def max_tokens(self, prompt_len: int, asked: int | None) -> int:
-        """``asked`` checked against the context; None or -1 means up to the context's end."""
+    def check_context(self, tokens: Sequence[int], param: str) -> None:
+        """A prompt that leaves no room for one generated token is the prompt's fault (400 naming
+        ``param``), whatever ``max_tokens`` says."""
+        if len(tokens) >= self.max_seq_len:
+            raise ApiError(400, f"the prompt is {len(tokens)} tokens; this model's context is "
+                           f"{self.max_seq_len} tokens, prompt and completion together",
+                           param=param, code="context_length_exceeded")
+
+    def max_tokens(self, prompt_len: int, asked: int | None, param: str = "max_tokens") -> int:
+        """``asked`` checked against the context; None or -1 means up to the context's end.
+        ``param`` is the field the client set (``max_tokens`` or ``max_completion_tokens``)."""
         if asked is None or asked == -1:
             asked = self.max_seq_len - prompt_len
             if asked < 1:
                 raise from_exception(PromptTooLongError(prompt_len, 1, self.max_seq_len))
         if prompt_len + asked > self.max_seq_len:
-            raise from_exception(PromptTooLongError(prompt_len, asked, self.max_seq_len))
+            err = from_exception(PromptTooLongError(prompt_len, asked, self.max_seq_len))
+            err.param = param
+            raise err
         return asked
 
     def check_loops(self, loops: int | None) -> None:
@@ -118,6 +130,7 @@ async def parse_body(model: type[Any]) -> Any:
     from tinyloop.http.errors import from_validation
 
     raw = await request.get_data()
+    g.body_read = True  # the whole body arrived: the connection can be kept alive
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -149,10 +162,11 @@ def new_id(prefix: str) -> str:
 
 def make_requests(body: Any, model: ServedModel, tokens: list[int], max_tokens: int | None,
                   n: int, *, seed: int | None, stop: tuple[str, ...], logprobs: bool,
-                  top_logprobs: int, mode: str = "generate") -> list[GenerationRequest]:
+                  top_logprobs: int, mode: str = "generate",
+                  max_tokens_param: str = "max_tokens") -> list[GenerationRequest]:
     """One request per choice; choice ``i`` samples with ``seed + i`` so choices differ."""
     model.check_loops(body.loops)
-    limit = model.max_tokens(len(tokens), max_tokens)
+    limit = model.max_tokens(len(tokens), max_tokens, max_tokens_param)
     out = []
     for i in range(n):
         choice_seed = None if seed is None else (seed + i) % 2**63
@@ -207,12 +221,16 @@ def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def sse_guard(events: AsyncIterator[bytes], streams: Sequence[RequestStream]) -> AsyncIterator[bytes]:
+async def sse_guard(events: AsyncGenerator[bytes, None],
+                    streams: Sequence[RequestStream]) -> AsyncIterator[bytes]:
     """Wrap an SSE body: a failure after streaming began becomes an error event then [DONE];
     a client that goes away cancels every stream."""
     try:
-        async for chunk in events:
-            yield chunk
+        # closed here when the client goes away mid-stream (not left to the GC, where Trio
+        # warns about an unfinished async generator)
+        async with aclosing(events):
+            async for chunk in events:
+                yield chunk
     except Exception as exc:  # the stream already started: report in-band
         err = from_exception(exc)
         yield sse({"error": {"message": err.message, "type": "server_error" if err.status >= 500

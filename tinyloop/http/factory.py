@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -44,6 +44,7 @@ def create_app(runtime: Runtime | None, model: ServedModel | None = None,
         app.register_blueprint(bp)
     _install_security(app, settings)
     _install_errors(app)
+    _install_connection_close(app)
     from tinyloop.http import web
 
     web.install(app)
@@ -80,6 +81,18 @@ def _install_security(app: QuartTrio, settings: Settings) -> None:
         return response
 
 
+def _install_connection_close(app: QuartTrio) -> None:
+    @app.after_request
+    async def close_if_body_unread(response: Response) -> Response:
+        # A response sent before the body arrived (401, 404, 405, 413, 503 not loaded): hypercorn
+        # then neither reads the rest nor closes the socket (quart-trio cancels its close), so a
+        # client reusing the connection would hang. ``Connection: close`` stops the reuse.
+        chunked = "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+        if ((request.content_length or 0) > 0 or chunked) and not g.get("body_read", False):
+            response.headers["Connection"] = "close"
+        return response
+
+
 def _install_errors(app: QuartTrio) -> None:
     @app.errorhandler(ApiError)
     async def api_error(err: ApiError) -> Response:
@@ -95,7 +108,10 @@ def _install_errors(app: QuartTrio) -> None:
         messages = {404: f"Not found: {request.method} {request.path}",
                     405: f"Method {request.method} is not allowed on {request.path}",
                     413: "The request body is larger than the server accepts."}
-        return error_response(ApiError(status, messages.get(status, err.description or err.name)))
+        allowed = getattr(err, "valid_methods", None)  # a 405 must say what is allowed (RFC 9110)
+        headers = {"Allow": ", ".join(sorted(allowed))} if status == 405 and allowed else None
+        return error_response(ApiError(status, messages.get(status, err.description or err.name),
+                                       headers=headers))
 
     @app.errorhandler(Exception)
     async def unexpected(err: Exception) -> Response:
