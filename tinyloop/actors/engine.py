@@ -28,7 +28,7 @@ from tinyloop.messages import (
     Dispatch, Event, Finished, FirstToken, Observe, PrefixLookup, RegisterPrefix, SlotFreed, Started,
     StepDone,
 )
-from tinyloop.requests import RequestState
+from tinyloop.requests import GenerationResult, RequestState
 
 __all__ = ["run", "Health"]
 
@@ -134,14 +134,14 @@ class _Loop:
 
     async def retire(self, seq: Any, ticket: Ticket, state: RequestState,
                      error: BaseException | None = None) -> None:
-        result = None
+        result: GenerationResult | None = None
         if seq is not None:
             self.active.pop(id(seq), None)
             if state is RequestState.DONE:
                 result = seq.result()
             self.engine.free(seq)
         dispatch_ms = ticket.ms_since(ticket.dispatched_at)
-        if state is RequestState.DONE:
+        if result is not None:
             ticket.terminate(state, Final(result))
             await self.observe.send(Observe(dispatch_ms or 0.0, result.loops_used or 1,
                                             max(result.completion_tokens, 1)))

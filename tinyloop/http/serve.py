@@ -83,7 +83,7 @@ async def serve_http(rt: Runtime, model: ServedModel, settings: Settings, *,
 
 async def _run_hypercorn(app: QuartTrio, config: Config, stop: trio.Event, nursery: trio.Nursery,
                          task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    await hypercorn.trio.serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)  # type: ignore[arg-type]
+    await hypercorn.trio.serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)
     nursery.cancel_scope.cancel()
 
 

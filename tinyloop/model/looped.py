@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,8 @@ def _exit_fired(rule: ExitRule, new: torch.Tensor, prev: torch.Tensor,
     """Per row: did the rule fire after this loop? new/prev ``[R, H]``; returns ``[R]`` bool."""
     if rule.kind == "latent_diff":
         diff = (new.float() - prev.float()).norm(dim=-1)
-        return diff / new.float().norm(dim=-1).clamp_min(1e-12) < rule.threshold
+        fired: torch.Tensor = diff / new.float().norm(dim=-1).clamp_min(1e-12) < rule.threshold
+        return fired
     if rule.kind == "kl":
         assert logp_new is not None and logp_prev is not None
         kl = (logp_new.exp() * (logp_new - logp_prev)).sum(-1)
@@ -93,9 +95,9 @@ class LoopedLM(nn.Module):
         # Work counters: tests assert compute grows with loops by counting, never by timing.
         self.counters: Counter[str] = Counter()
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn: Any, recurse: bool = True) -> LoopedLM:
         """``.to(device)`` and friends move the RoPE tables too (they are not parameters)."""
-        out = super()._apply(fn, recurse)
+        out: LoopedLM = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         device = self.embed.weight.device
         if device.type != "meta":
             self.rope.cos = self.rope.cos.to(device)
@@ -134,7 +136,8 @@ class LoopedLM(nn.Module):
 
     def inject(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         if self.config.injection == "concat_linear":
-            return self.adapter(torch.cat([s, e], dim=-1))
+            out: torch.Tensor = self.adapter(torch.cat([s, e], dim=-1))
+            return out
         return s
 
     def tail(self, s: torch.Tensor, ctx: AttentionContext, windows: torch.Tensor,

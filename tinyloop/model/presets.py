@@ -21,7 +21,7 @@ from tinyloop.model.looped import LoopedLM
 
 __all__ = ["PRESETS", "empty_model", "init_model", "param_count"]
 
-_TINY_DIMS = dict(vocab_size=4096, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+_TINY_DIMS: dict[str, Any] = dict(vocab_size=4096, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
                   max_loops=16, max_position=2048, default_loops=4)
 
 PRESETS: dict[str, ModelConfig] = {
