@@ -11,6 +11,7 @@ import pytest
 from tinyloop.cli import main
 from tinyloop.model.artifact import load_artifact
 from tinyloop.model.config import ExitRule, ModelConfig, kv_bytes_per_token
+from tinyloop.model.kvmode import KV_MODES, KVMode
 from tinyloop.model.presets import PRESETS, param_count
 
 
@@ -113,3 +114,22 @@ def test_inspect_loops_beyond_max_loops_is_refused(tiny_artifact: Path,
 def test_usage_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["init"]) == 2
     assert "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["int4", "h-mode+int4"])
+def test_inspect_reports_kv_bytes_per_mode(tiny_artifact: Path, capsys: pytest.CaptureFixture[str],
+                                           mode: str) -> None:
+    info = _inspect_json(tiny_artifact, capsys, "--kv-mode", mode, "--cache-window", "2")
+    config = ModelConfig.from_dict(info["config"])
+    kv = info["kv_cache"]
+    assert kv["kv_mode"] == mode
+    assert kv["bytes_fp16"] == KVMode.parse(mode).bytes_per_token(config, 4, 2, 2)
+    table = {r["mode"]: r for r in kv["by_mode"]}
+    assert list(table) == list(KV_MODES)
+    full = kv_bytes_per_token(config, 4, 2, 2)
+    for name, row in table.items():
+        assert row["bytes_fp16"] == KVMode.parse(name).bytes_per_token(config, 4, 2, 2)
+        assert row["cut_vs_full_fp16"] == round(1 - row["bytes_fp16"] / full, 4)
+    assert main(["inspect", str(tiny_artifact), "--kv-mode", mode]) == 0
+    text = capsys.readouterr().out
+    assert f"mode {mode})" in text and "h-mode-fp16-qkv+int4" in text

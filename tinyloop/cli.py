@@ -18,7 +18,8 @@ import torch
 
 from tinyloop.errors import ConfigError, TinyLoopError
 from tinyloop.model.artifact import inspect_artifact, save_artifact
-from tinyloop.model.config import ModelConfig, kv_bytes_per_token, kv_slots_per_token
+from tinyloop.model.config import ModelConfig, kv_slots_per_token
+from tinyloop.model.kvmode import KV_MODES, KVMode
 from tinyloop.model.presets import PRESETS, init_model, param_count
 from tinyloop.tokenizer import Tokenizer, default_tokenizer, gpt2_tokenizer
 
@@ -106,32 +107,43 @@ def _add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("path", type=Path)
     p.add_argument("--loops", type=int, help="loops for the KV numbers (default: the config's default_loops)")
     p.add_argument("--cache-window", type=int, help="KV cache window (default: loops, the full cache)")
+    p.add_argument("--kv-mode", choices=KV_MODES, default="full",
+                   help="KV cache mode for the KV numbers (default: full); every mode is tabled too")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_inspect)
 
 
 def kv_report(config: ModelConfig, dtype: str, loops: int | None = None,
-              cache_window: int | None = None) -> dict[str, Any]:
-    """KV bytes per token at (loops, cache_window) and for windows 1, 2 and loops, in fp16 and ``dtype``."""
+              cache_window: int | None = None, kv_mode: str = "full") -> dict[str, Any]:
+    """KV bytes per token in ``kv_mode`` at (loops, cache_window) and for windows 1, 2 and loops,
+    in fp16 and ``dtype``; and every mode's bytes at (loops, cache_window)."""
     loops = config.default_loops if loops is None else loops
     if not 1 <= loops <= config.max_loops:
         raise ConfigError(f"loops must be in [1, max_loops={config.max_loops}], got {loops}")
     window = loops if cache_window is None else cache_window
     itemsize = getattr(torch, dtype).itemsize  # dtype is a torch name: "float32", "bfloat16"
+    mode = KVMode.parse(kv_mode)
 
-    def row(w: int) -> dict[str, int]:
+    def row(w: int, m: KVMode = mode) -> dict[str, int]:
         return {"cache_window": w, "slots": kv_slots_per_token(config, loops, w),
-                "bytes_fp16": kv_bytes_per_token(config, loops, w, 2),
-                "bytes_dtype": kv_bytes_per_token(config, loops, w, itemsize)}
+                "bytes_fp16": m.bytes_per_token(config, loops, w, 2),
+                "bytes_dtype": m.bytes_per_token(config, loops, w, itemsize)}
 
-    return {"loops": loops, "dtype": dtype, **row(window),
-            "by_cache_window": [row(w) for w in sorted({1, min(2, loops), loops})]}
+    def mode_row(name: str) -> dict[str, Any]:
+        r = row(window, KVMode.parse(name))
+        return {"mode": name, **r, "cut_vs_full_fp16": round(1 - r["bytes_fp16"] / full_fp16, 4)}
+
+    full_fp16 = KVMode().bytes_per_token(config, loops, window, 2)
+    modes = [mode_row(name) for name in KV_MODES]
+    return {"loops": loops, "dtype": dtype, "kv_mode": mode.name, **row(window),
+            "by_cache_window": [row(w) for w in sorted({1, min(2, loops), loops})],
+            "by_mode": modes}
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     info = inspect_artifact(args.path)
     config = ModelConfig.from_dict(info["config"])
-    info["kv_cache"] = kv_report(config, info["dtype"], args.loops, args.cache_window)
+    info["kv_cache"] = kv_report(config, info["dtype"], args.loops, args.cache_window, args.kv_mode)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -153,11 +165,15 @@ def _print_inspect(info: dict[str, Any]) -> None:
     print("config")
     for key, value in info["config"].items():
         print(f"  {key:<16}{value}")
-    print(f"KV cache per token (loops {kv['loops']}, cache_window {kv['cache_window']}): "
-          f"{kv['bytes_fp16']:,} B fp16, {kv['bytes_dtype']:,} B {kv['dtype']}")
+    print(f"KV cache per token (loops {kv['loops']}, cache_window {kv['cache_window']}, "
+          f"mode {kv['kv_mode']}): {kv['bytes_fp16']:,} B fp16, {kv['bytes_dtype']:,} B {kv['dtype']}")
     print(f"  {'cache_window':>12} {'slots':>6} {'fp16':>10} {kv['dtype']:>10}")
     for r in kv["by_cache_window"]:
         print(f"  {r['cache_window']:>12} {r['slots']:>6} {r['bytes_fp16']:>10,} {r['bytes_dtype']:>10,}")
+    print(f"  {'KV mode':<22} {'fp16':>10} {kv['dtype']:>10} {'cut vs full fp16':>17}")
+    for r in kv["by_mode"]:
+        print(f"  {r['mode']:<22} {r['bytes_fp16']:>10,} {r['bytes_dtype']:>10,} "
+              f"{r['cut_vs_full_fp16']:>16.1%}")
 
 
 def _size(n: int) -> str:

@@ -28,6 +28,11 @@ __all__ = [
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 StopReason = Literal["eos", "stop_token", "stop_string", "length", "cancelled", "error"]
 MAX_TOP_LOGPROBS = 20
+DEFAULT_DRAFT_LOOPS = 1
+DEFAULT_DRAFT_AHEAD = 4
+DEFAULT_K_BRANCHES = 2
+MAX_DRAFT_AHEAD = 64
+MAX_K_BRANCHES = 16
 
 
 class RequestState(enum.Enum):
@@ -132,6 +137,14 @@ class GenerationRequest:
     ``warm_start`` starts each decoded token's core state from the previous token's final state.
     ``mode`` is ``generate`` (plain, or through the prefix pool), ``speculative``, ``tree`` or
     ``beam``.
+
+    Self-speculative modes draft with the same weights at ``draft_loops`` (default 1) and verify
+    at ``loops``: ``speculative`` drafts a chain of ``draft_ahead`` tokens (default 4), ``tree``
+    drafts ``k_branches`` (default 2) branches of ``draft_ahead`` tokens each. The output equals
+    plain decoding at ``loops`` (token for token when greedy, in distribution when sampled).
+    These fields are refused in the other modes, and ``warm_start`` is refused in these: a
+    warm-started token needs the previous token's final state, so several tokens cannot be
+    verified in one forward.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -142,6 +155,9 @@ class GenerationRequest:
     warm_start: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    draft_loops: int | None = None
+    draft_ahead: int | None = None
+    k_branches: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_tokens, list):
@@ -157,6 +173,32 @@ class GenerationRequest:
                "loops must be an integer >= 1", "loops")
         _check(self.cache_window is None or (_is_int(self.cache_window) and self.cache_window >= 1),
                "cache_window must be an integer >= 1", "cache_window")
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        speculative = self.mode in ("speculative", "tree")
+        limits = (("draft_loops", 1, None), ("draft_ahead", 1, MAX_DRAFT_AHEAD),
+                  ("k_branches", 1, MAX_K_BRANCHES))
+        for name, low, high in limits:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            allowed = speculative if name != "k_branches" else self.mode == "tree"
+            _check(allowed, f"{name} is only allowed with mode "
+                   f"{'tree' if name == 'k_branches' else 'speculative or tree'}", name)
+            _check(_is_int(value) and value >= low and (high is None or value <= high),
+                   f"{name} must be an integer >= {low}" if high is None
+                   else f"{name} must be an integer in [{low}, {high}]", name)
+        _check(not (speculative and self.warm_start),
+               "warm_start cannot be combined with speculative decoding", "warm_start")
+
+    @property
+    def speculation(self) -> tuple[int, int, int] | None:
+        """(draft_loops, draft_ahead, k_branches) with defaults, or None in the plain modes."""
+        if self.mode not in ("speculative", "tree"):
+            return None
+        k = (self.k_branches or DEFAULT_K_BRANCHES) if self.mode == "tree" else 1
+        return (self.draft_loops or DEFAULT_DRAFT_LOOPS, self.draft_ahead or DEFAULT_DRAFT_AHEAD, k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +220,10 @@ class GenerationResult:
     fired (``eos``, ``stop_token``, ``stop_string``, ``length``). ``loops_used`` is the loop
     count the request ran at (lower than asked when downgraded); ``mean_loops`` the mean loops
     per generated token (lower with adaptive exit).
+
+    Speculative requests (modes ``speculative`` and ``tree``) report ``draft_tokens`` (tokens
+    drafted: for a tree, every node), ``accepted_draft_tokens`` (drafted tokens the verifier
+    accepted) and ``rejected_draft_tokens`` (the rest); None for the other modes.
     """
 
     tokens: list[int]
@@ -191,3 +237,6 @@ class GenerationResult:
     loops_used: int | None = None
     mean_loops: float | None = None
     time_to_first_token_ms: float | None = None
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
+    rejected_draft_tokens: int | None = None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from tinyloop.errors import ConfigError
+from tinyloop.model.kvmode import KVMode
 
 __all__ = ["Settings", "BUNDLED_MODEL"]
 
@@ -42,7 +43,8 @@ class Settings:
     kv_int4: bool = _opt(False, "TINYLOOP_KV_INT4", "store KV as 4-bit with per-group scales")
     kv_h_mode: bool = _opt(False, "TINYLOOP_KV_H_MODE", "store the attention input h and recompute K,V")
     h_mode_fp16_attn_qkv: bool = _opt(False, "TINYLOOP_H_MODE_FP16_ATTN_QKV",
-                                      "h-mode recompute projection in fp16")
+                                      "with h-mode: store h and recompute K,V in fp16 "
+                                      "(bfloat16 on CPU)")
     prefill_chunk: int = _opt(512, "TINYLOOP_PREFILL_CHUNK", "prompt tokens per prefill step")
     max_batch_size: int = _opt(8, "TINYLOOP_MAX_BATCH_SIZE", "sequences decoded together (1 = one at a time)")
     max_queue_depth: int = _opt(128, "TINYLOOP_MAX_QUEUE_DEPTH", "queued requests before 503")
@@ -75,6 +77,7 @@ class Settings:
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        _ = self.kv_mode  # ConfigError for an impossible combination (fp16 qkv without h-mode)
 
     @staticmethod
     def fields() -> list[dataclasses.Field[Any]]:
@@ -107,14 +110,15 @@ class Settings:
         return path
 
     @property
+    def kv_mode(self) -> KVMode:
+        """The KV cache mode the three KV flags select (they combine)."""
+        return KVMode(int4=self.kv_int4, h_mode=self.kv_h_mode, fp16_qkv=self.h_mode_fp16_attn_qkv)
+
+    @property
     def kv_cache_mode(self) -> str:
-        """The KV mode name reported as ``model_info.kv_cache_mode``."""
-        parts = []
-        if self.kv_h_mode:
-            parts.append("h-mode-fp16-qkv" if self.h_mode_fp16_attn_qkv else "h-mode")
-        if self.kv_int4:
-            parts.append("int4")
-        return "+".join(parts) or "full"
+        """The KV mode name reported as ``model_info.kv_cache_mode``: ``full``, ``int4``,
+        ``h-mode``, ``h-mode+int4``, ``h-mode-fp16-qkv``, ``h-mode-fp16-qkv+int4``."""
+        return self.kv_mode.name
 
 
 def _parse(raw: str, kind: Any, env: str) -> Any:

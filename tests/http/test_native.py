@@ -1,4 +1,4 @@
-"""TinyLoop's native routes: ``/generate`` with every knob, the speculative stubs, the tokenizer
+"""TinyLoop's native routes: ``/generate`` with every knob, its speculative variants, the tokenizer
 routes and the OpenAPI document.
 
 A knob is shown to reach the engine by comparing the HTTP result with a second, identical
@@ -228,20 +228,71 @@ async def test_slo_ms_admits_or_refuses_with_retry_after() -> None:
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "slo_ms"
 
 
+SPEC_FIELDS = {"draft_tokens", "accepted_draft_tokens", "rejected_draft_tokens"}
+SPEC_ROUTES = [("/generate/speculative", {"draft_loops": 2, "draft_ahead": 4}),
+               ("/generate/tree_speculative", {"draft_loops": 1, "draft_ahead": 3, "K_branches": 2})]
+
+
+def spec_total(srv: Any, what: str) -> float:
+    return srv.runtime.metrics.registry.get_sample_value(f"tinyloop_spec_{what}_tokens_total") or 0.0
+
+
+async def test_speculative_routes_give_the_generate_result_plus_draft_counts() -> None:
+    with trio.fail_after(60):
+        async with client_for() as (srv, client):
+            plain = await generate(client)
+            drafted = 0
+            for path, extra in SPEC_ROUTES:
+                resp = await client.post(path, json={"prompt": PROMPT, "max_tokens": 10, **extra})
+                assert resp.status_code == 200, resp.text
+                out = resp.json()
+                assert set(out) == RESULT_FIELDS | SPEC_FIELDS
+                assert (out["tokens"], out["text"]) == (plain["tokens"], plain["text"])  # greedy
+                assert out["draft_tokens"] == out["accepted_draft_tokens"] + out["rejected_draft_tokens"]
+                assert out["draft_tokens"] > 0 and out["loops"] == out["mean_loops"] == srv.model.default_loops
+                drafted += out["draft_tokens"]
+                streamed = await client.post(path, json={"prompt": PROMPT, "max_tokens": 10, "stream": True,
+                                                         **extra})
+                events = sse_events(streamed.text)
+                assert events[-1] == "[DONE]" and events[-2]["done"] is True
+                final, tokens = events[-2], events[:-2]
+                assert [e["token_id"] for e in tokens] == plain["tokens"] == final["tokens"]
+                assert [e["index"] for e in tokens] == list(range(10))
+                assert "".join(e["text"] for e in tokens) == plain["text"]
+                assert SPEC_FIELDS <= set(final) and final["draft_tokens"] == out["draft_tokens"]
+                drafted += final["draft_tokens"]
+            # verify_loops is the request's loops; sampled requests reproduce with their seed
+            two = await client.post("/generate/speculative", json={"prompt": PROMPT, "max_tokens": 10,
+                                                                   "verify_loops": 2, "draft_loops": 1})
+            assert two.json()["tokens"] == reference(tiny_engine(), loops=2) and two.json()["loops"] == 2
+            drafted += two.json()["draft_tokens"]
+            body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "sample_seed": 3}
+            sampled = [(await client.post(path, json={**body, **extra})).json() for path, extra in SPEC_ROUTES * 2]
+            assert sampled[0]["tokens"] == sampled[2]["tokens"] and sampled[1]["tokens"] == sampled[3]["tokens"]
+            drafted += sum(r["draft_tokens"] for r in sampled)
+            # the counts reach the metrics
+            await _wait_for(lambda: spec_total(srv, "drafted") == drafted)
+            assert spec_total(srv, "accepted") + spec_total(srv, "rejected") == drafted
+            assert "draft_tokens" not in (await generate(client))  # plain results carry no counts
+
+
 @pytest.mark.parametrize("path", ["/generate/speculative", "/generate/tree_speculative"])
-async def test_speculative_routes_are_not_implemented(path: str) -> None:
+async def test_speculative_routes_refuse_bad_parameters(path: str) -> None:
     with trio.fail_after(30):
-        async with client_for() as (_, client):
-            resp = await client.post(path, json={"prompt": PROMPT, "draft_loops": 1, "draft_ahead": 4})
-            assert resp.status_code == 501
-            err = resp.json()["error"]
-            assert set(err) == {"message", "type", "param", "code"}
-            assert err["code"] == "not_implemented" and err["type"] == "not_implemented_error"
-            assert "speculative" in err["message"]
-            bad = await client.post(path, json={"prompt": PROMPT, "draft_ahead": 0})
-            assert bad.status_code == 400 and bad.json()["error"]["param"] == "draft_ahead"
-            unknown = await client.post(path, json={"prompt": PROMPT, "beam_width": 2})
-            assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "beam_width"
+        async with client_for() as (srv, client):
+            cases = [({"draft_ahead": 0}, "draft_ahead"), ({"beam_width": 2}, "beam_width"),
+                     ({"draft_loops": srv.model.default_loops + 1}, "draft_loops"),
+                     ({"verify_loops": 2, "draft_loops": 3}, "draft_loops"),
+                     ({"verify_loops": 2, "loops": 3}, "verify_loops"),
+                     ({"verify_loops": srv.model.max_loops + 1}, "verify_loops"),
+                     ({"cache_window": 1}, "cache_window"), ({"warm_start": True}, "warm_start")]
+            if path.endswith("tree_speculative"):
+                cases.append(({"K_branches": 0}, "K_branches"))
+            for fields, param in cases:
+                resp = await client.post(path, json={"prompt": PROMPT, **fields})
+                assert resp.status_code == 400, (fields, resp.text)
+                assert resp.json()["error"]["param"] == param, (fields, resp.json())
+            assert srv.runtime.statistics().dispatched == 0  # refused before anything queued
 
 
 async def test_tokenize_and_detokenize_round_trip() -> None:

@@ -58,6 +58,10 @@ def _finished(metrics: Metrics, state: RequestState, wall: float, dispatch: floa
         metrics.prompt_tokens.inc(result.prompt_tokens)
         if result.mean_loops is not None:
             metrics.loops_per_token.observe(result.mean_loops)
+        if result.draft_tokens is not None:  # a speculative request
+            metrics.spec_drafted_tokens.inc(result.draft_tokens)
+            metrics.spec_accepted_tokens.inc(result.accepted_draft_tokens or 0)
+            metrics.spec_rejected_tokens.inc(result.rejected_draft_tokens or 0)
 
 
 async def run(*, inbox: trio.MemoryReceiveChannel[Event], metrics: Metrics,

@@ -6,7 +6,10 @@ Sequence-level, so batching, the prefix pool and speculation share one mechanism
 - ``prefill_step(seq)``           run the next ``prefill_chunk`` prompt tokens; ``prefill`` all
 - ``decode(seqs) -> logits``      one token for each sequence, one batched call
 - ``step(seqs) -> events``        one iteration: a prefill chunk for new sequences, a decode
-                                  step for the rest, sampling, stop checks, detokenisation
+                                  step for the rest, sampling, stop checks, detokenisation; a
+                                  speculative sequence (``mode`` ``speculative`` or ``tree``)
+                                  drafts and verifies instead and may emit several tokens
+                                  (``speculative.py``)
 - ``fork(seq)`` / ``free(seq)``   share a KV prefix copy-on-write / give the KV back
 
 Every method is blocking and runs on the caller's thread: the runtime calls it from a worker
@@ -24,10 +27,12 @@ import torch
 
 from tinyloop.engine.sampling import StopMatcher, make_generator, sample_batch
 from tinyloop.engine.sequence import Sequence, TokenEvent
+from tinyloop.engine.speculative import Emission, Speculator
 from tinyloop.errors import KVCacheExhausted, PromptTooLongError, RequestError
-from tinyloop.model.config import ModelConfig, kv_bytes_per_token
+from tinyloop.model.config import ModelConfig
 from tinyloop.model.context import PagedContext
 from tinyloop.model.kvcache import KVPool, KVPoolStats, SeqKV, slot_count
+from tinyloop.model.kvmode import KVMode
 from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult
 from tinyloop.tokenizer import Tokenizer
@@ -46,7 +51,8 @@ class Engine:
 
     def __init__(self, model: LoopedLM, tokenizer: Tokenizer, *, max_seq_len: int | None = None,
                  kv_cache_mb: float | None = None, block_size: int = 16, prefill_chunk: int = 512,
-                 chat_template: str | None = None, name: str = "tinyloop") -> None:
+                 chat_template: str | None = None, name: str = "tinyloop",
+                 kv_mode: KVMode | str | None = None) -> None:
         self.model = model.eval()
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -61,8 +67,10 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.kv_mode = KVMode.parse(kv_mode)  # full, int4, h-mode, ... (kvmode.py)
         self.pool = KVPool(self.config, self._num_blocks(kv_cache_mb, block_size), block_size,
-                           dtype=self.dtype, device=self.device)
+                           dtype=self.dtype, device=self.device, mode=self.kv_mode)
+        self.speculator = Speculator(self)
 
     @classmethod
     def load(cls, path: str | PathLike[str], *, max_seq_len: int | None = None, device: str = "cpu",
@@ -78,10 +86,10 @@ class Engine:
     def _num_blocks(self, kv_cache_mb: float | None, block_size: int) -> int:
         c = self.config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_block = 2 * c.kv_heads * c.head_dim * elem * block_size
+        per_block = self.kv_mode.slot_bytes(c, elem) * block_size  # the budget is in bytes
         if kv_cache_mb is None:
             # Room for 8 full-length sequences at the default loops, capped by the budget.
-            need = 8 * kv_bytes_per_token(c, c.default_loops, None, elem) * self.max_seq_len
+            need = 8 * self.kv_mode.bytes_per_token(c, c.default_loops, None, elem) * self.max_seq_len
             budget = min(need, DEFAULT_KV_BUDGET_MB * 2**20)
         else:
             budget = int(kv_cache_mb * 2**20)
@@ -97,7 +105,7 @@ class Engine:
 
     def kv_bytes_per_token(self, loops: int | None = None, cache_window: int | None = None) -> int:
         loops = loops or self.config.default_loops
-        return kv_bytes_per_token(self.config, loops, cache_window, self.pool.k.element_size())
+        return self.pool.bytes_per_token(loops, cache_window)
 
     def __repr__(self) -> str:
         return f"<Engine {self.name} max_seq_len={self.max_seq_len} {self.pool!r}>"
@@ -115,7 +123,27 @@ class Engine:
         if max(req.prompt_tokens) >= c.vocab_size:
             raise RequestError(f"prompt token id {max(req.prompt_tokens)} is outside the "
                                f"vocabulary ({c.vocab_size})", param="prompt")
+        if req.speculation is not None:
+            self._validate_speculation(req, loops, window)
         return loops, window
+
+    def _validate_speculation(self, req: GenerationRequest, loops: int, window: int) -> None:
+        draft_loops, _, _ = req.speculation or (1, 0, 0)
+        # A multi-token verify forward runs every token to its full loops: with an adaptive
+        # exit rule plain decoding would stop some tokens earlier and emit other tokens.
+        if self.config.exit.kind != "none":
+            raise RequestError("speculative decoding is not available for a model with an "
+                               f"adaptive exit rule ({self.config.exit.kind}): verification "
+                               "cannot exit per token, so the output would differ from plain "
+                               "decoding", param="mode")
+        if draft_loops > loops:
+            raise RequestError(f"draft_loops ({draft_loops}) must be <= the verifier's loops "
+                               f"({loops})", param="draft_loops")
+        # With W < loops a token reads its predecessors' latest slot, which a multi-token
+        # verify forward fills at the same loop instead: verification would change the output.
+        if window < loops:
+            raise RequestError("speculative decoding needs the full cache (cache_window >= loops)",
+                               param="cache_window")
 
     def start(self, req: GenerationRequest, prefix: Sequence | None = None) -> Sequence:
         """A new sequence for ``req`` (validated; no KV is taken until it runs).
@@ -232,12 +260,35 @@ class Engine:
                 continue
             if logits is not None:
                 ready.append((seq, logits))
+        runs: list[tuple[Sequence, list[Emission]]] = []
+        speculative = [s for s in decoding if s.request.speculation is not None]
+        if speculative:
+            runs, fallback = self.speculate(speculative)
+            decoding = [s for s in decoding if s.request.speculation is None] + fallback
         decoding = self._reserve_or_fail(decoding)
         if decoding:
             logits = self.decode(decoding)
             ready.extend(zip(decoding, logits))
         if ready:
             events = self._sample([s for s, _ in ready], torch.stack([l for _, l in ready]))
+        for seq, emissions in runs:
+            events.extend(self._accept_run(seq, emissions))
+        return events
+
+    @torch.inference_mode()
+    def speculate(self, seqs: Seq[Sequence]) -> tuple[list[tuple[Sequence, list[Emission]]], list[Sequence]]:
+        """Draft and verify for speculative sequences: (each one's tokens to append; those that
+        need a plain decode step this time). See ``speculative.py``."""
+        return self.speculator.run(seqs)
+
+    def _accept_run(self, seq: Sequence, emissions: list[Emission]) -> list[TokenEvent]:
+        """Append a verified run of tokens, stopping at the first stop condition."""
+        events = []
+        for token, logprob in emissions:
+            seq.loops_total += seq.loops
+            events.append(self._accept(seq, token, logprob))
+            if seq.finished:
+                break
         return events
 
     def _reserve_or_fail(self, seqs: list[Sequence]) -> list[Sequence]:

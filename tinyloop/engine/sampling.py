@@ -33,9 +33,13 @@ __all__ = [
     "SampleResult",
     "StopMatcher",
     "apply_penalties",
+    "draw",
+    "greedy_token",
     "make_generator",
     "sample_batch",
     "sample_token",
+    "target_probs",
+    "token_logprob",
 ]
 
 _SEED_MODULUS = 2**64  # torch seeds are uint64; negatives already map by two's complement
@@ -121,6 +125,33 @@ def sample_token(
     else:
         token_id = _draw(_filtered_probs(penalised, params), generator)
     return SampleResult(token_id, _logprob(raw, token_id, params))
+
+
+def greedy_token(logits: torch.Tensor, params: SamplingParams, prompt_tokens: Sequence[int],
+                 output_tokens: Sequence[int]) -> int:
+    """The token a greedy ``sample_token`` picks from ``logits`` [V] after this history."""
+    raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
+    return int(torch.argmax(apply_penalties(raw, params, prompt_tokens, output_tokens)))
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams, prompt_tokens: Sequence[int],
+                 output_tokens: Sequence[int]) -> torch.Tensor:
+    """The distribution [V] a sampled ``sample_token`` draws from after this history: penalties,
+    temperature, top-k, top-p, min-p. Speculative decoding accepts and resamples against it, so
+    its output has exactly the distribution of plain sampling."""
+    raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
+    return _filtered_probs(apply_penalties(raw, params, prompt_tokens, output_tokens), params)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token drawn from ``probs`` [V] (need not be normalised) with ``generator``."""
+    return _draw(probs, generator)
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, params: SamplingParams) -> TokenLogprob | None:
+    """What ``sample_token`` reports for ``token_id`` chosen from ``logits`` [V] (None unless the
+    request asked for logprobs)."""
+    return _logprob(logits.detach().to(device="cpu", dtype=torch.float32), token_id, params)
 
 
 def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

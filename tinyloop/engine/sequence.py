@@ -47,6 +47,9 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     last_loops: int = 0  # loops run by the forward that produced the latest logits
     loops_total: int = 0  # loops run for the generated tokens (the first one: the prompt's last)
+    draft_tokens: int = 0  # speculation: tokens drafted, accepted and rejected by verification
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: StopReason | None = None
     error: BaseException | None = None
@@ -86,6 +89,7 @@ class Sequence:
         end = self.finished_at or time.perf_counter()
         n = len(self.output)
         ttft = None if self.first_token_at is None else (self.first_token_at - self.started) * 1000
+        speculative = self.request.speculation is not None
         return GenerationResult(
             tokens=list(self.output),
             text="".join(self.text_parts),
@@ -99,6 +103,9 @@ class Sequence:
             loops_used=self.loops,
             mean_loops=self.loops_total / n if n else None,
             time_to_first_token_ms=ttft,
+            draft_tokens=self.draft_tokens if speculative else None,
+            accepted_draft_tokens=self.accepted_draft_tokens if speculative else None,
+            rejected_draft_tokens=self.rejected_draft_tokens if speculative else None,
         )
 
 

@@ -1,4 +1,5 @@
-"""TinyLoop's native routes: ``/generate`` with every knob, speculative variants, tokenizer."""
+"""TinyLoop's native routes: ``/generate`` with every knob, its self-speculative variants (chain
+and tree, same response plus the draft counts), tokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 from quart import Blueprint, Response, jsonify
 
 from tinyloop.actors.stream import RequestStream
-from tinyloop.http.errors import ApiError
+from tinyloop.errors import RequestError
+from tinyloop.http.errors import ApiError, from_exception
 from tinyloop.http.schemas import (
     DetokenizeRequest, GenerateRequest, SpeculativeRequest, TokenizeRequest, TreeSpeculativeRequest,
 )
@@ -21,8 +23,15 @@ __all__ = ["blueprint"]
 blueprint = Blueprint("native", __name__)
 
 
+_DRAFT_FIELDS = ("draft_tokens", "accepted_draft_tokens", "rejected_draft_tokens")
+
+
 def result_json(rid: str, r: GenerationResult) -> dict[str, Any]:
+    """The result as JSON; the draft counts only for speculative requests."""
     out = dataclasses.asdict(r)
+    for name in _DRAFT_FIELDS:
+        if out[name] is None:
+            del out[name]
     out["id"] = rid
     out["loops"] = out.pop("loops_used")
     if r.logprobs is not None:
@@ -33,14 +42,24 @@ def result_json(rid: str, r: GenerationResult) -> dict[str, Any]:
 
 @blueprint.post("/generate")
 async def generate() -> Response:
-    s = served()
     body: GenerateRequest = await parse_body(GenerateRequest)
+    return await _generate(body, "generate")
+
+
+async def _generate(body: GenerateRequest, mode: str, **speculation: Any) -> Response:
+    """Run one native generation (plain or speculative): JSON, or SSE when ``stream``."""
+    s = served()
     tokens = s.model.encode_prompt(body.prompt if body.prompt is not None else body.prompt_tokens or [],
                                    "prompt" if body.prompt is not None else "prompt_tokens")
     s.model.check_context(tokens, "prompt" if body.prompt is not None else "prompt_tokens")
     reqs = make_requests(body, s.model, tokens, body.max_tokens, 1, seed=body.sample_seed,
                          stop=tuple(body.stop or ()), logprobs=body.logprobs or body.top_logprobs > 0,
-                         top_logprobs=body.top_logprobs)
+                         top_logprobs=body.top_logprobs, mode=mode)
+    if speculation:
+        try:
+            reqs = [dataclasses.replace(r, **speculation) for r in reqs]
+        except RequestError as exc:
+            raise from_exception(exc) from None
     streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms)
     rid = new_id("gen")
     if body.stream:
@@ -65,16 +84,42 @@ async def _events(rid: str, stream: RequestStream) -> AsyncGenerator[bytes, None
 
 @blueprint.post("/generate/speculative")
 async def speculative() -> Response:
-    await parse_body(SpeculativeRequest)
-    raise ApiError(501, "chain self-speculative decoding is not available in this build yet",
-                   code="not_implemented")
+    """Chain self-speculative decoding: the /generate result plus the draft counts."""
+    body: SpeculativeRequest = await parse_body(SpeculativeRequest)
+    body = _verify_loops(body)
+    return await _generate(body, "speculative", draft_loops=body.draft_loops,
+                           draft_ahead=body.draft_ahead)
 
 
 @blueprint.post("/generate/tree_speculative")
 async def tree_speculative() -> Response:
-    await parse_body(TreeSpeculativeRequest)
-    raise ApiError(501, "tree self-speculative decoding is not available in this build yet",
-                   code="not_implemented")
+    """Tree self-speculative decoding (``K_branches`` first-level candidates)."""
+    body: TreeSpeculativeRequest = await parse_body(TreeSpeculativeRequest)
+    body = _verify_loops(body)
+    return await _generate(body, "tree", draft_loops=body.draft_loops,
+                           draft_ahead=body.draft_ahead, k_branches=body.K_branches)
+
+
+def _verify_loops(body: SpeculativeRequest) -> Any:
+    """``verify_loops`` is the request's loops (``loops`` is its alias); the draft's loops and the
+    cache window are checked against it before anything is queued."""
+    if body.verify_loops is not None and body.loops is not None and body.verify_loops != body.loops:
+        raise ApiError(400, "verify_loops and loops disagree (give one of them)", param="verify_loops",
+                       code="invalid_value")
+    loops = body.verify_loops or body.loops
+    s = served()
+    if loops is not None and loops > s.model.max_loops:
+        raise ApiError(400, f"verify_loops must be <= {s.model.max_loops} for this model",
+                       param="verify_loops" if body.verify_loops is not None else "loops",
+                       code="invalid_value")
+    effective = loops or s.model.default_loops
+    if body.draft_loops > effective:
+        raise ApiError(400, f"draft_loops ({body.draft_loops}) must be <= the verifier's loops "
+                       f"({effective})", param="draft_loops", code="invalid_value")
+    if body.cache_window is not None and body.cache_window < effective:
+        raise ApiError(400, "speculative decoding needs the full cache (cache_window >= loops)",
+                       param="cache_window", code="invalid_value")
+    return body.model_copy(update={"loops": loops})
 
 
 @blueprint.post("/tokenize")

@@ -19,7 +19,6 @@ from quart_trio import QuartTrio
 
 from tinyloop.actors.runtime import Runtime, open_runtime
 from tinyloop.engine.engine import Engine
-from tinyloop.errors import ConfigError
 from tinyloop.http.factory import attach, create_app
 from tinyloop.http.service import ServedModel
 from tinyloop.settings import Settings
@@ -30,13 +29,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def load_engine(settings: Settings) -> Engine:
-    """The engine the settings describe (the bundled demo model when no path is set)."""
-    if settings.kv_int4 or settings.kv_h_mode or settings.h_mode_fp16_attn_qkv:
-        raise ConfigError("KV compression modes (int4, h-mode) are not available in this build yet")
+    """The engine the settings describe (the bundled demo model when no path is set), with the
+    KV cache mode of the KV flags."""
     return Engine.load(settings.resolve_model_path(), max_seq_len=settings.max_seq_len,
                        device=settings.device, dtype=_DTYPES.get(settings.dtype or "", None),
                        kv_cache_mb=settings.kv_cache_mb, block_size=settings.kv_block_size,
-                       prefill_chunk=settings.prefill_chunk)
+                       prefill_chunk=settings.prefill_chunk, kv_mode=settings.kv_mode)
 
 
 def hypercorn_config(settings: Settings) -> Config:

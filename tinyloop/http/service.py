@@ -47,15 +47,16 @@ class ServedModel:
 
     @classmethod
     def from_engine(cls, engine: Any, settings: Settings, name: str | None = None) -> ServedModel:
-        """Describe a loaded ``Engine``."""
+        """Describe a loaded ``Engine`` (its KV mode, or the settings' for an engine without one)."""
         cfg = engine.config
+        kv_mode = getattr(engine, "kv_mode", None)
         style = "ouro" if cfg.injection == "none" else "huginn"
         return cls(id=name or settings.served_model_name or engine.name, tokenizer=engine.tokenizer,
                    chat_template=engine.chat_template, max_seq_len=engine.max_seq_len,
                    default_loops=cfg.default_loops, max_loops=cfg.max_loops,
                    vocab_size=cfg.vocab_size, arch=f"tinyloop-{style}",
                    quant=str(engine.dtype).removeprefix("torch."),
-                   kv_cache_mode=settings.kv_cache_mode)
+                   kv_cache_mode=settings.kv_cache_mode if kv_mode is None else kv_mode.name)
 
     def check_name(self, name: str | None) -> None:
         if name is not None and name != self.id:

@@ -2,8 +2,11 @@
 
 ``PagedContext`` is the serving path: K and V live in the paged pool (``kvcache.KVPool``), each
 row writes its new positions into the slot it is told and attends over everything its slot
-holds. ``FullContext`` keeps nothing: plain causal attention over the tokens of this call, the
-no-cache reference that incremental decoding is tested against.
+holds. The pool's mode decides what is written: K and V (plain or 4-bit, dequantized after the
+gather), or in h-mode the attention input h, from which the calling layer recomputes the keys'
+K and V (``Attention.kv_from_h``) and RoPE is applied at each key's position. ``FullContext``
+keeps nothing: plain causal attention over the tokens of this call, the no-cache reference that
+incremental decoding is tested against.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop.model.kvcache import KVPool, SeqKV
-from tinyloop.model.layers import Rope
+from tinyloop.model.layers import Attention, Rope
 
 __all__ = ["PagedContext", "FullContext"]
 
@@ -35,6 +38,7 @@ class PagedContext:
                  n_new: int, extra_mask: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None) -> None:
         self.pool = pool
+        self._rope = rope
         bs = pool.block_size
         n_slots = max(s.n_slots for s in seqs)
         max_blocks = max(s.blocks_per_slot for s in seqs)
@@ -48,6 +52,10 @@ class PagedContext:
         self.write_offset = slots_pos % bs  # [B, T]
         self.key_block = key_pos // bs  # [L]
         self.key_offset = key_pos % bs  # [L]
+        self._key_pos = key_pos
+        self._starts = list(starts)
+        self._positions = positions
+        self._key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
         mask = key_pos[None, None, :] <= slots_pos[:, :, None]  # [B, T, L]
         if extra_mask is not None:
             for b, s in enumerate(starts):
@@ -67,28 +75,55 @@ class PagedContext:
         keys = tab[:, self.key_block] * bs + self.key_offset  # [R, L]
         return write, keys
 
+    def key_rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at every key position of ``rows``, ``[R, L, D]`` each (h-mode's recompute).
+
+        A key's position is its slot position, except this call's new tokens, which use the
+        positions they were given (tree tokens share depths).
+        """
+        if self._key_rope is None:
+            cos, sin = self._rope.tables(self._key_pos)  # [L, D]
+            b = self.cos.shape[0]
+            cos, sin = cos.expand(b, *cos.shape), sin.expand(b, *sin.shape)  # [B, L, D]
+            if self._positions is not None:
+                cos, sin = cos.clone(), sin.clone()
+                n_new = self.cos.shape[1]
+                for row, start in enumerate(self._starts):
+                    cos[row, start:start + n_new] = self.cos[row]
+                    sin[row, start:start + n_new] = self.sin[row]
+            self._key_rope = cos, sin
+        cos, sin = self._key_rope
+        return _take(cos, rows), _take(sin, rows)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+               rows: torch.Tensor | None, slots: torch.Tensor,
+               h: torch.Tensor | None = None, layer: Attention | None = None) -> torch.Tensor:
         r, kvh, t, d = k.shape
         write, keys = self._flat_index(rows, slots)
-        k_flat = self.pool.k.view(-1, kvh, d)
-        v_flat = self.pool.v.view(-1, kvh, d)
-        k_flat[write.flatten()] = k.transpose(1, 2).reshape(r * t, kvh, d)
-        v_flat[write.flatten()] = v.transpose(1, 2).reshape(r * t, kvh, d)
-        keys_k = k_flat[keys].transpose(1, 2)  # [R, KVH, L, D]
-        keys_v = v_flat[keys].transpose(1, 2)  # [R, KVH, L, D]
+        store = self.pool.store
+        if store.mode.h_mode:
+            if h is None or layer is None:
+                raise ValueError("an h-mode KV pool needs the attention input h and its layer")
+            store.write(write.flatten(), h=h.reshape(r * t, -1))
+            keys_k, keys_v = layer.kv_from_h(store.read("h", keys), store.dtype)  # [R, L, KVH, D]
+            keys_k, keys_v = keys_k.transpose(1, 2).to(q.dtype), keys_v.transpose(1, 2).to(q.dtype)
+            cos, sin = self.key_rope(rows)
+            keys_k = self._rope.apply(keys_k, cos, sin)  # [R, KVH, L, D]
+        else:
+            store.write(write.flatten(), k=k.transpose(1, 2).reshape(r * t, kvh, d),
+                        v=v.transpose(1, 2).reshape(r * t, kvh, d))
+            keys_k = store.read("k", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
+            keys_v = store.read("v", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
         mask = _take(self.mask, rows)
         return F.scaled_dot_product_attention(q, keys_k, keys_v, attn_mask=mask,
                                               enable_gqa=q.shape[1] != kvh)
 
     def copy_new(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy the new tokens' K and V of ``rows`` from slot ``src`` to slot ``dst`` (per row)."""
+        """Copy what the new tokens of ``rows`` stored (K and V, or h) from slot ``src`` to slot
+        ``dst`` (per row)."""
         w_src, _ = self._flat_index(rows, src)
         w_dst, _ = self._flat_index(rows, dst)
-        k_flat = self.pool.k.view(-1, *self.pool.k.shape[2:])
-        v_flat = self.pool.v.view(-1, *self.pool.v.shape[2:])
-        k_flat[w_dst.flatten()] = k_flat[w_src.flatten()]
-        v_flat[w_dst.flatten()] = v_flat[w_src.flatten()]
+        self.pool.store.copy_rows(w_src.flatten(), w_dst.flatten())
 
 
 class FullContext:
@@ -102,7 +137,8 @@ class FullContext:
         return _take(self.cos, rows), _take(self.sin, rows)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+               rows: torch.Tensor | None, slots: torch.Tensor,
+               h: torch.Tensor | None = None, layer: Attention | None = None) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               enable_gqa=q.shape[1] != k.shape[1])
 

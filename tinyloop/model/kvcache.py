@@ -15,6 +15,10 @@ sequence holds exactly ``n_slots * ceil(length / block_size)`` blocks.
 
 Blocks are reference counted: ``fork`` shares a sequence's blocks (prefix pool, beam) and the
 first write into a shared block copies it (copy-on-write).
+
+What a block holds per position is the pool's ``KVMode`` (``kvmode.py``): K and V, 4-bit K and V,
+or the attention input h; a ``KVStore`` (``kvstore.py``) does the storing. Block tables and
+reference counts do not depend on it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch
 
 from tinyloop.errors import KVCacheExhausted
 from tinyloop.model.config import ModelConfig, kv_slots_per_token
+from tinyloop.model.kvmode import KVMode
+from tinyloop.model.kvstore import KVStore
 
 __all__ = ["KVPool", "KVPoolStats", "SeqKV", "slot_count"]
 
@@ -46,35 +52,61 @@ class KVPoolStats:
 
 
 class KVPool:
-    """A fixed pool of KV blocks with a free list and reference counts."""
+    """A fixed pool of KV blocks with a free list and reference counts.
+
+    ``dtype`` is the model's compute dtype: full mode stores K and V in it, h-mode stores h in
+    it (or in 16 bits with ``fp16_qkv``), int4 stores codes and fp16 scales whatever it is.
+    """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 mode: KVMode | str | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, config.kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [N, bs, KVH, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [N, bs, KVH, D]
+        self.dtype = dtype
+        self.mode = KVMode.parse(mode)
+        self.store = KVStore(self.mode, config, num_blocks * block_size, block_size, dtype, device)
         self.refcount = [0] * num_blocks
         # A stack: the most recently freed block is reused first (warm in cache).
         self._free = list(range(num_blocks - 1, -1, -1))
+
+    # -- storage -------------------------------------------------------------------------------
+    @property
+    def k(self) -> torch.Tensor:
+        """Full mode's K ``[N, bs, KVH, D]`` (TypeError in the other modes)."""
+        return self.store.tensor("k")
+
+    @property
+    def v(self) -> torch.Tensor:
+        """Full mode's V ``[N, bs, KVH, D]`` (TypeError in the other modes)."""
+        return self.store.tensor("v")
 
     # -- accounting ----------------------------------------------------------------------------
     @property
     def free_blocks(self) -> int:
         return len(self._free)
 
+    @property
+    def bytes_per_token_slot(self) -> int:
+        """Bytes one position of one slot takes, measured on the store's tensors."""
+        return self.store.bytes_per_row
+
+    def bytes_per_token(self, loops: int, cache_window: int | None = None) -> int:
+        """Bytes a token of a sequence at ``loops``/``cache_window`` takes in this pool."""
+        return self.bytes_per_token_slot * kv_slots_per_token(self.config, loops, cache_window)
+
     def statistics(self) -> KVPoolStats:
         used = self.num_blocks - len(self._free)
-        per_block = 2 * self.k[0].numel() * self.k.element_size()
+        per_block = self.bytes_per_token_slot * self.block_size
         return KVPoolStats(self.num_blocks, used, len(self._free), self.block_size, per_block)
 
     def __repr__(self) -> str:
         s = self.statistics()
-        return f"<KVPool used={s.blocks_used}/{s.blocks_total} block_size={s.block_size}>"
+        return (f"<KVPool used={s.blocks_used}/{s.blocks_total} block_size={s.block_size} "
+                f"mode={self.mode.name}>")
 
     # -- blocks --------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -101,8 +133,7 @@ class KVPool:
                 raise RuntimeError(f"KV block {b} released more often than taken")
 
     def copy_block(self, src: int, dst: int) -> None:
-        self.k[dst].copy_(self.k[src])
-        self.v[dst].copy_(self.v[src])
+        self.store.copy_block(src, dst)
 
 
 class SeqKV:

@@ -1,7 +1,9 @@
 """Transformer building blocks: RMSNorm, RoPE, attention with pluggable KV, SwiGLU MLP, Block.
 
 Attention does not own a cache: it hands its q, k, v to an ``AttentionContext`` (see
-``tinyloop.model.context``) which writes K and V where the sequence keeps them and attends.
+``tinyloop.model.context``) which writes K and V where the sequence keeps them and attends. It
+hands over its input h and itself too: a context in h-mode stores h and calls back
+``Attention.kv_from_h`` to recompute the keys' K and V with this layer's projection.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ class AttentionContext(Protocol):
         ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-        """Store k, v in ``slots`` (one per row) and attend; q ``[R, Hq, T, D]``, k/v ``[R, Hkv, T, D]``."""
+               rows: torch.Tensor | None, slots: torch.Tensor,
+               h: torch.Tensor | None = None, layer: Attention | None = None) -> torch.Tensor:
+        """Store k, v (or h) in ``slots`` (one per row) and attend; q ``[R, Hq, T, D]``, k/v
+        ``[R, Hkv, T, D]`` after RoPE, h ``[R, T, H]`` the attention input, ``layer`` the
+        attention whose projection recomputes K, V from stored h."""
         ...
 
 
@@ -103,6 +108,28 @@ class Attention(nn.Module):
             k = k + self.k_bias
         return q, k, v
 
+    def kv_from_h(self, h: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h ``[..., H]`` -> k, v ``[..., Hkv, D]`` before RoPE (k with its bias): h-mode's
+        recompute, in ``dtype`` (default: the weights'); equal to ``project``'s k and v."""
+        c = self.config
+        weight = self._kv_weight(dtype)  # [2 * kv_dim, H]
+        kv = F.linear(h.to(weight.dtype), weight)  # [..., 2 * kv_dim]
+        k, v = kv.reshape(*kv.shape[:-1], 2, c.kv_heads, c.head_dim).unbind(-3)
+        if c.qk_bias:
+            k = k + self.k_bias.to(k.dtype)
+        return k, v
+
+    def _kv_weight(self, dtype: torch.dtype | None) -> torch.Tensor:
+        """``[W_k; W_v]`` ``[2 * kv_dim, H]`` in ``dtype``: a view of the fused weight, else a
+        copy per call. Not cached: the copy costs as much as projecting ~20 keys' h and a cache
+        could go stale when the weights change in place."""
+        c = self.config
+        if c.fused_qkv:
+            weight = self.qkv.weight[c.q_dim:]
+        else:
+            weight = torch.cat([self.k.weight, self.v.weight])
+        return weight if dtype is None else weight.to(dtype)
+
     def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
                 rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x)
@@ -110,7 +137,7 @@ class Attention(nn.Module):
         cos, sin = ctx.rope(rows)
         q = rope.apply(q, cos, sin)
         k = rope.apply(k, cos, sin)
-        out = ctx.attend(q, k, v, rows, slots)  # [R, Hq, T, D]
+        out = ctx.attend(q, k, v, rows, slots, x, self)  # [R, Hq, T, D]
         return self.o(out.transpose(1, 2).flatten(-2))  # [R, T, H]
 
 

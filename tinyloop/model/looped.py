@@ -36,8 +36,12 @@ class RowSpec:
     """How one row of a forward runs.
 
     ``noise_seed`` seeds the randn initial state per position, so a token's initial state depends
-    only on (seed, position), never on batching or chunking. ``warm_state`` (``[H]``) replaces
-    the initial state of a one-token row (warm start). ``exit`` overrides the config's rule.
+    only on (seed, position), never on batching or chunking. ``positions`` (one per token) are
+    those positions when they are not ``start .. start+T-1``: tree verification, where sibling
+    nodes share a depth. ``warm_state`` (``[H]``) replaces the initial state of a one-token row
+    (warm start). ``exit`` overrides the config's rule. ``kv_loops`` is the loop count the row's
+    KV slots were laid out for, when the row runs fewer loops inside them (a speculative draft
+    reading and writing the verifier's slots, coda included).
     """
 
     loops: int
@@ -46,6 +50,8 @@ class RowSpec:
     noise_seed: int = 0
     warm_state: torch.Tensor | None = None
     exit: ExitRule | None = None
+    kv_loops: int | None = None
+    positions: Sequence[int] | None = None
 
 
 @dataclass(slots=True)
@@ -125,8 +131,9 @@ class LoopedLM(nn.Module):
         else:
             s = torch.empty_like(e)
             for b, spec in enumerate(specs):
-                for t in range(e.shape[1]):
-                    g = torch.Generator().manual_seed((spec.noise_seed * _NOISE_MIX + spec.start + t) % 2**63)
+                positions = spec.positions or range(spec.start, spec.start + e.shape[1])
+                for t, pos in enumerate(positions):
+                    g = torch.Generator().manual_seed((spec.noise_seed * _NOISE_MIX + pos) % 2**63)
                     noise = torch.randn(c.hidden, generator=g).clamp_(-3.0, 3.0) * c.state_init_std
                     s[b, t] = noise.to(e.dtype)
         for b, spec in enumerate(specs):
@@ -161,7 +168,8 @@ class LoopedLM(nn.Module):
         c = self.config
         bsz, n_tok = tokens.shape
         loops = [s.loops for s in specs]
-        windows = torch.tensor([min(s.window, s.loops) for s in specs], dtype=torch.long)  # [B]
+        windows = torch.tensor([min(s.window, s.kv_loops or s.loops) for s in specs],
+                               dtype=torch.long)  # [B]
         x = self.embed(tokens)  # [B, T, H]
         if c.embed_scale != 1.0:
             x = x * c.embed_scale

@@ -36,7 +36,7 @@ PRESETS: dict[str, ModelConfig] = {
                          intermediate=1024, n_prelude=2, n_core=6, n_coda=2, default_loops=4,
                          max_loops=32, max_position=4096, block_style="sandwich",
                          injection="concat_linear", state_init="randn"),
-    "base100m": ModelConfig(vocab_size=32768, hidden=768, heads=12, kv_heads=4, head_dim=64,
+    "base100m": ModelConfig(vocab_size=32768, hidden=768, heads=12, kv_heads=12, head_dim=64,
                             intermediate=3072, n_prelude=2, n_core=4, n_coda=2, default_loops=4,
                             max_loops=32, max_position=4096, block_style="sandwich",
                             injection="concat_linear", state_init="randn"),

@@ -1,0 +1,134 @@
+"""Self-speculative decoding: plain vs chain vs tree, tokens/s and acceptance, one table.
+
+    python bench/speculative.py [--model FILE.tinyloop] [--tokens 64] [--threads 1] [--repeat 2]
+
+Without ``--model`` a random ``small`` preset (what ``tinyloop init --preset small`` writes) is
+saved to a temporary file and loaded from there. Every row decodes the same prompt greedily
+(ignoring EOS) for ``--tokens`` tokens at the model's default loops, alone (batch 1), and checks
+that the tokens equal plain decoding's. Columns:
+
+- ``tok/s``: generated tokens per second of wall time, prefill included (best of ``--repeat``);
+- ``accept``: accepted / drafted tokens (for a tree every node counts as drafted);
+- ``tok/step``: tokens emitted per decode step (one draft + verify round, or one plain step);
+  plain decoding is 1.0, a perfect chain of ``draft_ahead`` k is k + 1.
+
+Random weights give flat, near-tied logits: a few-loop draft rarely agrees with the full
+model, so acceptance here is a floor. A trained artifact (``--model``) is the real measure.
+On a shared machine pass ``--threads 1``: torch's default threads spin against other processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Before torch loads OpenMP: spinning workers cost 3-4x whenever another process wants a core.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from tinyloop.engine.engine import Engine  # noqa: E402
+from tinyloop.model.artifact import save_artifact  # noqa: E402
+from tinyloop.model.presets import PRESETS, init_model  # noqa: E402
+from tinyloop.requests import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
+from tinyloop.tokenizer import default_tokenizer  # noqa: E402
+
+PROMPT = "Once upon a time, in a small town by the sea, there lived"
+# (mode, draft_loops, draft_ahead, k_branches)
+SETTINGS = [
+    ("plain", None, None, None),
+    ("chain", 1, 4, None),
+    ("chain", 1, 8, None),
+    ("chain", 2, 4, None),
+    ("chain", 2, 8, None),
+    ("tree", 1, 4, 2),
+    ("tree", 2, 4, 2),
+    ("tree", 2, 8, 2),
+]
+
+
+@dataclass
+class Row:
+    label: str
+    tok_s: float
+    accept: float | None
+    tok_step: float
+    same: bool
+
+
+def random_small(tmp: Path, seed: int) -> Path:
+    path = tmp / "small.tinyloop"
+    save_artifact(path, init_model(PRESETS["small"], seed=seed), default_tokenizer())
+    return path
+
+
+def request(tokens: list[int], n: int, mode: str, draft_loops: int | None, ahead: int | None,
+            k: int | None) -> GenerationRequest:
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    if mode == "plain":
+        return GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=n, sampling=greedy)
+    return GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=n, sampling=greedy,
+                             mode="tree" if mode == "tree" else "speculative",
+                             draft_loops=draft_loops, draft_ahead=ahead, k_branches=k)
+
+
+def timed(engine: Engine, req: GenerationRequest, repeat: int) -> tuple[float, GenerationResult]:
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = engine.generate(req)
+        best = min(best, time.perf_counter() - start)
+    assert result is not None
+    return best, result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, help="a .tinyloop artifact (default: random small preset)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens to generate per row")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per row; the fastest counts")
+    ap.add_argument("--seed", type=int, default=0, help="init seed of the random model")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model or random_small(Path(tmp), args.seed)
+        engine = Engine.load(path)
+        name = "random small (seed %d)" % args.seed if args.model is None else str(path)
+    tokens = engine.tokenizer.encode(PROMPT)
+    loops = engine.default_loops
+    print(f"model: {name}; {engine.config.n_prelude}+{engine.config.n_core}x{loops}+"
+          f"{engine.config.n_coda} layers, hidden {engine.config.hidden}; prompt {len(tokens)} tokens, "
+          f"{args.tokens} generated, greedy, batch 1, verify_loops {loops}, "
+          f"torch threads {torch.get_num_threads()}")
+    engine.generate(request(tokens, 4, "plain", None, None, None))  # warm-up
+    rows: list[Row] = []
+    reference: list[int] = []
+    for mode, draft_loops, ahead, k in SETTINGS:
+        wall, result = timed(engine, request(tokens, args.tokens, mode, draft_loops, ahead, k), args.repeat)
+        if mode == "plain":
+            reference = result.tokens
+        steps = result.completion_tokens - 1 - (result.accepted_draft_tokens or 0)
+        label = "plain" if mode == "plain" else (
+            f"{mode} d{draft_loops} a{ahead}" + (f" K{k}" if k else ""))
+        accept = None if result.draft_tokens is None else (
+            (result.accepted_draft_tokens or 0) / max(result.draft_tokens, 1))
+        rows.append(Row(label, result.completion_tokens / wall, accept,
+                        (result.completion_tokens - 1) / max(steps, 1), result.tokens == reference))
+    base = rows[0].tok_s
+    print(f"{'setting':<18} {'tok/s':>8} {'vs plain':>9} {'accept':>8} {'tok/step':>9} {'= plain':>8}")
+    for r in rows:
+        acc = "-" if r.accept is None else f"{r.accept:.1%}"
+        print(f"{r.label:<18} {r.tok_s:>8.1f} {r.tok_s / base:>8.2f}x {acc:>8} {r.tok_step:>9.2f} "
+              f"{'yes' if r.same else 'NO':>8}")
+    if engine.kv_statistics().blocks_used:
+        raise SystemExit("KV blocks leaked")
+
+
+if __name__ == "__main__":
+    main()

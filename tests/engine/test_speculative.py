@@ -1,0 +1,297 @@
+"""Self-speculative decoding (chain and tree) against plain decoding at the verifier's loops.
+
+Greedy: the same tokens, token for token, whatever the draft. Sampled: the same distribution,
+checked with a chi-square test on the joint distribution of three sampled tokens, against the
+exact distribution of plain sampling computed from the model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import tinyloop.engine.speculative as speculative
+from tests.engine.test_engine import make_engine, req
+from tinyloop.engine.acceptance import DraftTree
+from tinyloop.engine.engine import Engine
+from tinyloop.engine.sampling import make_generator, target_probs
+from tinyloop.errors import RequestError
+from tinyloop.model.presets import PRESETS, init_model
+from tinyloop.requests import GenerationChunk, GenerationRequest, SamplingParams
+from tinyloop.tokenizer import default_tokenizer
+
+GREEDY = SamplingParams(temperature=0, ignore_eos=True)
+PROMPT = list(range(30, 40))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny matmuls gain nothing from a second thread, and with the CPU shared (a training job
+    beside the tests) two OpenMP threads spin against each other: 4-5x slower here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    eng = make_engine(max_seq_len=256, block_size=8)
+    yield eng
+    assert eng.kv_statistics().blocks_used == 0
+
+
+_plain_cache: dict[tuple[Any, ...], list[int]] = {}
+
+
+def plain(engine: Engine, prompt: list[int], loops: int, max_tokens: int = 24) -> list[int]:
+    key = (tuple(prompt), loops, max_tokens)
+    if key not in _plain_cache:
+        _plain_cache[key] = engine.generate(req(prompt, max_tokens=max_tokens, loops=loops,
+                                                sampling=GREEDY)).tokens
+    return _plain_cache[key]
+
+
+@pytest.fixture
+def moves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts KV moves: a tree whose accepted branch is not stored right after the root."""
+    calls: list[int] = []
+    original = speculative._move_positions
+
+    def counting(*args: Any) -> None:
+        calls.append(len(args[1]))
+        original(*args)
+
+    monkeypatch.setattr(speculative, "_move_positions", counting)
+    return calls
+
+
+SETTINGS = [
+    ("speculative", dict(draft_loops=1, draft_ahead=4)),
+    ("speculative", dict(draft_loops=3, draft_ahead=8)),
+    ("speculative", dict(draft_loops=4, draft_ahead=5)),  # the draft is the verifier: all accepted
+    ("tree", dict(draft_loops=1, draft_ahead=3, k_branches=3)),
+    ("tree", dict(draft_loops=2, draft_ahead=4, k_branches=4)),
+    ("tree", dict(draft_loops=3, draft_ahead=2, k_branches=2)),
+]
+
+
+@pytest.mark.parametrize(("mode", "extra"), SETTINGS)
+def test_greedy_speculation_equals_plain_greedy(engine: Engine, mode: str, extra: dict[str, int]) -> None:
+    out = engine.generate(req(PROMPT, max_tokens=24, loops=4, mode=mode, sampling=GREEDY, **extra))
+    assert out.tokens == plain(engine, PROMPT, 4)
+    assert out.mean_loops == 4 and out.completion_tokens == 24
+    assert out.draft_tokens is not None and out.accepted_draft_tokens is not None
+    assert out.draft_tokens == out.accepted_draft_tokens + out.rejected_draft_tokens
+    assert out.accepted_draft_tokens <= out.completion_tokens - 1  # the first comes from prefill
+    if extra["draft_loops"] == 4:  # a perfect draft: every drafted token accepted
+        assert out.rejected_draft_tokens == 0 and out.accepted_draft_tokens >= 18
+    assert engine.kv_statistics().blocks_used == 0
+
+
+def test_tree_branches_other_than_the_first_are_accepted_and_moved(engine: Engine, moves: list[int]) -> None:
+    for mode_extra in [dict(draft_loops=1, draft_ahead=3, k_branches=3),
+                       dict(draft_loops=2, draft_ahead=4, k_branches=4)]:
+        out = engine.generate(req(PROMPT, max_tokens=24, loops=4, mode="tree", sampling=GREEDY, **mode_extra))
+        assert out.tokens == plain(engine, PROMPT, 4)
+    assert moves  # the tokens after a moved path read the moved KV: equality covers them
+
+
+def test_other_loops_and_prompts(engine: Engine) -> None:
+    prompt = [5, 6, 7, 8]
+    for mode, extra in [("speculative", dict(draft_loops=5, draft_ahead=3)),
+                        ("tree", dict(draft_loops=2, draft_ahead=3, k_branches=2))]:
+        out = engine.generate(req(prompt, max_tokens=20, loops=6, mode=mode, sampling=GREEDY, **extra))
+        assert out.tokens == plain(engine, prompt, 6, 20)
+
+
+def test_batched_mixed_modes_equal_each_alone(engine: Engine) -> None:
+    sampled = SamplingParams(temperature=0.9, top_k=20, seed=7, ignore_eos=True)
+    reqs = [
+        req(PROMPT, max_tokens=12, loops=4, sampling=GREEDY),
+        req(PROMPT, max_tokens=12, loops=4, mode="speculative", draft_loops=3, draft_ahead=4, sampling=GREEDY),
+        req(PROMPT, max_tokens=12, loops=4, mode="tree", draft_loops=1, draft_ahead=4, k_branches=2,
+            sampling=GREEDY),
+        req([50, 51, 52], max_tokens=9, loops=3, mode="speculative", draft_loops=1, draft_ahead=2,
+            sampling=sampled),
+        req([50, 51, 52], max_tokens=9, loops=3, mode="tree", draft_loops=2, draft_ahead=3,
+            k_branches=3, sampling=sampled),
+        req([60, 61], max_tokens=7, loops=2, mode="speculative", draft_loops=2, draft_ahead=3,
+            sampling=SamplingParams(temperature=0, repetition_penalty=1.3, logprobs=True,
+                                    top_logprobs=2, ignore_eos=True)),
+    ]
+    together = engine.generate_many(reqs)
+    alone = [engine.generate(r) for r in reqs]
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert together[0].tokens == together[1].tokens == together[2].tokens
+    # penalties and logprobs: the same as plain greedy decoding reports
+    base = engine.generate(GenerationRequest(prompt_tokens=(60, 61), max_tokens=7, loops=2,
+                                             sampling=reqs[5].sampling))
+    assert together[5].tokens == base.tokens
+    assert together[5].logprobs is not None and base.logprobs is not None
+    for got, want in zip(together[5].logprobs, base.logprobs):
+        assert got.token_id == want.token_id and [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+    assert engine.kv_statistics().blocks_used == 0
+
+
+@pytest.mark.parametrize("mode", ["speculative", "tree"])
+def test_max_tokens_and_stops_cut_inside_an_accepted_run(engine: Engine, mode: str) -> None:
+    extra: dict[str, int] = dict(draft_loops=4, draft_ahead=8)  # perfect drafts: long runs
+    if mode == "tree":
+        extra["k_branches"] = 2
+    full = plain(engine, PROMPT, 4)
+    for n in (1, 2, 5, 11):
+        out = engine.generate(req(PROMPT, max_tokens=n, loops=4, mode=mode, sampling=GREEDY, **extra))
+        assert out.tokens == full[:n] and out.finish_reason == "length"
+    # a stop token in the middle of a run: nothing after it
+    target = full[6]
+    params = SamplingParams(temperature=0, ignore_eos=True, stop_token_ids=(target,))
+    out = engine.generate(req(PROMPT, max_tokens=24, loops=4, mode=mode, sampling=params, **extra))
+    assert out.tokens == full[: full.index(target) + 1] and out.stop_reason == "stop_token"
+    # a stop string: the text is cut where plain decoding cuts it, streamed chunks agree
+    text = engine.generate(req(PROMPT, max_tokens=24, loops=4, sampling=GREEDY)).text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    params = SamplingParams(temperature=0, ignore_eos=True, stop=(stop,))
+    want = engine.generate(req(PROMPT, max_tokens=24, loops=4, sampling=params))
+    chunks: list[GenerationChunk] = []
+    got = engine.generate_stream(req(PROMPT, max_tokens=24, loops=4, mode=mode, sampling=params, **extra),
+                                 chunks.append)
+    assert (got.tokens, got.text, got.stop_reason) == (want.tokens, want.text, "stop_string")
+    assert [c.token_id for c in chunks] == got.tokens
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert "".join(c.text for c in chunks) == got.text
+    assert engine.kv_statistics().blocks_used == 0
+
+
+def test_a_short_pool_falls_back_to_plain_steps() -> None:
+    eng = make_engine(max_seq_len=256, block_size=8, kv_cache_mb=60 * 2048 / 2**20)  # 60 blocks
+    assert eng.kv_statistics().blocks_total == 60
+    want = plain(eng, PROMPT, 4, 20)  # 10 slots x 4 blocks: fits
+    out = eng.generate(req(PROMPT, max_tokens=20, loops=4, mode="tree", draft_loops=2,
+                           draft_ahead=8, k_branches=6, sampling=GREEDY))
+    assert out.tokens == want
+    assert eng.kv_statistics().blocks_used == 0
+
+
+def test_validation() -> None:
+    eng = make_engine(max_seq_len=256)
+    cases: list[tuple[dict[str, Any], str]] = [
+        (dict(draft_loops=2), "draft_loops"),  # mode generate
+        (dict(mode="speculative", k_branches=2), "k_branches"),
+        (dict(mode="speculative", draft_ahead=0), "draft_ahead"),
+        (dict(mode="tree", k_branches=17), "k_branches"),
+        (dict(mode="tree", warm_start=True), "warm_start"),
+    ]
+    for fields, param in cases:
+        with pytest.raises(RequestError) as info:
+            GenerationRequest(prompt_tokens=(1, 2), **fields)
+        assert info.value.param == param
+    for fields, param in [(dict(loops=2, draft_loops=3), "draft_loops"),
+                          (dict(loops=4, cache_window=2), "cache_window")]:
+        with pytest.raises(RequestError) as info:
+            eng.start(GenerationRequest(prompt_tokens=(1, 2), mode="speculative", **fields))
+        assert info.value.param == param
+
+
+def test_a_model_with_an_exit_rule_is_refused() -> None:
+    model = init_model(PRESETS["tiny-ouro"].replace(max_position=64), seed=0)
+    eng = Engine(model, default_tokenizer())
+    with pytest.raises(RequestError, match="adaptive exit rule") as info:
+        eng.start(GenerationRequest(prompt_tokens=(1, 2), mode="tree"))
+    assert info.value.param == "mode"
+
+
+@pytest.mark.parametrize("kv_mode", ["int4", "h-mode"])
+def test_kv_modes_and_a_tree_at_the_end_of_the_positions(kv_mode: str) -> None:
+    """The KV of an accepted branch moves whatever the pool stores; a wide tree near
+    ``max_position`` is cut to fit (h-mode takes RoPE tables at storage positions)."""
+    eng = make_engine(max_seq_len=256, block_size=8, kv_mode=kv_mode)
+    prompt = list(range(5, 225))
+    want = eng.generate(req(prompt, max_tokens=30, sampling=GREEDY)).tokens
+    for extra in [dict(draft_loops=2, draft_ahead=3, k_branches=3),
+                  dict(draft_loops=4, draft_ahead=8, k_branches=16)]:
+        got = eng.generate(req(prompt, max_tokens=30, mode="tree", sampling=GREEDY, **extra))
+        assert got.tokens == want
+    assert eng.kv_statistics().blocks_used == 0
+
+
+def test_draft_tree_layout() -> None:
+    tree = DraftTree.from_branches(9, [[1, 2, 3], [4, 5, 6]])
+    assert tree.tokens == (9, 1, 2, 3, 4, 5, 6) and tree.depths == (0, 1, 2, 3, 1, 2, 3)
+    assert tree.children(0) == [1, 4] and tree.children(4) == [5]
+    assert tree.positions(10) == [10, 11, 12, 13, 11, 12, 13]
+    mask = tree.mask()
+    assert mask[6].tolist() == [True, False, False, False, True, True, True]
+    assert torch.equal(DraftTree.from_branches(9, [[1, 2]]).mask(), torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+# -- sampling: the distribution of plain sampling ------------------------------------------------
+
+SAMPLED = SamplingParams(temperature=0.06, top_k=2, presence_penalty=0.4, ignore_eos=True)
+CHI2_DF7_P001 = 24.32  # the 0.999 quantile of chi-square with 7 degrees of freedom
+
+
+def exact_joint(eng: Engine, prompt: list[int], first: int) -> dict[tuple[int, ...], float]:
+    """P(tokens 2..4 | the first) under plain sampling, from the model's own distributions."""
+    def after(tokens: list[int]) -> torch.Tensor:
+        seq = eng.start(req(prompt + tokens, max_tokens=1))
+        logits = eng.prefill(seq)
+        eng.free(seq)
+        return target_probs(logits, SAMPLED, prompt, tokens)
+
+    out: dict[tuple[int, ...], float] = {}
+    paths: list[tuple[list[int], float]] = [([first], 1.0)]
+    for _ in range(3):
+        nxt = []
+        for tokens, p in paths:
+            probs = after(tokens)
+            nxt.extend((tokens + [t], p * float(probs[t])) for t in probs.nonzero().flatten().tolist())
+        paths = nxt
+    for tokens, p in paths:
+        out[tuple(tokens[1:])] = p
+    return out
+
+
+def sample_many(eng: Engine, request: GenerationRequest, n: int) -> tuple[int, Counter[tuple[int, ...]], int, int]:
+    """Prefill once, take the greedy first token, then fork ``n`` copies with seeds 0..n-1 and
+    run them as one batch: (first token, counts of tokens 2..4, drafted, rejected)."""
+    seq = eng.start(request)
+    eng._accept(seq, int(eng.prefill(seq).argmax()), None)
+    kids = []
+    for i in range(n):
+        kid = eng.fork(seq)
+        kid.generator = make_generator(i)
+        kids.append(kid)
+    eng.free(seq)
+    while not all(k.finished for k in kids):
+        eng.step([k for k in kids if not k.finished])
+    counts = Counter(tuple(k.output[1:]) for k in kids)
+    drafted = sum(k.draft_tokens for k in kids)
+    rejected = sum(k.rejected_draft_tokens for k in kids)
+    for k in kids:
+        eng.free(k)
+    return seq.output[0], counts, drafted, rejected
+
+
+@pytest.mark.parametrize(("mode", "extra"), [
+    ("speculative", dict(draft_loops=2, draft_ahead=2)),
+    ("tree", dict(draft_loops=2, draft_ahead=2, k_branches=2)),
+])
+def test_sampled_speculation_has_the_distribution_of_plain_sampling(mode: str, extra: dict[str, int]) -> None:
+    eng = make_engine(max_seq_len=64, block_size=4, kv_cache_mb=64)
+    prompt = [30, 31, 32, 33, 34]
+    n = 1000
+    request = req(prompt, max_tokens=4, loops=4, mode=mode, sampling=SAMPLED, **extra)
+    first, counts, drafted, rejected = sample_many(eng, request, n)
+    exact = exact_joint(eng, prompt, first)
+    assert len(exact) == 8 and set(counts) <= set(exact)
+    chi2 = sum((counts[k] - n * p) ** 2 / (n * p) for k, p in exact.items())
+    assert chi2 < CHI2_DF7_P001, (chi2, counts, exact)
+    # both sides of the rule ran: some drafts were accepted, some rejected
+    assert 0.05 * drafted < rejected < 0.95 * drafted
+    assert eng.kv_statistics().blocks_used == 0
