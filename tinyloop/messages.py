@@ -127,7 +127,8 @@ class StepDone:
 
 @dataclass(frozen=True, slots=True)
 class PrefixLookup:
-    """A prompt looked up in the prefix pool: its length and how many tokens the KV covered."""
+    """A started request's prompt: its length and how many of its tokens' KV came from the
+    prefix pool or the engine's prefix cache (0 when neither had it)."""
 
     queried_tokens: int
     hit_tokens: int

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tinyloop.errors import RequestError
+from tinyloop.model.config import ExitRule
 
 __all__ = [
     "SamplingParams",
@@ -33,6 +34,8 @@ DEFAULT_DRAFT_AHEAD = 4
 DEFAULT_K_BRANCHES = 2
 MAX_DRAFT_AHEAD = 64
 MAX_K_BRANCHES = 16
+DEFAULT_NUM_BEAMS = 4
+MAX_NUM_BEAMS = 16
 
 
 class RequestState(enum.Enum):
@@ -145,6 +148,13 @@ class GenerationRequest:
     These fields are refused in the other modes, and ``warm_start`` is refused in these: a
     warm-started token needs the previous token's final state, so several tokens cannot be
     verified in one forward.
+
+    ``beam`` keeps the ``num_beams`` (default 4; 1 is greedy decoding) best partial outputs by
+    cumulative logprob of the raw logits and returns the finished one with the best
+    ``sum_logprob / len ** length_penalty`` (default 1.0). Beam search is deterministic: the
+    sampling fields other than ``stop``, ``stop_token_ids``, ``ignore_eos`` and ``logprobs``
+    are ignored, and ``stop`` strings are applied to the chosen output only. A streamed beam
+    request gets all its tokens in the step where the search ends.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -158,6 +168,9 @@ class GenerationRequest:
     draft_loops: int | None = None
     draft_ahead: int | None = None
     k_branches: int | None = None
+    num_beams: int | None = None
+    length_penalty: float | None = None
+    exit: ExitRule | None = None  # adaptive exit for this request (default: the model's rule)
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_tokens, list):
@@ -167,6 +180,7 @@ class GenerationRequest:
         _check(all(_is_int(t) and t >= 0 for t in self.prompt_tokens),
                "prompt tokens must be non-negative integers", "prompt")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an integer >= 1", "max_tokens")
+        _check(self.exit is None or isinstance(self.exit, ExitRule), "exit must be an ExitRule", "exit")
         _check(self.mode in ("generate", "speculative", "tree", "beam"),
                "mode must be one of generate, speculative, tree, beam", "mode")
         _check(self.loops is None or (_is_int(self.loops) and self.loops >= 1),
@@ -174,6 +188,7 @@ class GenerationRequest:
         _check(self.cache_window is None or (_is_int(self.cache_window) and self.cache_window >= 1),
                "cache_window must be an integer >= 1", "cache_window")
         self._check_speculation()
+        self._check_beam()
 
     def _check_speculation(self) -> None:
         speculative = self.mode in ("speculative", "tree")
@@ -191,6 +206,24 @@ class GenerationRequest:
                    else f"{name} must be an integer in [{low}, {high}]", name)
         _check(not (speculative and self.warm_start),
                "warm_start cannot be combined with speculative decoding", "warm_start")
+
+    def _check_beam(self) -> None:
+        beam = self.mode == "beam"
+        _check(beam or (self.num_beams is None and self.length_penalty is None),
+               "num_beams and length_penalty are only allowed with mode beam",
+               "num_beams" if self.num_beams is not None else "length_penalty")
+        _check(self.num_beams is None or (_is_int(self.num_beams) and 1 <= self.num_beams <= MAX_NUM_BEAMS),
+               f"num_beams must be an integer in [1, {MAX_NUM_BEAMS}]", "num_beams")
+        _check(self.length_penalty is None or (_finite(self.length_penalty) and abs(self.length_penalty) <= 10),
+               "length_penalty must be a finite number in [-10, 10]", "length_penalty")
+
+    @property
+    def beam(self) -> tuple[int, float] | None:
+        """(num_beams, length_penalty) with defaults in mode ``beam``, else None."""
+        if self.mode != "beam":
+            return None
+        return (self.num_beams or DEFAULT_NUM_BEAMS,
+                1.0 if self.length_penalty is None else float(self.length_penalty))
 
     @property
     def speculation(self) -> tuple[int, int, int] | None:
@@ -223,7 +256,8 @@ class GenerationResult:
 
     Speculative requests (modes ``speculative`` and ``tree``) report ``draft_tokens`` (tokens
     drafted: for a tree, every node), ``accepted_draft_tokens`` (drafted tokens the verifier
-    accepted) and ``rejected_draft_tokens`` (the rest); None for the other modes.
+    accepted) and ``rejected_draft_tokens`` (the rest); None for the other modes. A beam request
+    reports ``beam_score``, the returned output's ``sum_logprob / len ** length_penalty``.
     """
 
     tokens: list[int]
@@ -240,3 +274,4 @@ class GenerationResult:
     draft_tokens: int | None = None
     accepted_draft_tokens: int | None = None
     rejected_draft_tokens: int | None = None
+    beam_score: float | None = None

@@ -55,6 +55,8 @@ class Settings:
     downgrade_on_admission: bool = _opt(False, "TINYLOOP_DOWNGRADE_ON_ADMISSION",
                                         "admit at fewer loops instead of rejecting for the SLO")
     downgrade_min_loops: int = _opt(1, "TINYLOOP_DOWNGRADE_MIN_LOOPS", "the lowest loops a downgrade may pick")
+    prefix_caching: bool = _opt(True, "TINYLOOP_PREFIX_CACHING",
+                                "keep full KV blocks of ended requests for reuse by shared prompt prefixes")
     prefix_pool_capacity: int = _opt(16, "TINYLOOP_PREFIX_POOL_CAPACITY", "entries in the prefix pool (LRU)")
     host: str = _opt("127.0.0.1", "TINYLOOP_HOST", "address to bind")
     port: int = _opt(8000, "TINYLOOP_PORT", "port to bind")

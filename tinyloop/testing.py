@@ -49,6 +49,13 @@ class FakeSequence:
         return list(self.request.prompt_tokens)
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix covered (the last one always runs, as in the engine)."""
+        if not isinstance(self.prefix, FakeSequence):
+            return 0
+        return min(len(self.prefix.prompt), len(self.prompt) - 1)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -88,12 +95,17 @@ class FakeEngine:
     prefixes: list[tuple[int, ...]] = field(default_factory=list)
     live: int = 0
 
-    def start(self, req: GenerationRequest, prefix: object | None = None) -> FakeSequence:
+    def validate(self, req: GenerationRequest) -> int:
+        """The checks the real engine makes on limits and loops; returns the loops."""
         if len(req.prompt_tokens) + req.max_tokens > self.max_seq_len:
             raise PromptTooLongError(len(req.prompt_tokens), req.max_tokens, self.max_seq_len)
         loops = req.loops or self.default_loops
         if loops > self.max_loops:
             raise RequestError(f"loops must be <= {self.max_loops}", param="loops")
+        return loops
+
+    def start(self, req: GenerationRequest, prefix: object | None = None) -> FakeSequence:
+        loops = self.validate(req)
         self.started.append(req.request_id)
         self.live += 1
         return FakeSequence(req, loops, min(req.cache_window or loops, loops),

@@ -322,15 +322,18 @@ async def test_engine_error_leaves_the_queued_request_served(autojump_clock: tri
 async def test_a_request_the_engine_refuses_fails_alone(autojump_clock: trio.abc.Clock) -> None:
     engine = FakeEngine(latency_ms=10, max_loops=64)
     out: Outcomes = {}
-    bad, good = req(loops=100), req()  # FakeEngine.start refuses loops > max_loops
+    bad, good = req(loops=100), req()  # the engine refuses loops > max_loops
     with trio.fail_after(CEILING_S):
         async with runtime(engine, max_batch_size=2) as rt:
             async with trio.open_nursery() as n:
                 n.start_soon(run_request, rt, bad, out)
                 n.start_soon(run_request, rt, good, out)
             await settle()
-            assert sample(rt, "tinyloop_requests_errored_total") == 1
+            # Validated before admission: it never enters the machine, so no terminal counter.
+            assert sample(rt, "tinyloop_requests_errored_total") == 0
+            assert sample(rt, "tinyloop_requests_submitted_total") == 1
             assert sample(rt, "tinyloop_requests_completed_total") == 1
+            assert bad.request_id not in engine.started
     error = out[bad.request_id]
     assert isinstance(error, RequestError) and error.param == "loops"
     assert isinstance(out[good.request_id], GenerationResult)
@@ -529,13 +532,14 @@ async def test_prefix_pool_hits_count_generate_dispatches_while_the_pool_has_ent
 
             await rt.submit(req(prompt=(1, 2, 3, 4)))  # the prefix matches
             await rt.submit(req(prompt=(9, 9)))  # no match, counted all the same (the seeds' rule)
-            for mode in ("speculative", "tree", "beam"):  # not routed through the pool
+            for mode in ("speculative", "tree", "beam"):  # through the pool, but not counted
                 await rt.submit(req(prompt=(1, 2, 3, 4), mode=mode))
             await settle()
             assert sample(rt, "tinyloop_prefix_pool_hits_total") == 2
             assert rt.statistics().dispatched == 6
-            assert sample(rt, "tinyloop_prefix_cache_queried_tokens_total") == 4 + 2
-            assert sample(rt, "tinyloop_prefix_cache_hit_tokens_total") == 3
+            # Every started request is looked up; the pool's 3 tokens serve the four (1, 2, 3, 4).
+            assert sample(rt, "tinyloop_prefix_cache_queried_tokens_total") == 4 + 4 + 2 + 3 * 4
+            assert sample(rt, "tinyloop_prefix_cache_hit_tokens_total") == 4 * 3
 
 
 # -- aging, downgrade, batching -----------------------------------------------------------------

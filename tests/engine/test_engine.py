@@ -144,7 +144,8 @@ def test_kv_exhaustion_fails_only_the_sequence_that_needs_blocks() -> None:
     assert small.result().completion_tokens == 3
     eng.free(small)
     eng.free(big)
-    assert eng.kv_statistics().blocks_free == total
+    stats = eng.kv_statistics()  # nothing held: idle prefix-cache blocks are evictable
+    assert (stats.blocks_used, stats.blocks_free + stats.blocks_cached) == (0, total)
 
 
 def test_warm_start_changes_decoding(engine: Engine) -> None:

@@ -295,7 +295,33 @@ async def test_speculative_routes_refuse_bad_parameters(path: str) -> None:
             assert srv.runtime.statistics().dispatched == 0  # refused before anything queued
 
 
-async def test_tokenize_and_detokenize_round_trip() -> None:
+async def test_generate_beam_search() -> None:
+    with trio.fail_after(30):
+        async with client_for() as (srv, client):
+            out = await generate(client, num_beams=3, length_penalty=0.5)
+            assert set(out) == RESULT_FIELDS | {"beam_score"}
+            expected = tiny_engine().generate(GenerationRequest(
+                prompt_tokens=tuple(srv.model.tokenizer.encode(PROMPT)), max_tokens=10, mode="beam",
+                num_beams=3, length_penalty=0.5, sampling=SamplingParams(temperature=0.0)))
+            assert out["tokens"] == expected.tokens
+            assert out["beam_score"] == pytest.approx(expected.beam_score)
+            assert "beam_score" not in await generate(client, num_beams=1)
+            resp = await client.post("/generate", json={"prompt": PROMPT, "max_tokens": 10,
+                                                        "num_beams": 3, "stream": True})
+            events = sse_events(resp.text)
+            final, tokens = events[-2], events[:-2]  # one burst once the search ends, then the result
+            assert [e["token_id"] for e in tokens] == final["tokens"] == expected.tokens
+            for fields, param in [({"num_beams": 17}, "num_beams"), ({"num_beams": 0}, "num_beams"),
+                                  ({"num_beams": 2, "temperature": 0.5}, "temperature"),
+                                  ({"length_penalty": 1.0}, "length_penalty")]:
+                bad = await client.post("/generate", json={"prompt": PROMPT, **fields})
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+            spec = await client.post("/generate/speculative", json={"prompt": PROMPT, "num_beams": 2})
+            assert spec.status_code == 400 and spec.json()["error"]["param"] == "num_beams"
+            assert srv.engine.kv_statistics().blocks_used == 0
+
+
+
     with trio.fail_after(30):
         async with client_for() as (srv, client):
             text = "Hello, world! Loops all the way down."

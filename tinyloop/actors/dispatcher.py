@@ -1,9 +1,10 @@
 """The dispatcher actor: fills free engine slots from the queue and decides how each request runs.
 
 It starts with ``max_batch_size`` free slots, asks the queue for one ticket per free slot
-(``Pull``), and gets a slot back for each ``SlotFreed`` from the engine. A ``generate`` request
-dispatched while the prefix pool has entries goes through the pool (the seeds' rule: the
-``tinyloop_prefix_pool_hits_total`` counter moves whether or not a prefix then matches).
+(``Pull``), and gets a slot back for each ``SlotFreed`` from the engine. Every request dispatched
+while the prefix pool has entries goes through the pool, whatever its mode; the
+``tinyloop_prefix_pool_hits_total`` counter keeps the seeds' rule and counts only the ``generate``
+ones (whether or not a prefix then matches).
 
 Cancellation: cancelled with its nursery. A ticket cancelled by its caller before it reached
 the engine is retired here and its slot pulled again.
@@ -53,8 +54,8 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed],
                                                     ticket.ms_since(ticket.submitted_at) or 0.0, None, None))
                         pulls.send_nowait(Pull())
                         continue
-                    via_pool = ticket.request.mode == "generate" and pool_size() > 0
-                    if via_pool:
+                    via_pool = pool_size() > 0
+                    if via_pool and ticket.request.mode == "generate":
                         state.via_pool += 1
                         events.send_nowait(PoolDispatched())
                     ticket.state = RequestState.DISPATCHED

@@ -1,7 +1,8 @@
 """The engine actor: owns the engine and runs the continuous-batching iteration loop.
 
 Each iteration: take newly dispatched tickets (start their sequences, through the prefix pool
-when the dispatcher said so), drop sequences whose caller went away, run one ``step`` over all
+when the dispatcher said so, and report how much of each prompt's KV came from the pool or the
+engine's prefix cache as ``PrefixLookup``), drop sequences whose caller went away, run one ``step`` over all
 active sequences (a prefill chunk for new ones, one batched decode for the rest, in a worker
 thread), deliver each new token to its ticket, retire finished sequences and free their KV.
 
@@ -84,14 +85,13 @@ class _Loop:
                 loops = req.loops or self.engine.default_loops
                 window = min(req.cache_window or loops, loops)
                 found = self.pool.find(req.prompt_tokens, loops, window)
-                hit = 0 if found is None else min(found[0], len(req.prompt_tokens) - 1)
-                self.events.send_nowait(PrefixLookup(len(req.prompt_tokens), hit))
                 prefix = None if found is None else found[1]
             with engine_errors():
                 seq = self.engine.start(req, prefix)
         except TinyLoopError as exc:
             await self.retire(None, ticket, RequestState.ERROR, exc)
             return
+        self.events.send_nowait(PrefixLookup(len(req.prompt_tokens), seq.cached_tokens))
         ticket.state = RequestState.DECODING
         self.active[id(seq)] = (seq, ticket)
 

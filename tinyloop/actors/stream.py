@@ -43,9 +43,11 @@ class RequestStream:
         return f"<RequestStream {self.ticket!r}>"
 
     async def start(self) -> None:
-        """Pass admission (raises its refusal). Idempotent; iteration calls it if needed."""
+        """Validate against the model (RequestError), then pass admission (raises its refusal).
+        Idempotent; iteration calls it if needed."""
         if self._started:
             return
+        self._runtime.engine.validate(self.ticket.request)
         self._started = True
         try:
             await self._runtime._admit(self.ticket)

@@ -9,8 +9,13 @@ Sequence-level, so batching, the prefix pool and speculation share one mechanism
                                   step for the rest, sampling, stop checks, detokenisation; a
                                   speculative sequence (``mode`` ``speculative`` or ``tree``)
                                   drafts and verifies instead and may emit several tokens
-                                  (``speculative.py``)
+                                  (``speculative.py``); a beam sequence (``mode`` ``beam``)
+                                  extends its beams and emits its tokens once done (``beam.py``)
 - ``fork(seq)`` / ``free(seq)``   share a KV prefix copy-on-write / give the KV back
+
+With ``prefix_caching`` (automatic prefix caching, ``model/blockcache.py``) ``free`` keeps a
+sequence's full, computed blocks in the pool's cache and ``start`` reuses the longest cached run
+of a new prompt's blocks, so only the rest is prefilled.
 
 Every method is blocking and runs on the caller's thread: the runtime calls it from a worker
 thread. One engine is driven by one thread at a time.
@@ -25,11 +30,13 @@ from typing import Any
 
 import torch
 
+from tinyloop.engine.beam import BeamSearch, release as release_beams
 from tinyloop.engine.sampling import StopMatcher, make_generator, sample_batch
 from tinyloop.engine.sequence import Sequence, TokenEvent
 from tinyloop.engine.speculative import Emission, Speculator
 from tinyloop.errors import KVCacheExhausted, PromptTooLongError, RequestError
 from tinyloop.model.config import ModelConfig
+from tinyloop.model.blockcache import block_keys
 from tinyloop.model.context import PagedContext
 from tinyloop.model.kvcache import KVPool, KVPoolStats, SeqKV, slot_count
 from tinyloop.model.kvmode import KVMode
@@ -52,7 +59,7 @@ class Engine:
     def __init__(self, model: LoopedLM, tokenizer: Tokenizer, *, max_seq_len: int | None = None,
                  kv_cache_mb: float | None = None, block_size: int = 16, prefill_chunk: int = 512,
                  chat_template: str | None = None, name: str = "tinyloop",
-                 kv_mode: KVMode | str | None = None) -> None:
+                 kv_mode: KVMode | str | None = None, prefix_caching: bool = True) -> None:
         self.model = model.eval()
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -71,6 +78,9 @@ class Engine:
         self.pool = KVPool(self.config, self._num_blocks(kv_cache_mb, block_size), block_size,
                            dtype=self.dtype, device=self.device, mode=self.kv_mode)
         self.speculator = Speculator(self)
+        self.beam_search = BeamSearch(self)
+        self.prefix_caching = prefix_caching
+        self.prefilled_tokens = 0  # prompt tokens run through the model (cache hits excluded)
 
     @classmethod
     def load(cls, path: str | PathLike[str], *, max_seq_len: int | None = None, device: str = "cpu",
@@ -123,6 +133,13 @@ class Engine:
         if max(req.prompt_tokens) >= c.vocab_size:
             raise RequestError(f"prompt token id {max(req.prompt_tokens)} is outside the "
                                f"vocabulary ({c.vocab_size})", param="prompt")
+        rule = req.exit or c.exit
+        if rule.kind == "gate" and c.exit.kind != "gate":
+            raise RequestError("this model has no exit gate: use exit kind latent_diff or kl",
+                               param="exit")
+        if rule.min_loops > loops and rule.kind != "none":
+            raise RequestError(f"exit.min_loops ({rule.min_loops}) exceeds loops ({loops})",
+                               param="exit")
         if req.speculation is not None:
             self._validate_speculation(req, loops, window)
         return loops, window
@@ -131,9 +148,10 @@ class Engine:
         draft_loops, _, _ = req.speculation or (1, 0, 0)
         # A multi-token verify forward runs every token to its full loops: with an adaptive
         # exit rule plain decoding would stop some tokens earlier and emit other tokens.
-        if self.config.exit.kind != "none":
-            raise RequestError("speculative decoding is not available for a model with an "
-                               f"adaptive exit rule ({self.config.exit.kind}): verification "
+        rule = req.exit or self.config.exit
+        if rule.kind != "none":
+            raise RequestError("speculative decoding is not available with an "
+                               f"adaptive exit rule ({rule.kind}): verification "
                                "cannot exit per token, so the output would differ from plain "
                                "decoding", param="mode")
         if draft_loops > loops:
@@ -146,11 +164,13 @@ class Engine:
                                param="cache_window")
 
     def start(self, req: GenerationRequest, prefix: Sequence | None = None) -> Sequence:
-        """A new sequence for ``req`` (validated; no KV is taken until it runs).
+        """A new sequence for ``req`` (validated; no model work, and no KV beyond shared blocks).
 
         With ``prefix`` (a prefilled sequence at the same loops and window whose prompt
         prefixes this one, see ``prefill_prefix``), the new sequence shares its KV blocks and
-        only the rest of the prompt is prefilled: the output is the same as without it.
+        only the rest of the prompt is prefilled: the output is the same as without it. With
+        prefix caching on, cached blocks serve instead when they cover more of the prompt.
+        ``seq.cached_tokens`` says how many prompt tokens were served either way.
         """
         loops, window = self.validate(req)
         seq = Sequence(
@@ -159,14 +179,56 @@ class Engine:
             generator=make_generator(req.sampling.seed), noise_seed=NOISE_SEED,
             detokenizer=self.tokenizer.stream_decoder(),
             stop_matcher=StopMatcher(req.sampling.stop), prompt=list(req.prompt_tokens))
+        # The last prompt token always runs, so the first output token has its logits.
+        pool_hit = 0
         if prefix is not None:
             n = len(prefix.prompt)
             if (prefix.loops, prefix.window) != (loops, window) or seq.prompt[:n] != prefix.prompt:
                 raise ValueError("prefix does not match the request's prompt, loops and window")
+            pool_hit = min(n, len(seq.prompt) - 1)
+        cached = self._cached_blocks(seq)
+        if len(cached) * self.pool.block_size < pool_hit:
+            self.pool.release([b for col in cached for b in col])
+            cached = []
+        if cached:
+            seq.kv.adopt(cached)
+        elif prefix is not None:
             seq.kv = prefix.kv.fork()
-            # The last prompt token always runs, so the first output token has its logits.
-            seq.kv.truncate(min(n, len(seq.prompt) - 1))
+            seq.kv.truncate(pool_hit)
+        seq.cached_tokens = seq.kv.length
         return seq
+
+    def _salt(self, seq: Sequence) -> tuple[object, ...]:
+        """What a block's KV depends on besides its tokens (the hash chain's salt): an adaptive
+        exit rule changes the loops each position ran, and so its KV."""
+        return (seq.loops, seq.window, seq.noise_seed, self.kv_mode.name, repr(seq.request.exit))
+
+    def _cached_blocks(self, seq: Sequence) -> list[list[int]]:
+        """The prefix cache's longest run of full blocks of ``seq``'s prompt (referenced for it);
+        never the block of the last prompt token, which must run to give the first logits."""
+        if not self._cacheable(seq):
+            return []
+        n = (len(seq.prompt) - 1) // self.pool.block_size
+        return self.pool.cache.lookup(block_keys(seq.prompt, self.pool.block_size, n, self._salt(seq)))
+
+    def _cacheable(self, seq: Sequence) -> bool:
+        # With W < loops a token reads its predecessors' latest slot when they ran in an earlier
+        # forward but the same loop's when they run in its own: a prefill that starts after
+        # cached blocks would change the output, so only full-cache sequences take part.
+        return self.prefix_caching and seq.window >= seq.loops
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Hand ``seq``'s full blocks of computed, request-independent KV to the prefix cache."""
+        tokens = seq.tokens
+        # Positions < kv.length are verified (speculation truncates its drafts away); a
+        # warm-start request's decoded positions depend on its warm state, not its tokens, and
+        # a beam sequence's output need not be the tokens its KV was decoded from.
+        prompt_only = seq.request.warm_start or seq.request.mode == "beam"
+        n = min(seq.kv.length, len(seq.prompt) if prompt_only else len(tokens))
+        n_blocks = min(n // self.pool.block_size, seq.kv.blocks_per_slot)
+        if n_blocks:
+            keys = block_keys(tokens, self.pool.block_size, n_blocks, self._salt(seq))
+            self.pool.cache.insert(keys, seq.kv.columns(n_blocks))
 
     @torch.inference_mode()
     def prefill_prefix(self, tokens: Seq[int], loops: int | None = None,
@@ -185,7 +247,9 @@ class Engine:
     def fork(self, seq: Sequence) -> Sequence:
         """A copy of ``seq`` sharing its KV blocks copy-on-write (beam, prefix pool)."""
         child = self.start(seq.request)
+        child.kv.free()  # whatever start found in the prefix cache: the parent's KV replaces it
         child.kv = seq.kv.fork()
+        child.cached_tokens = seq.cached_tokens
         child.output = list(seq.output)
         child.pending = seq.pending
         child.warm_state = seq.warm_state
@@ -193,13 +257,17 @@ class Engine:
         return child
 
     def free(self, seq: Sequence) -> None:
-        """Give the sequence's KV blocks back to the pool. Safe to call twice."""
+        """Give the sequence's KV blocks back to the pool (its full blocks to the prefix cache,
+        when on). Safe to call twice."""
+        release_beams(seq)
+        if self._cacheable(seq):
+            self._cache_blocks(seq)
         seq.kv.free()
 
     # -- model work ----------------------------------------------------------------------------
     def _spec(self, seq: Sequence, start: int, warm: bool) -> RowSpec:
         return RowSpec(loops=seq.loops, window=seq.window, start=start, noise_seed=seq.noise_seed,
-                       warm_state=seq.warm_state if warm else None)
+                       warm_state=seq.warm_state if warm else None, exit=seq.request.exit)
 
     def _forward(self, seqs: Seq[Sequence], tokens: torch.Tensor, warm: bool) -> ForwardOutput:
         n_new = tokens.shape[1]
@@ -222,6 +290,7 @@ class Engine:
         start = seq.kv.length
         chunk = seq.prompt[start:start + self.prefill_chunk]
         out = self._forward([seq], torch.tensor([chunk], dtype=torch.long), warm=False)
+        self.prefilled_tokens += len(chunk)
         if seq.prefilling:
             return None
         seq.loops_total += out.loops_used[0]
@@ -252,6 +321,8 @@ class Engine:
         events: list[TokenEvent] = []
         ready: list[tuple[Sequence, torch.Tensor]] = []
         decoding = [s for s in seqs if not s.finished and not s.prefilling]
+        beams = [s for s in decoding if s.request.mode == "beam"]
+        decoding = [s for s in decoding if s.request.mode != "beam"]
         for seq in [s for s in seqs if not s.finished and s.prefilling]:
             try:
                 logits = self.prefill_step(seq)
@@ -269,8 +340,13 @@ class Engine:
         if decoding:
             logits = self.decode(decoding)
             ready.extend(zip(decoding, logits))
+        for seq, logits in [(s, l) for s, l in ready if s.request.mode == "beam"]:
+            events.extend(self.beam_search.begin(seq, logits))
+        ready = [(s, l) for s, l in ready if s.request.mode != "beam"]
         if ready:
-            events = self._sample([s for s, _ in ready], torch.stack([l for _, l in ready]))
+            events.extend(self._sample([s for s, _ in ready], torch.stack([l for _, l in ready])))
+        if beams:
+            events.extend(self.beam_search.step(beams))
         for seq, emissions in runs:
             events.extend(self._accept_run(seq, emissions))
         return events

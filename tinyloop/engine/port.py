@@ -31,8 +31,13 @@ class EnginePort(Protocol):
     max_seq_len: int
     default_loops: int
 
+    def validate(self, req: GenerationRequest) -> Any:
+        """Check a request against the model (limits, loops, knobs); raises RequestError."""
+        ...
+
     def start(self, req: GenerationRequest, prefix: Any = None) -> Any:
-        """Validate and set up a sequence (cheap, no model work); raises RequestError."""
+        """Validate and set up a sequence (cheap, no model work); raises RequestError. The
+        sequence's ``cached_tokens`` says how many prompt tokens need no prefill."""
         ...
 
     async def step(self, seqs: Sequence[Any]) -> Sequence[TokenEvent]:
@@ -72,6 +77,9 @@ class ThreadedEngine:
 
     def __repr__(self) -> str:
         return f"<ThreadedEngine {self.engine!r}>"
+
+    def validate(self, req: GenerationRequest) -> tuple[int, int]:
+        return self.engine.validate(req)
 
     def start(self, req: GenerationRequest, prefix: Seq | None = None) -> Seq:
         return self.engine.start(req, prefix)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from tinyloop.requests import (
     TokenLogprob,
 )
 from tinyloop.tokenizer import StreamingDetokenizer
+
+if TYPE_CHECKING:
+    from tinyloop.engine.beam import BeamState
 
 __all__ = ["Sequence", "TokenEvent"]
 
@@ -45,11 +49,14 @@ class Sequence:
     warm_state: torch.Tensor | None = None
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix pool or prefix cache
     last_loops: int = 0  # loops run by the forward that produced the latest logits
     loops_total: int = 0  # loops run for the generated tokens (the first one: the prompt's last)
     draft_tokens: int = 0  # speculation: tokens drafted, accepted and rejected by verification
     accepted_draft_tokens: int = 0
     rejected_draft_tokens: int = 0
+    beam: BeamState | None = None  # mode beam: the search, once the prompt is prefilled (beam.py)
+    beam_score: float | None = None
     finish_reason: FinishReason | None = None
     stop_reason: StopReason | None = None
     error: BaseException | None = None
@@ -106,6 +113,7 @@ class Sequence:
             draft_tokens=self.draft_tokens if speculative else None,
             accepted_draft_tokens=self.accepted_draft_tokens if speculative else None,
             rejected_draft_tokens=self.rejected_draft_tokens if speculative else None,
+            beam_score=self.beam_score,
         )
 
 

@@ -1,5 +1,6 @@
-"""TinyLoop's native routes: ``/generate`` with every knob, its self-speculative variants (chain
-and tree, same response plus the draft counts), tokenizer."""
+"""TinyLoop's native routes: ``/generate`` with every knob (and beam search, ``num_beams > 1``,
+whose result adds ``beam_score``), its self-speculative variants (chain and tree, same response
+plus the draft counts), tokenizer."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tinyloop.actors.stream import RequestStream
 from tinyloop.errors import RequestError
 from tinyloop.http.errors import ApiError, from_exception
 from tinyloop.http.schemas import (
-    DetokenizeRequest, GenerateRequest, SpeculativeRequest, TokenizeRequest, TreeSpeculativeRequest,
+    DetokenizeRequest, GenerateBase, GenerateRequest, SpeculativeRequest, TokenizeRequest, TreeSpeculativeRequest,
 )
 from tinyloop.http.service import DONE, collect, make_requests, new_id, parse_body, served, sse, sse_guard, start_all
 from tinyloop.requests import GenerationResult
@@ -23,13 +24,13 @@ __all__ = ["blueprint"]
 blueprint = Blueprint("native", __name__)
 
 
-_DRAFT_FIELDS = ("draft_tokens", "accepted_draft_tokens", "rejected_draft_tokens")
+_OPTIONAL_FIELDS = ("draft_tokens", "accepted_draft_tokens", "rejected_draft_tokens", "beam_score")
 
 
 def result_json(rid: str, r: GenerationResult) -> dict[str, Any]:
-    """The result as JSON; the draft counts only for speculative requests."""
+    """The result as JSON; the draft counts only for speculative requests, the score for beam."""
     out = dataclasses.asdict(r)
-    for name in _DRAFT_FIELDS:
+    for name in _OPTIONAL_FIELDS:
         if out[name] is None:
             del out[name]
     out["id"] = rid
@@ -43,11 +44,15 @@ def result_json(rid: str, r: GenerationResult) -> dict[str, Any]:
 @blueprint.post("/generate")
 async def generate() -> Response:
     body: GenerateRequest = await parse_body(GenerateRequest)
+    if body.num_beams > 1:
+        return await _generate(body, "beam", num_beams=body.num_beams,
+                               length_penalty=body.length_penalty)
     return await _generate(body, "generate")
 
 
-async def _generate(body: GenerateRequest, mode: str, **speculation: Any) -> Response:
-    """Run one native generation (plain or speculative): JSON, or SSE when ``stream``."""
+async def _generate(body: GenerateBase, mode: str, **fields: Any) -> Response:
+    """Run one native generation (plain, beam or speculative): JSON, or SSE when ``stream``
+    (a beam search streams all its tokens in one burst, once it ends)."""
     s = served()
     tokens = s.model.encode_prompt(body.prompt if body.prompt is not None else body.prompt_tokens or [],
                                    "prompt" if body.prompt is not None else "prompt_tokens")
@@ -55,9 +60,9 @@ async def _generate(body: GenerateRequest, mode: str, **speculation: Any) -> Res
     reqs = make_requests(body, s.model, tokens, body.max_tokens, 1, seed=body.sample_seed,
                          stop=tuple(body.stop or ()), logprobs=body.logprobs or body.top_logprobs > 0,
                          top_logprobs=body.top_logprobs, mode=mode)
-    if speculation:
+    if fields:
         try:
-            reqs = [dataclasses.replace(r, **speculation) for r in reqs]
+            reqs = [dataclasses.replace(r, **fields) for r in reqs]
         except RequestError as exc:
             raise from_exception(exc) from None
     streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "FieldError", "Knobs", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions",
-    "GenerateRequest", "SpeculativeRequest", "TreeSpeculativeRequest", "TokenizeRequest",
+    "GenerateBase", "GenerateRequest", "SpeculativeRequest", "TreeSpeculativeRequest", "TokenizeRequest",
     "DetokenizeRequest",
 ]
 
@@ -32,6 +32,14 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class ExitSpec(Strict):
+    """A per-request adaptive exit rule: stop a token's loops early once it has converged."""
+
+    kind: Literal["none", "gate", "latent_diff", "kl"]
+    threshold: Float = Field(0.0, ge=0)
+    min_loops: int = Field(1, ge=1)
+
+
 class Knobs(Strict):
     """TinyLoop's knobs, accepted by every generation endpoint."""
 
@@ -45,6 +53,7 @@ class Knobs(Strict):
     repetition_penalty: Float = Field(1.0, gt=0, le=10)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     ignore_eos: bool = False
+    exit: ExitSpec | None = Field(None, description="adaptive exit rule (default: the model's)")
 
 
 class Sampling(Knobs):
@@ -131,8 +140,8 @@ class CompletionRequest(Sampling):
         return self
 
 
-class GenerateRequest(Knobs):
-    """The native ``/generate`` body: text or raw token ids, and every knob."""
+class GenerateBase(Knobs):
+    """What every native generation body has: text or raw token ids, and every knob."""
 
     prompt: str | None = None
     prompt_tokens: list[TokenId] | None = None
@@ -148,7 +157,7 @@ class GenerateRequest(Knobs):
     top_logprobs: int = Field(0, ge=0, le=20)
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> GenerateRequest:
+    def _one_prompt(self) -> GenerateBase:
         if (self.prompt is None) == (self.prompt_tokens is None):
             raise FieldError("prompt", "give exactly one of prompt (text) or prompt_tokens (ids)")
         if self.prompt_tokens is not None and not self.prompt_tokens:
@@ -156,7 +165,25 @@ class GenerateRequest(Knobs):
         return self
 
 
-class SpeculativeRequest(GenerateRequest):
+class GenerateRequest(GenerateBase):
+    """The native ``/generate`` body. ``num_beams > 1`` runs a beam search (greedy, so
+    ``temperature`` must be 0); a streamed beam search sends all its tokens at once, when the
+    search ends."""
+
+    num_beams: int = Field(1, ge=1, le=16, description="beam search width (1: no beam search)")
+    length_penalty: Float | None = Field(None, ge=-10, le=10,
+                                         description="beam score = sum_logprob / len ** length_penalty")
+
+    @model_validator(mode="after")
+    def _beam(self) -> GenerateRequest:
+        if self.length_penalty is not None and self.num_beams == 1:
+            raise FieldError("length_penalty", "length_penalty needs num_beams > 1")
+        if self.num_beams > 1 and self.temperature > 0:
+            raise FieldError("temperature", "beam search is deterministic: temperature must be 0")
+        return self
+
+
+class SpeculativeRequest(GenerateBase):
     draft_loops: int = Field(1, ge=1)
     verify_loops: int | None = Field(None, ge=1)
     draft_ahead: int = Field(4, ge=1, le=64)

@@ -34,7 +34,8 @@ def load_engine(settings: Settings) -> Engine:
     return Engine.load(settings.resolve_model_path(), max_seq_len=settings.max_seq_len,
                        device=settings.device, dtype=_DTYPES.get(settings.dtype or "", None),
                        kv_cache_mb=settings.kv_cache_mb, block_size=settings.kv_block_size,
-                       prefill_chunk=settings.prefill_chunk, kv_mode=settings.kv_mode)
+                       prefill_chunk=settings.prefill_chunk, kv_mode=settings.kv_mode,
+                       prefix_caching=settings.prefix_caching)
 
 
 def hypercorn_config(settings: Settings) -> Config:

@@ -18,7 +18,8 @@ from quart import current_app, g, request
 
 from tinyloop.actors.runtime import Runtime
 from tinyloop.actors.stream import RequestStream
-from tinyloop.errors import PromptTooLongError, RequestError
+from tinyloop.errors import ConfigError, PromptTooLongError, RequestError
+from tinyloop.model.config import ExitRule
 from tinyloop.http.errors import ApiError, from_exception
 from tinyloop.requests import GenerationRequest, GenerationResult, SamplingParams
 from tinyloop.settings import Settings
@@ -157,6 +158,17 @@ def sampling_from(body: Any, *, seed: int | None, stop: tuple[str, ...], logprob
         raise from_exception(exc) from None
 
 
+def exit_rule(body: Any) -> ExitRule | None:
+    """The body's ``exit`` object as an ExitRule (400 naming ``exit`` when inconsistent)."""
+    spec = getattr(body, "exit", None)
+    if spec is None:
+        return None
+    try:
+        return ExitRule(kind=spec.kind, threshold=spec.threshold, min_loops=spec.min_loops)
+    except ConfigError as exc:
+        raise ApiError(400, f"Invalid value for 'exit': {exc}", param="exit", code="invalid_value") from None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -176,7 +188,8 @@ def make_requests(body: Any, model: ServedModel, tokens: list[int], max_tokens: 
         try:
             out.append(GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=limit, mode=mode,
                                          loops=body.loops, cache_window=body.cache_window,
-                                         warm_start=body.warm_start, sampling=sampling))
+                                         warm_start=body.warm_start, sampling=sampling,
+                                         exit=exit_rule(body)))
         except RequestError as exc:
             raise from_exception(exc) from None
     return out

@@ -14,7 +14,9 @@ sequence covers the same positions, so all of its tables grow by one block toget
 sequence holds exactly ``n_slots * ceil(length / block_size)`` blocks.
 
 Blocks are reference counted: ``fork`` shares a sequence's blocks (prefix pool, beam) and the
-first write into a shared block copies it (copy-on-write).
+first write into a shared block copies it (copy-on-write). The pool's ``cache`` (``blockcache.py``)
+may keep full blocks of ended sequences for automatic prefix caching, holding one reference of
+its own; ``allocate`` evicts its idle entries before it reports the pool exhausted.
 
 What a block holds per position is the pool's ``KVMode`` (``kvmode.py``): K and V, 4-bit K and V,
 or the attention input h; a ``KVStore`` (``kvstore.py``) does the storing. Block tables and
@@ -29,6 +31,7 @@ import torch
 
 from tinyloop.errors import KVCacheExhausted
 from tinyloop.model.config import ModelConfig, kv_slots_per_token
+from tinyloop.model.blockcache import BlockCache
 from tinyloop.model.kvmode import KVMode
 from tinyloop.model.kvstore import KVStore
 
@@ -42,13 +45,19 @@ def slot_count(config: ModelConfig, loops: int, cache_window: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class KVPoolStats:
-    """A snapshot of the pool: blocks in use, free, total, and bytes per block."""
+    """A snapshot of the pool: blocks in use, free, total, and bytes per block.
+
+    ``blocks_used`` counts blocks held by live sequences (and prefix-pool entries);
+    ``blocks_cached`` the prefix cache's idle blocks, held by no sequence and evicted on demand.
+    ``blocks_used + blocks_free + blocks_cached == blocks_total``.
+    """
 
     blocks_total: int
     blocks_used: int
     blocks_free: int
     block_size: int
     bytes_per_block: int
+    blocks_cached: int = 0
 
 
 class KVPool:
@@ -72,6 +81,7 @@ class KVPool:
         self.refcount = [0] * num_blocks
         # A stack: the most recently freed block is reused first (warm in cache).
         self._free = list(range(num_blocks - 1, -1, -1))
+        self.cache = BlockCache(self.refcount, self.incref, self.release)
 
     # -- storage -------------------------------------------------------------------------------
     @property
@@ -99,18 +109,23 @@ class KVPool:
         return self.bytes_per_token_slot * kv_slots_per_token(self.config, loops, cache_window)
 
     def statistics(self) -> KVPoolStats:
-        used = self.num_blocks - len(self._free)
+        cached = self.cache.idle_blocks()
+        used = self.num_blocks - len(self._free) - cached
         per_block = self.bytes_per_token_slot * self.block_size
-        return KVPoolStats(self.num_blocks, used, len(self._free), self.block_size, per_block)
+        return KVPoolStats(self.num_blocks, used, len(self._free), self.block_size, per_block, cached)
 
     def __repr__(self) -> str:
         s = self.statistics()
-        return (f"<KVPool used={s.blocks_used}/{s.blocks_total} block_size={s.block_size} "
+        return (f"<KVPool used={s.blocks_used}/{s.blocks_total} cached={s.blocks_cached} block_size={s.block_size} "
                 f"mode={self.mode.name}>")
 
     # -- blocks --------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (refcount 1 each) or raise KVCacheExhausted, taking none."""
+        """Take ``n`` free blocks (refcount 1 each) or raise KVCacheExhausted, taking none.
+
+        Idle prefix-cache blocks are evicted first when the free list is short."""
+        if n > len(self._free):
+            self.cache.evict(n - len(self._free))
         if n > len(self._free):
             raise KVCacheExhausted(
                 f"KV cache exhausted: need {n} blocks, {len(self._free)} of {self.num_blocks} free")
@@ -200,6 +215,18 @@ class SeqKV:
         for t in other.tables:
             self.pool.incref(t)
         return other
+
+    def columns(self, n_blocks: int) -> list[list[int]]:
+        """The block ids of every slot at each of the first ``n_blocks`` block indices."""
+        return [[table[i] for table in self.tables] for i in range(n_blocks)]
+
+    def adopt(self, columns: list[list[int]]) -> None:
+        """Start an empty sequence on shared full blocks (the caller took their references)."""
+        if self.length or self.blocks_per_slot:
+            raise ValueError("adopt needs an empty sequence")
+        for s, table in enumerate(self.tables):
+            table.extend(col[s] for col in columns)
+        self.length = len(columns) * self.pool.block_size
 
     def free(self) -> None:
         """Give every block back; the sequence is empty afterwards."""

@@ -102,6 +102,7 @@ class Trainer:
         self.tokens_seen = 0
         self.train_seconds = 0.0  # wall time spent in training steps, across resumes
         self.stop_requested = False
+        self.last_grad_norm = 0.0  # before clipping
         self._val = val_windows(corpus, config.eval_windows, config.seq_len)
         self._prefix = addition_prefix(corpus.arith_train, tokenizer)
 
@@ -119,7 +120,10 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, int]:
-        """One optimizer step at ``self.step``; returns (loss, loops)."""
+        """One optimizer step at ``self.step``; returns (loss, loops).
+
+        A non-finite loss returns before any update and without advancing the step.
+        """
         c = self.config
         batch = sample_batch(self.corpus, c.seed, self.step, c.batch, c.seq_len, c.arith_fraction)
         loops = sample_loops(c.seed, self.step, c.mean_loops, c.max_train_loops)
@@ -128,9 +132,11 @@ class Trainer:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16):
             logits = train_forward(self.model, batch[:, :-1], loops, c.backprop_loops)
             loss = lm_loss(logits, batch[:, 1:])
+        if not torch.isfinite(loss):  # leave the weights (and the last checkpoint) intact
+            return float(loss.detach()), loops
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip))
         self.optimizer.step()
         self.step += 1
         self.tokens_seen += batch[:, :-1].numel()
@@ -196,26 +202,30 @@ class Trainer:
         last_eval = last_ckpt = start
         if self.step == 0:
             self.evaluate()
-        window_loss, window_tokens, window_time, window_loops = 0.0, 0, 0.0, 0
+        window_loss, window_tokens, window_time, window_loops, window_steps = 0.0, 0, 0.0, 0, 0
+        window_gnorm = 0.0
         while self.step < c.steps and not self.stop_requested:
             t0 = clock()
             loss, loops = self.train_step()
             dt = clock() - t0
             self.train_seconds += dt
             if not math.isfinite(loss):
-                self.log(f"non-finite loss {loss} at step {self.step}; stopping")
-                break
+                self.log(f"non-finite loss {loss} at step {self.step}; stopping without a checkpoint")
+                return
             window_loss += loss
             window_tokens += c.batch * c.seq_len
             window_time += dt
             window_loops += loops
+            window_steps += 1
+            window_gnorm += self.last_grad_norm
             if self.step % c.log_every == 0:
-                n = c.log_every
+                n = window_steps  # fewer than log_every right after a resume
                 self.log(f"step={self.step} tokens={self.tokens_seen} "
                          f"tok/s={window_tokens / window_time:.0f} loss={window_loss / n:.4f} "
-                         f"mean_loops={window_loops / n:.2f} "
+                         f"mean_loops={window_loops / n:.2f} gnorm={window_gnorm / n:.2f} "
                          f"lr={self.optimizer.param_groups[0]['lr']:.2e}")
-                window_loss, window_tokens, window_time, window_loops = 0.0, 0, 0.0, 0
+                window_loss, window_tokens, window_time, window_loops, window_steps = 0.0, 0, 0.0, 0, 0
+                window_gnorm = 0.0
             now = clock()
             if now - last_eval >= c.eval_every_min * 60:
                 self.evaluate()

@@ -1,0 +1,229 @@
+"""Beam search on forked sequences: the beams of one request share their KV blocks copy-on-write.
+
+A beam request (``mode="beam"``) is one ``Sequence`` to the runtime. Its prompt is prefilled as
+usual; from the prompt's logits on, ``BeamSearch`` keeps up to ``num_beams`` live beams, each a
+private ``Sequence`` over ``kv.fork()`` of its parent. Each engine step decodes every live beam
+of every beam request in one batched forward, scores the ``2 * num_beams`` best extensions by
+cumulative logprob (``log_softmax`` of the raw logits; nothing is sampled), and keeps the best
+``num_beams`` that do not end: a beam extended by several candidates is forked, a beam extended
+by none is freed. An extension that ends (EOS, a stop token, ``max_tokens``) becomes a finished
+hypothesis scored ``sum_logprob / len ** length_penalty`` (HF's convention).
+
+The search stops when no live beam can still beat the worst of the ``num_beams`` best finished
+hypotheses (an exact bound: logprobs are <= 0, so the best a live beam can reach is its current
+sum over the largest length the penalty favours). The best hypothesis is then replayed through
+``Engine._accept`` so stop strings, detokenisation and the result are those of any request, and
+all its tokens are emitted as TokenEvents in that one step (a stream gets a single burst).
+
+With ``num_beams == 1`` only the best extension is considered: greedy decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tinyloop.engine.sequence import Sequence, TokenEvent
+from tinyloop.errors import KVCacheExhausted
+from tinyloop.requests import TokenLogprob
+
+if TYPE_CHECKING:
+    from tinyloop.engine.engine import Engine
+
+__all__ = ["Beam", "BeamState", "BeamSearch", "beam_score"]
+
+
+def beam_score(sum_logprob: float, length: int, length_penalty: float) -> float:
+    """HF's length-normalised score of a hypothesis of ``length`` generated tokens."""
+    return float(sum_logprob / max(length, 1) ** length_penalty)
+
+
+@dataclass(eq=False)
+class Beam:
+    """A live beam: a private sequence (its KV forked from its parent's) and its tokens so far."""
+
+    seq: Sequence
+    tokens: list[int]
+    logprobs: list[float]
+    sum_logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class Hypothesis:
+    """A finished beam: its tokens, their logprobs and its score."""
+
+    score: float
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    loops_total: int
+
+
+@dataclass(eq=False)
+class BeamState:
+    """One beam request's search: live beams and the best finished hypotheses, best first."""
+
+    num_beams: int
+    length_penalty: float
+    live: list[Beam] = field(default_factory=list)
+    done: list[Hypothesis] = field(default_factory=list)
+
+    def blocks(self) -> int:
+        return sum(b.seq.kv.num_blocks for b in self.live)
+
+    def free(self) -> None:
+        for b in self.live:
+            b.seq.kv.free()
+        self.live.clear()
+
+    def add_done(self, hyp: Hypothesis) -> None:
+        self.done.append(hyp)
+        self.done.sort(key=lambda h: -h.score)
+        del self.done[self.num_beams:]
+
+    def settled(self, max_tokens: int) -> bool:
+        """No live beam can still enter the ``num_beams`` best finished hypotheses."""
+        if not self.live:
+            return True
+        if len(self.done) < self.num_beams:
+            return False
+        worst = self.done[-1].score
+        return all(self._best_reachable(b, max_tokens) <= worst for b in self.live)
+
+    def _best_reachable(self, beam: Beam, max_tokens: int) -> float:
+        # The sum only falls as tokens are added; the length that helps most is the longest
+        # one for a positive penalty and the next one otherwise.
+        length = max_tokens if self.length_penalty > 0 else len(beam.tokens) + 1
+        return beam_score(beam.sum_logprob, length, self.length_penalty)
+
+
+class BeamSearch:
+    """Drives the beam requests of an engine's step (see the module docstring)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def begin(self, seq: Sequence, logits: torch.Tensor) -> list[TokenEvent]:
+        """The prompt's last logits ``[V]`` are in: start the search from one beam."""
+        num_beams, length_penalty = seq.request.beam or (1, 1.0)
+        seq.beam = BeamState(num_beams, length_penalty)
+        root = Beam(self._branch(seq), [], [], 0.0)
+        root.seq.loops_total = 0
+        seq.beam.live = [root]
+        return self._extend(seq, logits[None])
+
+    def step(self, seqs: Seq[Sequence]) -> list[TokenEvent]:
+        """Decode every live beam of ``seqs`` in one batched forward and extend the searches."""
+        ok = []
+        for s in seqs:
+            try:
+                for b in self._state(s).live:
+                    b.seq.kv.reserve(b.seq.kv.length + 1)
+            except KVCacheExhausted as exc:
+                self.fail(s, exc)
+            else:
+                ok.append(s)
+        if not ok:
+            return []
+        beams = [b.seq for s in ok for b in self._state(s).live]
+        logits = self.engine.decode(beams)  # [sum of live beams, V]
+        events: list[TokenEvent] = []
+        row = 0
+        for s in ok:
+            n = len(self._state(s).live)
+            events.extend(self._extend(s, logits[row:row + n]))
+            row += n
+        return events
+
+    def fail(self, seq: Sequence, exc: BaseException) -> None:
+        release(seq)
+        seq.error = exc
+        seq.finish("error", "error")
+
+    # -- one extension -------------------------------------------------------------------------
+    @staticmethod
+    def _state(seq: Sequence) -> BeamState:
+        assert seq.beam is not None, "a beam sequence runs a search once prefilled"
+        return seq.beam
+
+    def _branch(self, seq: Sequence) -> Sequence:
+        """A private copy of ``seq`` for one beam, sharing its KV blocks copy-on-write."""
+        return dataclasses.replace(seq, kv=seq.kv.fork(), output=[], text_parts=[], logprobs=[],
+                                   beam=None)
+
+    @torch.inference_mode()
+    def _extend(self, seq: Sequence, logits: torch.Tensor) -> list[TokenEvent]:
+        """Extend the live beams with their best next tokens (``logits`` ``[beams, V]``)."""
+        state = self._state(seq)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+        sums = torch.tensor([b.sum_logprob for b in state.live], dtype=torch.float32)
+        totals = (sums[:, None] + logprobs).flatten()  # [B * V]
+        k = min(2 * state.num_beams if state.num_beams > 1 else 1, totals.numel())
+        top, idx = totals.topk(k)
+        vocab = logprobs.shape[1]
+        chosen: list[tuple[Beam, int, float]] = []
+        for total, i in zip(top.tolist(), idx.tolist()):
+            beam, token = state.live[i // vocab], i % vocab
+            lp = float(logprobs[i // vocab, token])
+            if self._ends(seq, beam, token):
+                tokens = beam.tokens + [token]
+                state.add_done(Hypothesis(beam_score(total, len(tokens), state.length_penalty),
+                                          tuple(tokens), tuple(beam.logprobs + [lp]),
+                                          beam.seq.loops_total))
+            elif len(chosen) < state.num_beams:
+                chosen.append((beam, token, total))
+            if len(chosen) == state.num_beams:
+                break
+        state.live = self._advance(state.live, chosen)
+        if not state.settled(seq.request.max_tokens):
+            return []
+        return self._finish(seq)
+
+    def _ends(self, seq: Sequence, beam: Beam, token: int) -> bool:
+        params = seq.request.sampling
+        return (len(beam.tokens) + 1 >= seq.request.max_tokens
+                or token in params.stop_token_ids
+                or (token in self.engine.tokenizer.eos_ids and not params.ignore_eos))
+
+    def _advance(self, live: list[Beam], chosen: list[tuple[Beam, int, float]]) -> list[Beam]:
+        """The next live beams: fork a beam chosen twice or more, free one chosen by none."""
+        used: set[int] = set()
+        out = []
+        for beam, token, total in chosen:
+            lp = total - beam.sum_logprob
+            if id(beam) in used:
+                seq = self._branch(beam.seq)
+            else:
+                used.add(id(beam))
+                seq = beam.seq
+            # The forks above read the parent's token lists, so build new ones for every child.
+            out.append(Beam(seq, beam.tokens + [token], beam.logprobs + [lp], total))
+            seq.pending = token
+        for beam in live:
+            if id(beam) not in used:
+                beam.seq.kv.free()
+        return out
+
+    def _finish(self, seq: Sequence) -> list[TokenEvent]:
+        """Replay the best hypothesis into the request's sequence; free every beam."""
+        state = self._state(seq)
+        state.free()
+        best = state.done[0]
+        seq.beam_score = best.score
+        seq.loops_total += best.loops_total
+        want = seq.request.sampling.logprobs or seq.request.sampling.top_logprobs > 0
+        events = []
+        for token, lp in zip(best.tokens, best.logprobs):
+            events.append(self.engine._accept(seq, token, TokenLogprob(token, lp) if want else None))
+            if seq.finished:
+                break
+        return events
+
+
+def release(seq: Sequence) -> None:
+    """Free the KV of a beam request's live beams (the request's own KV is ``seq.kv``)."""
+    if seq.beam is not None:
+        seq.beam.free()

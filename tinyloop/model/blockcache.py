@@ -1,0 +1,113 @@
+"""Automatic prefix caching: full KV blocks kept after their sequence ends, found by hash chain.
+
+vLLM's scheme on our loop-slot pool. Block index ``i`` of a sequence covers positions
+``[i*bs, (i+1)*bs)`` in every one of its ``n_slots`` tables; once those positions hold computed
+KV, the ``n_slots`` blocks are keyed by
+
+    key(i) = hash((key(i-1), tokens[i*bs:(i+1)*bs], loops, window, noise_seed, kv mode))
+
+so a key names the whole token prefix up to the block's end. The KV of a prompt prefix depends
+on nothing else (the initial state is randn by position, ``NOISE_SEED``), so a later sequence
+whose prompt starts with the same tokens at the same loops and window can share the blocks.
+
+Ownership: the cache holds **one reference of its own** on every block it keeps (the pool's
+ordinary refcount). A cached block no sequence holds has refcount 1 and is *idle*: neither free
+nor in use, and evictable. A sequence sharing it raises the count, so it is never evicted while
+held, and the pool's copy-on-write (refcount > 1) keeps a writer from changing cached KV.
+Eviction is least recently used, by entry (all slots of a block index together), and only of
+idle entries; the pool asks for it when its free list runs dry.
+
+Plain bookkeeping over block ids: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+__all__ = ["BlockCache", "block_keys"]
+
+
+def block_keys(tokens: Sequence[int], block_size: int, n_blocks: int, salt: tuple[object, ...]) -> list[int]:
+    """The hash chain of the first ``n_blocks`` full blocks of ``tokens`` under ``salt``."""
+    keys, parent = [], hash(salt)
+    for i in range(n_blocks):
+        parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]), salt))
+        keys.append(parent)
+    return keys
+
+
+class BlockCache:
+    """Hash-chain keyed entries of ``n_slots`` block ids each, in LRU order (oldest first).
+
+    ``refcount`` is the pool's list (read to tell idle entries from held ones); ``incref`` and
+    ``release`` are the pool's, so the cache's references are ordinary ones.
+    """
+
+    def __init__(self, refcount: list[int], incref: Callable[[list[int]], None],
+                 release: Callable[[list[int]], None]) -> None:
+        self._refcount = refcount
+        self._incref, self._release = incref, release
+        self._entries: OrderedDict[int, list[int]] = OrderedDict()
+        self.hits = self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"<BlockCache entries={len(self)} idle_blocks={self.idle_blocks()} hits={self.hits}>"
+
+    def idle_blocks(self) -> int:
+        """Blocks only the cache holds (evictable; counted neither used nor free)."""
+        return sum(1 for blocks in self._entries.values() for b in blocks if self._refcount[b] == 1)
+
+    def insert(self, keys: Sequence[int], columns: Sequence[list[int]]) -> None:
+        """Keep ``columns[i]`` (block ids of every slot at block index i) under ``keys[i]``.
+
+        A key already cached keeps its blocks (another sequence computed the same KV first).
+        """
+        for key, blocks in zip(keys, columns):
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                continue
+            self._incref(blocks)
+            self._entries[key] = list(blocks)
+
+    def lookup(self, keys: Sequence[int]) -> list[list[int]]:
+        """The longest run of cached entries for ``keys`` from the first, one reference taken on
+        each of their blocks for the caller; marks them recently used."""
+        found: list[list[int]] = []
+        for key in keys:
+            blocks = self._entries.get(key)
+            if blocks is None:
+                break
+            found.append(blocks)
+        # Newest last, parents after children: the tail of a chain is evicted before its head,
+        # which would otherwise strand the tail (reachable only through the head).
+        for key in reversed(keys[:len(found)]):
+            self._entries.move_to_end(key)
+        for blocks in found:
+            self._incref(blocks)
+        self.hits += len(found)
+        return found
+
+    def evict(self, n_blocks: int) -> int:
+        """Release idle entries, least recently used first, until ``n_blocks`` blocks went back
+        to the free list (or none is left); returns how many did."""
+        freed = 0
+        for key in list(self._entries):
+            if freed >= n_blocks:
+                break
+            blocks = self._entries[key]
+            if all(self._refcount[b] == 1 for b in blocks):
+                del self._entries[key]
+                self._release(blocks)
+                freed += len(blocks)
+                self.evictions += 1
+        return freed
+
+    def clear(self) -> None:
+        """Drop every entry (held blocks stay with their sequences)."""
+        for blocks in self._entries.values():
+            self._release(blocks)
+        self._entries.clear()
