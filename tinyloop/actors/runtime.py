@@ -139,6 +139,7 @@ class Runtime:
 
     async def _admit(self, ticket: Ticket) -> None:
         if self._stopped:  # the admission actor is gone: nobody would answer
+            ticket.state = RequestState.CANCELLED  # never queued: nothing to take out of the queue
             raise SchedulerShutdown("the runtime has stopped")
         reply_send, reply_recv = trio.open_memory_channel[Any](1)
         self._remember(ticket)

@@ -161,8 +161,11 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     result never depends on how a sort orders ties, and the most likely token always survives.
     """
     # Shifting by the max first keeps a tiny temperature from overflowing to inf (and then NaN):
-    # the shift cancels in the softmax, and the limit is one-hot on the maximum.
-    scaled = (logits - logits.max()) / params.temperature  # [V]
+    # the shift cancels in the softmax, and the limit is one-hot on the maximum. A temperature
+    # below float32's smallest normal would round to 0 in the division (0/0 = NaN at the max),
+    # so it is raised to that floor, which already gives the limit.
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    scaled = (logits - logits.max()) / temperature  # [V]
     probs = torch.softmax(scaled, dim=-1)  # [V]
     if 0 < params.top_k < probs.shape[-1]:
         kth = torch.topk(probs, params.top_k).values[-1]

@@ -1,0 +1,62 @@
+"""Shared pieces of the reliability suite: a light torch, SSE reading, runtime bookkeeping."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import trio
+
+from tests.http.conftest import LiveServer
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Keep the model work on one core (the suite shares the machine); restore afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+async def wait_for(predicate: Callable[[], bool], poll_s: float = 0.005) -> None:
+    while not predicate():
+        await trio.sleep(poll_s)
+
+
+async def sse_events(resp: httpx.Response) -> list[str]:
+    """Every ``data:`` payload of an SSE response, ``[DONE]`` included."""
+    return [line.removeprefix("data: ") async for line in resp.aiter_lines() if line.startswith("data: ")]
+
+
+def final_event(events: list[str]) -> dict[str, object]:
+    """The last JSON event before ``[DONE]``."""
+    assert events and events[-1] == "[DONE]", events[-3:]
+    last: dict[str, object] = json.loads(events[-2])
+    return last
+
+
+def counter(srv: LiveServer, name: str) -> float:
+    value = srv.runtime.metrics.registry.get_sample_value(f"tinyloop_requests_{name}_total")
+    return value or 0.0
+
+
+def assert_drained(srv: LiveServer) -> None:
+    """Nothing queued, nothing running, no KV block held by a request (the prefix cache's
+    blocks are ``blocks_cached``, not ``blocks_used``)."""
+    stats = srv.runtime.statistics()
+    assert (stats.queue_depth, stats.in_flight) == (0, 0), stats
+    assert srv.engine.kv_statistics().blocks_used == 0, srv.engine.kv_statistics()
+
+
+def rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")
