@@ -154,3 +154,15 @@ def test_warm_start_changes_decoding(engine: Engine) -> None:
     warm = engine.generate(req(prompt, max_tokens=10, loops=2, warm_start=True))
     assert cold.tokens[0] == warm.tokens[0]  # the first token comes from the prompt alone
     assert cold.tokens != warm.tokens
+
+
+def test_padded_vocabulary_rows_are_never_sampled() -> None:
+    """A checkpoint whose embedding has more rows than the tokenizer (padding) never samples them."""
+    model = init_model(PRESETS["tiny"].replace(vocab_size=4200, max_position=64), seed=3)
+    with torch.no_grad():
+        model.embed.weight[4096:] = 5.0  # the padding rows would win every argmax
+    eng = Engine(model, default_tokenizer(), max_seq_len=64)
+    for sampling in (SamplingParams(temperature=0, ignore_eos=True),
+                     SamplingParams(temperature=1.0, seed=0, ignore_eos=True)):
+        out = eng.generate(req([1, 2, 3], max_tokens=8, sampling=sampling))
+        assert max(out.tokens) < 4096 and len(out.tokens) == 8

@@ -72,6 +72,7 @@ class Engine:
         if prefill_chunk < 1:
             raise RequestError("prefill_chunk must be >= 1", param="prefill_chunk")
         self.prefill_chunk = prefill_chunk
+        self._vocab_limit = min(tokenizer.vocab_size, self.config.vocab_size)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.kv_mode = KVMode.parse(kv_mode)  # full, int4, h-mode, ... (kvmode.py)
@@ -269,6 +270,15 @@ class Engine:
         return RowSpec(loops=seq.loops, window=seq.window, start=start, noise_seed=seq.noise_seed,
                        warm_state=seq.warm_state if warm else None, exit=seq.request.exit)
 
+    def run_model(self, tokens: torch.Tensor, ctx: Any, specs: Seq[RowSpec],
+                  last_only: bool = True) -> ForwardOutput:
+        """One model forward; rows of the embedding past the tokenizer's vocabulary (padding in
+        the checkpoint) get -inf logits, so sampling can never pick a token nobody can decode."""
+        out: ForwardOutput = self.model(tokens, ctx, specs, last_only=last_only)
+        if self._vocab_limit < out.logits.shape[-1]:
+            out.logits[..., self._vocab_limit:] = float("-inf")
+        return out
+
     def _forward(self, seqs: Seq[Sequence], tokens: torch.Tensor, warm: bool) -> ForwardOutput:
         n_new = tokens.shape[1]
         starts = [s.kv.length for s in seqs]
@@ -276,7 +286,7 @@ class Engine:
             s.kv.reserve(s.kv.length + n_new)
         ctx = PagedContext(self.pool, self.model.rope, [s.kv for s in seqs], starts, n_new)
         specs = [self._spec(s, st, warm) for s, st in zip(seqs, starts)]
-        out = self.model(tokens.to(self.device), ctx, specs)
+        out = self.run_model(tokens.to(self.device), ctx, specs)
         for row, (s, used) in enumerate(zip(seqs, out.loops_used)):
             s.kv.length += n_new
             s.last_loops = used

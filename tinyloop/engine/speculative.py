@@ -204,7 +204,7 @@ class Speculator:
         specs = [RowSpec(loops=r.job.draft_loops, window=r.job.seq.window, start=r.start,
                          noise_seed=r.job.seq.noise_seed, kv_loops=r.job.seq.loops) for r in rows]
         tokens = torch.tensor([[r.token] for r in rows], dtype=torch.long, device=eng.device)  # [B, 1]
-        out: ForwardOutput = eng.model(tokens, ctx, specs)
+        out: ForwardOutput = eng.run_model(tokens, ctx, specs)
         return out.logits[:, -1]  # [B, V]
 
     # -- verify and commit ---------------------------------------------------------------------
@@ -220,7 +220,7 @@ class Speculator:
                          noise_seed=j.seq.noise_seed, positions=t.positions(j.start))
                  for t, j in zip(trees, jobs)]
         tokens = torch.tensor([list(t.tokens) for t in trees], dtype=torch.long, device=eng.device)
-        out: ForwardOutput = eng.model(tokens, ctx, specs, last_only=False)
+        out: ForwardOutput = eng.run_model(tokens, ctx, specs, last_only=False)
         return out.logits.float().cpu()  # [B, T, V]
 
     def _commit(self, job: _Job, logits: torch.Tensor) -> list[Emission]:

