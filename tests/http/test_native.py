@@ -228,7 +228,7 @@ async def test_slo_ms_admits_or_refuses_with_retry_after() -> None:
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "slo_ms"
 
 
-SPEC_FIELDS = {"draft_tokens", "accepted_draft_tokens", "rejected_draft_tokens"}
+SPEC_FIELDS = {"stats", "draft_tokens", "accepted_draft_tokens", "rejected_draft_tokens"}
 SPEC_ROUTES = [("/generate/speculative", {"draft_loops": 2, "draft_ahead": 4}),
                ("/generate/tree_speculative", {"draft_loops": 1, "draft_ahead": 3, "K_branches": 2})]
 
@@ -249,6 +249,9 @@ async def test_speculative_routes_give_the_generate_result_plus_draft_counts() -
                 assert set(out) == RESULT_FIELDS | SPEC_FIELDS
                 assert (out["tokens"], out["text"]) == (plain["tokens"], plain["text"])  # greedy
                 assert out["draft_tokens"] == out["accepted_draft_tokens"] + out["rejected_draft_tokens"]
+                assert out["stats"] == {"total_draft_tokens_count": out["draft_tokens"],
+                                        "accepted_draft_tokens_count": out["accepted_draft_tokens"],
+                                        "rejected_draft_tokens_count": out["rejected_draft_tokens"]}
                 assert out["draft_tokens"] > 0 and out["loops"] == out["mean_loops"] == srv.model.default_loops
                 drafted += out["draft_tokens"]
                 streamed = await client.post(path, json={"prompt": PROMPT, "max_tokens": 10, "stream": True,

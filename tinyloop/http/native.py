@@ -35,6 +35,10 @@ def result_json(rid: str, r: GenerationResult) -> dict[str, Any]:
             del out[name]
     out["id"] = rid
     out["loops"] = out.pop("loops_used")
+    if r.draft_tokens is not None:  # the same counts under LM Studio's stats names
+        out["stats"] = {"total_draft_tokens_count": r.draft_tokens,
+                        "accepted_draft_tokens_count": r.accepted_draft_tokens,
+                        "rejected_draft_tokens_count": r.rejected_draft_tokens}
     if r.logprobs is not None:
         out["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
                             "top": [[t, v] for t, v in lp.top]} for lp in r.logprobs]
