@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,39 +195,40 @@ def make_requests(body: Any, model: ServedModel, tokens: list[int], max_tokens: 
     return out
 
 
-async def start_all(rt: Runtime, reqs: Sequence[GenerationRequest], priority: int,
-                    slo_ms: float | None) -> list[RequestStream]:
-    """Admit every request (all or none: a refusal cancels the ones already admitted)."""
-    streams: list[RequestStream] = []
+@contextmanager
+def _all_or_none(streams: Sequence[RequestStream]) -> Iterator[None]:
+    """On any failure cancel every stream; TinyLoop errors become their HTTP error."""
     try:
-        for req in reqs:
-            stream = rt.submit_stream(req, priority=priority, slo_ms=slo_ms)
-            streams.append(stream)
-            await stream.start()
+        yield
     except BaseException as exc:
         for s in streams:
             s.cancel()
         if isinstance(exc, Exception):
             raise from_exception(exc) from exc
         raise
+
+
+async def start_all(rt: Runtime, reqs: Sequence[GenerationRequest], priority: int,
+                    slo_ms: float | None) -> list[RequestStream]:
+    """Admit every request (all or none: a refusal cancels the ones already admitted)."""
+    streams: list[RequestStream] = []
+    with _all_or_none(streams):
+        for req in reqs:
+            stream = rt.submit_stream(req, priority=priority, slo_ms=slo_ms)
+            streams.append(stream)
+            await stream.start()
     return streams
 
 
 async def collect(streams: Sequence[RequestStream]) -> list[GenerationResult]:
     """Wait for every stream's result (they run concurrently in the engine)."""
     results = []
-    try:
+    with _all_or_none(streams):
         for s in streams:
             async for _ in s:
                 pass
             assert s.result is not None
             results.append(s.result)
-    except BaseException as exc:
-        for s in streams:
-            s.cancel()
-        if isinstance(exc, Exception):
-            raise from_exception(exc) from exc
-        raise
     return results
 
 
