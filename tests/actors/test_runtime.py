@@ -376,6 +376,32 @@ async def test_stream_yields_chunks_in_order_then_the_result(autojump_clock: tri
             assert sample(rt, "tinyloop_requests_completed_total") == 2
 
 
+async def test_next_burst_hands_over_every_chunk_that_piled_up(autojump_clock: trio.abc.Clock) -> None:
+    engine = FakeEngine(latency_ms=20, token_latency_ms=5, stream_tokens=[7, 8, 9, 10, 11])
+    with trio.fail_after(CEILING_S):
+        async with runtime(engine) as rt:
+            async with rt.submit_stream(req(max_tokens=5)) as stream:
+                await stream.start()
+                await trio.sleep(1)  # a slow consumer: the engine finishes meanwhile
+                burst = await stream.next_burst()
+                assert [c.token_id for c in burst] == [7, 8, 9, 10, 11]
+                assert stream.result is None  # the end is handed out by the next call
+                assert await stream.next_burst() == []
+            assert stream.result is not None and stream.result.tokens == [7, 8, 9, 10, 11]
+            assert stream.state is RequestState.DONE
+
+            engine.fail_with = None
+            async with rt.submit_stream(req(max_tokens=5)) as stream:
+                await stream.start()
+                await trio.sleep(0.032)  # tokens at 20, 25, 30 ms; then every step fails
+                engine.fail_with = EngineError("kernel failed")
+                await trio.sleep(1)
+                assert [c.token_id for c in await stream.next_burst()] == [7, 8, 9]
+                with pytest.raises(EngineError, match="kernel failed"):
+                    await stream.next_burst()
+            assert stream.state is RequestState.ERROR
+
+
 # -- shutdown -----------------------------------------------------------------------------------
 async def test_shutdown_drains_queued_and_in_flight_requests(autojump_clock: trio.abc.Clock) -> None:
     engine = FakeEngine(latency_ms=100)

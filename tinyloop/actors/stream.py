@@ -29,6 +29,7 @@ class RequestStream:
         self._runtime = runtime
         self.ticket = Ticket(request, priority, slo_ms, stream, trio.current_time())
         self._started = False
+        self._terminal: Final | Failure | None = None  # met by next_burst, handed out next
         self.result: GenerationResult | None = None
 
     @property
@@ -62,7 +63,7 @@ class RequestStream:
     async def __anext__(self) -> GenerationChunk:
         try:
             await self.start()
-            item = await self.ticket.receive.receive()
+            item, self._terminal = self._terminal or await self.ticket.receive.receive(), None
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
         except BaseException:
@@ -76,6 +77,27 @@ class RequestStream:
                 raise error
             case _:
                 return item
+
+    async def next_burst(self) -> list[GenerationChunk]:
+        """Every chunk delivered so far (waiting for at least one); ``[]`` once the stream ends.
+
+        A consumer slower than the engine (a busy HTTP connection) gets the chunks that piled
+        up in one list, to write them in one go rather than one write per token.
+        """
+        try:
+            burst = [await self.__anext__()]
+        except StopAsyncIteration:
+            return []
+        while self._terminal is None:
+            try:
+                item = self.ticket.receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if isinstance(item, Final | Failure):
+                self._terminal = item
+            else:
+                burst.append(item)
+        return burst
 
     def cancel(self) -> None:
         """Abandon the request (synchronous: safe in ``finally`` and under cancellation)."""

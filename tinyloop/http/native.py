@@ -80,12 +80,15 @@ async def _generate(body: GenerateBase, mode: str, **fields: Any) -> Response:
 
 
 async def _events(rid: str, stream: RequestStream) -> AsyncGenerator[bytes, None]:
-    async for c in stream:
-        event: dict[str, Any] = {"id": rid, "index": c.index, "token_id": c.token_id, "text": c.text,
-                                 "loops": c.loops_used}
-        if c.logprob is not None:
-            event["logprob"] = c.logprob.logprob
-        yield sse(event)
+    while burst := await stream.next_burst():  # what piled up goes out in one write
+        events = []
+        for c in burst:
+            event: dict[str, Any] = {"id": rid, "index": c.index, "token_id": c.token_id,
+                                     "text": c.text, "loops": c.loops_used}
+            if c.logprob is not None:
+                event["logprob"] = c.logprob.logprob
+            events.append(sse(event))
+        yield b"".join(events)
     assert stream.result is not None
     yield sse({"done": True, **result_json(rid, stream.result)})
     yield DONE

@@ -97,12 +97,16 @@ async def _chat_events(s: Served, streams: list[RequestStream], head: dict[str, 
     results = []
     for i, stream in enumerate(streams):
         yield chunk(i, {"role": "assistant", "content": ""})
-        async for c in stream:
-            lp = None
-            if c.logprob is not None:
-                lp = chat_logprobs(s.model.tokenizer, [c.logprob])
-            if c.text or lp is not None:
-                yield chunk(i, {"content": c.text}, logprobs=lp)
+        while burst := await stream.next_burst():  # what piled up goes out in one write
+            events = []
+            for c in burst:
+                lp = None
+                if c.logprob is not None:
+                    lp = chat_logprobs(s.model.tokenizer, [c.logprob])
+                if c.text or lp is not None:
+                    events.append(chunk(i, {"content": c.text}, logprobs=lp))
+            if events:
+                yield b"".join(events)
         result = stream.result
         assert result is not None
         results.append(result)
@@ -153,13 +157,17 @@ async def _completion_events(s: Served, streams: list[RequestStream], head: dict
     results = []
     for i, stream in enumerate(streams):
         offset = 0
-        async for c in stream:
-            lp = None
-            if c.logprob is not None:
-                lp = completion_logprobs(s.model.tokenizer, [c.logprob], offset)
-            offset += len(c.text)
-            if c.text or lp is not None:
-                yield chunk(i, c.text, logprobs=lp)
+        while burst := await stream.next_burst():  # what piled up goes out in one write
+            events = []
+            for c in burst:
+                lp = None
+                if c.logprob is not None:
+                    lp = completion_logprobs(s.model.tokenizer, [c.logprob], offset)
+                offset += len(c.text)
+                if c.text or lp is not None:
+                    events.append(chunk(i, c.text, logprobs=lp))
+            if events:
+                yield b"".join(events)
         result = stream.result
         assert result is not None
         results.append(result)
