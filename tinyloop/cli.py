@@ -262,8 +262,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         else:
             p.add_argument(*names, dest=f.name, type=kind, default=None, help=help_text)
     p.add_argument("--detach", action="store_true",
-                   help="start in the background (own process group); print pid, address and log path")
+                   help="start in the background (own session); return once it serves, printing pid, "
+                        "address and log path (exit 1 if it dies first)")
     p.add_argument("--log", default="/tmp/tinyloop_server.log", help="log file for --detach")
+    p.add_argument("--detach-timeout", type=float, default=120.0,
+                   help="seconds --detach waits for the server to serve before giving up (default 120)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -291,14 +294,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _detach(args: argparse.Namespace, settings: Any) -> int:
+    """Start the server in its own session; return 0 once it serves, 1 if it died or timed out."""
     import os
     import subprocess
+    import time
 
     argv = [a for a in args.argv if a != "--detach"]  # what main() parsed, not sys.argv
-    with open(args.log, "ab") as log:
+    log_path = Path(args.log)
+    start = log_path.stat().st_size if log_path.exists() else 0  # the log is appended to
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tinyloop.cli", *argv], stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=os.environ.copy())
+
+    def ours() -> str:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            return f.read().decode("utf-8", "replace")
+
+    deadline = time.monotonic() + args.detach_timeout
+    while "TinyLoop serving on" not in ours():
+        if proc.poll() is not None:
+            tail = "\n".join(ours().strip().splitlines()[-15:])
+            print(f"TinyLoop server exited with status {proc.returncode} before serving; "
+                  f"log {log_path}:\n{tail}", file=sys.stderr)
+            return 1
+        if time.monotonic() > deadline:
+            proc.terminate()
+            print(f"TinyLoop server (pid {proc.pid}) was not serving after {args.detach_timeout:g}s; "
+                  f"stopped it. Log {log_path}", file=sys.stderr)
+            return 1
+        time.sleep(0.1)
     print(f"TinyLoop server pid={proc.pid} on {settings.host}:{settings.port} — log {args.log}")
     return 0
 

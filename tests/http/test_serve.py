@@ -156,6 +156,22 @@ async def test_detach_prints_pid_and_serves_until_sigterm(
     assert f"TinyLoop serving on http://127.0.0.1:{port}" in log.read_text()
 
 
+def test_detach_reports_a_server_that_dies_before_serving(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = tmp_path / "broken.tinyloop"
+    bad.write_bytes(b"not a safetensors file at all")
+    log = tmp_path / "detached.log"
+    log.write_text("TinyLoop serving on http://127.0.0.1:1 (an earlier run's line)\n")
+    for key in [k for k in os.environ if k.startswith("TINYLOOP_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(ROOT)
+    status = main(["serve", "--detach", "--model", str(bad), "--port", str(free_port()),
+                   "--log", str(log), "--detach-timeout", "60"])
+    captured = capsys.readouterr()
+    assert status == 1 and captured.out == ""
+    assert "exited with status" in captured.err and "broken.tinyloop" in captured.err
+
+
 def test_the_package_app_is_an_asgi_app_built_lazily(tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from quart_trio import QuartTrio
 
