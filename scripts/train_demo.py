@@ -2,6 +2,7 @@
 
     python3 scripts/train_demo.py --out /root/tinyloop-train --max-minutes 90
     python3 scripts/train_demo.py --out /root/tinyloop-train --resume --max-minutes 90
+    python3 scripts/train_demo.py --out /root/tinyloop-train --resume --steps 5700 --mean-loops 6
     python3 scripts/train_demo.py --out /root/tinyloop-train --export demo.tinyloop
     python3 scripts/train_demo.py --out /root/tinyloop-train --report
 
@@ -54,9 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=t.batch)
     p.add_argument("--lr", type=float, default=t.lr)
     p.add_argument("--warmup", type=int, default=t.warmup)
-    p.add_argument("--mean-loops", type=float, default=t.mean_loops)
-    p.add_argument("--backprop-loops", type=int, default=t.backprop_loops)
-    p.add_argument("--arith-fraction", type=float, default=t.arith_fraction)
+    # these three also retune a resumed run when given (the rest of a resumed run's config is fixed)
+    p.add_argument("--mean-loops", type=float, help=f"mean of the loop draw (default {t.mean_loops})")
+    p.add_argument("--backprop-loops", type=int, help=f"loops with gradients (default {t.backprop_loops})")
+    p.add_argument("--arith-fraction", type=float,
+                   help=f"share of addition rows (default {t.arith_fraction})")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=t.bf16)
     p.add_argument("--log-every", type=int, default=t.log_every)
     p.add_argument("--eval-every-min", type=float, default=t.eval_every_min)
@@ -94,24 +97,27 @@ def report(args: argparse.Namespace) -> None:
             print(f"| {rec['step']} | {rec['tokens'] / 1e6:.2f}M | {cells} |")
 
 
+RETUNABLE = ("mean_loops", "backprop_loops", "arith_fraction")
+
+
 def configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, CorpusSpec]:
     ckpt = args.out / CHECKPOINT_NAME
-    if args.resume:  # the run's own configs win, except the budget, log/eval/ckpt cadence, --steps
+    if args.resume:  # the run's own configs win, except the budget, cadences, --steps, RETUNABLE
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         train = TrainConfig.from_dict(state["train_config"])
         overrides = {k: getattr(args, k) for k in ("log_every", "eval_every_min", "ckpt_every_min")}
-        if args.steps is not None:
-            overrides["steps"] = args.steps
+        for k in ("steps", *RETUNABLE):
+            if getattr(args, k) is not None:
+                overrides[k] = getattr(args, k)
         return (ModelConfig.from_json(state["model_config"]), dataclasses.replace(train, **overrides),
                 CorpusSpec(**state["corpus_spec"]))
     if ckpt.exists():
         sys.exit(f"{ckpt} exists: pass --resume to continue it, or choose another --out")
     model = demo_model_config(hidden=args.hidden, intermediate=args.intermediate, n_core=args.n_core)
+    retuned = {k: getattr(args, k) for k in RETUNABLE if getattr(args, k) is not None}
     train = TrainConfig(seed=args.seed, steps=args.steps or TrainConfig().steps, batch=args.batch,
-                        lr=args.lr, warmup=args.warmup, mean_loops=args.mean_loops,
-                        backprop_loops=args.backprop_loops, arith_fraction=args.arith_fraction,
-                        bf16=args.bf16, log_every=args.log_every, eval_every_min=args.eval_every_min,
-                        ckpt_every_min=args.ckpt_every_min)
+                        lr=args.lr, warmup=args.warmup, **retuned, bf16=args.bf16,
+                        log_every=args.log_every, eval_every_min=args.eval_every_min, ckpt_every_min=args.ckpt_every_min)
     return model, train, CorpusSpec(source_dir=args.source_dir, seed=args.seed,
                                     n_train_problems=args.train_problems)
 

@@ -15,7 +15,8 @@ from tinyloop.model.looped import RowSpec
 from tinyloop.model.presets import init_model
 from tinyloop.tokenizer import default_tokenizer
 from tinyloop.train.corpus import (CorpusSpec, build_corpus, format_problems, held_out_problems,
-                                   sample_batch, source_files, split_files, training_problems)
+                                   sample_batch, source_files, split_files, training_problems,
+                                   validation_text)
 from tinyloop.train.steps import lm_loss, sample_loops, train_forward
 from tinyloop.train.trainer import CHECKPOINT_NAME, TrainConfig, Trainer, demo_model_config
 
@@ -61,6 +62,7 @@ def test_corpus_files_and_splits_are_deterministic(source_dir: Path, tmp_path: P
         assert np.array_equal(getattr(fresh, name), getattr(cached, name))
         assert np.array_equal(getattr(fresh, name), getattr(uncached, name))
     assert fresh.val_files == tuple(val)
+    assert np.array_equal(validation_text(_spec(source_dir), tok), fresh.text_val)
     b1 = sample_batch(fresh, 0, 7, 4, 16, 0.25)
     assert b1.shape == (4, 17) and torch.equal(b1, sample_batch(cached, 0, 7, 4, 16, 0.25))
     assert tok.decode(b1[3].tolist()).count("=") >= 1  # the last row is an addition window

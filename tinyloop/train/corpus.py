@@ -32,7 +32,7 @@ from tinyloop.tokenizer import Tokenizer
 
 __all__ = ["Corpus", "CorpusSpec", "build_corpus", "source_files", "split_files",
            "held_out_problems", "training_problems", "format_problems", "sample_batch",
-           "val_windows"]
+           "val_windows", "validation_text"]
 
 SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
 CORPUS_VERSION = 1
@@ -197,6 +197,13 @@ def build_corpus(spec: CorpusSpec, tokenizer: Tokenizer, cache_dir: Path | None)
             _save_atomic(folder / f"{name}.npy", array)
         (folder / "val_files.json").write_text(json.dumps(val_files, indent=0))
     return Corpus(**arrays, val_files=tuple(val_files))
+
+
+def validation_text(spec: CorpusSpec, tokenizer: Tokenizer) -> np.ndarray:
+    """The text validation split alone (``Corpus.text_val``), without tokenising the training files."""
+    root = Path(spec.source_dir) if spec.source_dir else stdlib_dir()
+    _, val_files = split_files(source_files(root), spec.val_fraction)
+    return _encode_files(root, val_files, tokenizer)
 
 
 # -- batches ---------------------------------------------------------------------------------

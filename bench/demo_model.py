@@ -1,0 +1,170 @@
+"""The bundled demo model's quality per loop count: text loss, addition accuracy, samples, speculation.
+
+    python bench/demo_model.py [--model FILE.tinyloop] [--loops 1,2,4,8,16] [--windows 96]
+                               [--problems 500] [--threads 2] [--no-samples] [--no-speculation]
+
+Rebuilds the held-out splits the artifact was trained against (its ``tinyloop.train`` metadata
+names the corpus spec): the text validation files of the Python standard library found on this
+machine, and the held-out addition problems. Prints four tables:
+
+1. text validation loss (nats/token) per loop count, and its gain over 1 loop;
+2. exact-match greedy accuracy on held-out ``a+b=`` problems per loop count, overall and by
+   the longer operand's digit count (carries through more digits need more iterations);
+3. greedy completions of ``def fibonacci(n):`` and ``class Stack:`` at 1 loop and the default;
+4. chain self-speculative decoding (1-loop draft, default-loop verify, draft ahead 4): accepted
+   / drafted tokens and tokens per verify step, on code and addition prompts. The speculative
+   tokens are checked equal to plain greedy decoding's.
+
+Everything runs through the serving model's own forward (``LoopedLM`` in float32, the engine for
+samples and speculation), so the figures describe the model as ``tinyloop serve`` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+# Before torch loads OpenMP: spinning workers cost 3-4x whenever another process wants a core.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from tinyloop.engine.engine import Engine  # noqa: E402
+from tinyloop.model.artifact import load_artifact  # noqa: E402
+from tinyloop.requests import GenerationRequest, SamplingParams  # noqa: E402
+from tinyloop.settings import Settings  # noqa: E402
+from tinyloop.train.corpus import CorpusSpec, held_out_problems, validation_text  # noqa: E402
+from tinyloop.train.evaluate import addition_accuracy, val_loss  # noqa: E402
+
+SAMPLE_PROMPTS = ("def fibonacci(n):", "class Stack:")
+SPEC_CODE_PROMPTS = ("def fibonacci(n):", "class Stack:", "import os\nimport sys\n\n\ndef main(",
+                     "    def __repr__(self):", "try:\n    import")
+SPEC_ADD_PROMPTS = ("\n417+386=", "\n90210+4655=", "\n7+58=\n3049+12=", "\n55555+44445=")
+DRAFT_LOOPS, DRAFT_AHEAD = 1, 4
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def text_windows(stream: np.ndarray, n: int, seq_len: int) -> torch.Tensor:
+    """``n`` evenly spaced, non-overlapping ``seq_len + 1`` windows (as the trainer's evaluation)."""
+    length = seq_len + 1
+    n = min(n, stream.size // length)
+    starts = np.arange(n) * (stream.size // max(n, 1))
+    return torch.from_numpy(stream[starts[:, None] + np.arange(length)].astype(np.int64))
+
+
+def digits(pairs: np.ndarray) -> np.ndarray:
+    return np.char.str_len(pairs.max(axis=1).astype(str))
+
+
+def quality(model, tokenizer, spec: CorpusSpec, loop_counts: list[int], n_windows: int,
+            n_problems: int) -> None:
+    stream = validation_text(spec, tokenizer)
+    windows = text_windows(stream, n_windows, model.config.max_position)
+    pairs = held_out_problems(spec.seed, spec.n_held_out)[:n_problems]
+    default = model.config.default_loops
+    losses, accs, by_digits = {}, {}, {}
+    for r in loop_counts:
+        t0 = time.perf_counter()
+        losses[r] = val_loss(model, windows, r)
+        by_digits[r] = {d: addition_accuracy(model, tokenizer, pairs[digits(pairs) == d], r)
+                        for d in sorted(set(digits(pairs).tolist()))}
+        accs[r] = sum(a * int((digits(pairs) == d).sum()) for d, a in by_digits[r].items()) / len(pairs)
+        print(f"  loops {r}: {time.perf_counter() - t0:.1f}s", flush=True)
+    n_tok = windows[:, 1:].numel()
+    print(f"\n### Text validation loss ({len(windows)} windows, {n_tok} tokens of "
+          f"{stream.size} held-out stdlib tokens)\n")
+    print(table(["loops", "loss (nats/token)", "gain over 1 loop"],
+                [[f"{r}" + (" (default)" if r == default else ""), f"{losses[r]:.4f}",
+                  f"{losses[loop_counts[0]] - losses[r]:+.4f}"] for r in loop_counts]))
+    ds = sorted(by_digits[loop_counts[0]])
+    counts = {d: int((digits(pairs) == d).sum()) for d in ds}
+    print(f"\n### Held-out addition, exact match, greedy ({len(pairs)} problems)\n")
+    print(table(["loops", "accuracy", "vs 1 loop (points)",
+                 *[f"{d}-digit (n={counts[d]})" for d in ds]],
+                [[f"{r}" + (" (default)" if r == default else ""), f"{100 * accs[r]:.1f}%",
+                  f"{100 * (accs[r] - accs[loop_counts[0]]):+.1f}",
+                  *[f"{100 * by_digits[r][d]:.0f}%" for d in ds]] for r in loop_counts]))
+
+
+def greedy(ignore_eos: bool = False) -> SamplingParams:
+    return SamplingParams(temperature=0, ignore_eos=ignore_eos)
+
+
+def samples(engine: Engine, n_tokens: int) -> None:
+    print(f"\n### Greedy completions ({n_tokens} tokens at most)\n")
+    for prompt in SAMPLE_PROMPTS:
+        for loops in sorted({1, engine.default_loops}):
+            result = engine.generate(GenerationRequest(
+                prompt_tokens=tuple(engine.tokenizer.encode(prompt)), max_tokens=n_tokens,
+                loops=loops, sampling=greedy()))
+            print(f"loops={loops}, {result.finish_reason}:\n```python\n{prompt}{result.text}\n```\n")
+
+
+def speculation(engine: Engine, n_tokens: int) -> None:
+    rows = []
+    for kind, prompts in (("code", SPEC_CODE_PROMPTS), ("addition", SPEC_ADD_PROMPTS)):
+        drafted = accepted = tokens = steps = 0
+        same = True
+        for prompt in prompts:
+            ids = tuple(engine.tokenizer.encode(prompt))
+            plain = engine.generate(GenerationRequest(prompt_tokens=ids, max_tokens=n_tokens,
+                                                      sampling=greedy(True)))
+            spec = engine.generate(GenerationRequest(
+                prompt_tokens=ids, max_tokens=n_tokens, sampling=greedy(True),
+                mode="speculative", draft_loops=DRAFT_LOOPS, draft_ahead=DRAFT_AHEAD))
+            same &= spec.tokens == plain.tokens
+            drafted += spec.draft_tokens or 0
+            accepted += spec.accepted_draft_tokens or 0
+            tokens += spec.completion_tokens
+            steps += spec.completion_tokens - 1 - (spec.accepted_draft_tokens or 0)
+        rows.append([kind, str(len(prompts)), str(tokens), f"{accepted}/{drafted}",
+                     f"{100 * accepted / max(drafted, 1):.1f}%", f"{(tokens - len(prompts)) / max(steps, 1):.2f}",
+                     "yes" if same else "NO"])
+    print(f"\n### Chain self-speculation: draft {DRAFT_LOOPS} loop, verify {engine.default_loops} "
+          f"loops, {DRAFT_AHEAD} ahead, greedy, {n_tokens} tokens per prompt\n")
+    print(table(["prompts", "n", "tokens", "accepted/drafted", "acceptance", "tokens/verify step",
+                 "equals plain greedy"], rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, help="a .tinyloop artifact (default: the bundled demo)")
+    ap.add_argument("--loops", default="1,2,4,8,16", help="comma-separated loop counts")
+    ap.add_argument("--windows", type=int, default=96, help="text validation windows")
+    ap.add_argument("--problems", type=int, default=500, help="held-out addition problems")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--sample-tokens", type=int, default=80)
+    ap.add_argument("--spec-tokens", type=int, default=48)
+    ap.add_argument("--no-samples", action="store_true")
+    ap.add_argument("--no-speculation", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = args.model or Settings().resolve_model_path()
+    art = load_artifact(path, dtype=torch.float32)
+    train_meta = json.loads(art.metadata.get("tinyloop.train") or "{}")
+    spec = CorpusSpec(**train_meta["corpus_spec"]) if "corpus_spec" in train_meta else CorpusSpec()
+    c = art.config
+    print(f"model: {path.name}; {c.n_prelude}+{c.n_core}xloops+{c.n_coda} layers, hidden {c.hidden}, "
+          f"default loops {c.default_loops}; trained {train_meta.get('step', '?')} steps, "
+          f"{train_meta.get('tokens_seen', '?')} tokens; torch threads {torch.get_num_threads()}")
+    quality(art.model, art.tokenizer, spec, [int(x) for x in args.loops.split(",")],
+            args.windows, args.problems)
+    if not (args.no_samples and args.no_speculation):
+        engine = Engine.load(path, max_seq_len=c.max_position)
+        if not args.no_samples:
+            samples(engine, args.sample_tokens)
+        if not args.no_speculation:
+            speculation(engine, args.spec_tokens)
+
+
+if __name__ == "__main__":
+    main()
