@@ -159,3 +159,21 @@ async def test_the_runtime_counts_cache_hits() -> None:
     assert "tinyloop_prefix_cache_queried_tokens_total 82.0" in text
     assert "tinyloop_prefix_cache_hit_tokens_total 40.0" in text
     assert "tinyloop_prefix_pool_hits_total 0.0" in text
+
+
+def test_block_keys_name_the_whole_prefix_and_the_salt() -> None:
+    from tinyloop.model.blockcache import block_keys
+
+    salt = (4, 4, 7, "fp32", "None")
+    tokens = list(range(40))
+    keys = block_keys(tokens, 16, 2, salt)
+    assert len(keys) == 2 and all(isinstance(k, bytes) and len(k) == 32 for k in keys)
+    assert keys == block_keys(tokens + [99], 16, 2, salt)  # only full blocks count
+    assert block_keys(tokens, 16, 1, salt) == keys[:1]
+    changed_first = block_keys([1000] + tokens[1:], 16, 2, salt)
+    assert changed_first[0] != keys[0] and changed_first[1] != keys[1]  # a chain: the prefix counts
+    changed_second = block_keys(tokens[:16] + [1000] + tokens[17:], 16, 2, salt)
+    assert changed_second[0] == keys[0] and changed_second[1] != keys[1]
+    assert block_keys(tokens, 16, 2, (8, 8, 7, "fp32", "None")) != keys
+    # Python's hash of an int tuple is -2 for both (-1,) and (-2,); the digest tells them apart.
+    assert block_keys([-1] * 16, 16, 1, salt) != block_keys([-2] * 16, 16, 1, salt)

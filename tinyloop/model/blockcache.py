@@ -4,7 +4,7 @@ vLLM's scheme on our loop-slot pool. Block index ``i`` of a sequence covers posi
 ``[i*bs, (i+1)*bs)`` in every one of its ``n_slots`` tables; once those positions hold computed
 KV, the ``n_slots`` blocks are keyed by
 
-    key(i) = hash((key(i-1), tokens[i*bs:(i+1)*bs], loops, window, noise_seed, kv mode))
+    key(i) = sha256(key(i-1) | tokens[i*bs:(i+1)*bs] | (loops, window, noise_seed, kv mode))
 
 so a key names the whole token prefix up to the block's end. The KV of a prompt prefix depends
 on nothing else (the initial state is randn by position, ``NOISE_SEED``), so a later sequence
@@ -17,22 +17,32 @@ held, and the pool's copy-on-write (refcount > 1) keeps a writer from changing c
 Eviction is least recently used, by entry (all slots of a block index together), and only of
 idle entries; the pool asks for it when its free list runs dry.
 
+The chain is SHA-256, not Python's ``hash``: an int tuple's ``hash`` is the same in every
+process and cheap to collide on purpose, and a collision would hand one client's KV to another
+prompt (the prefix-caching hash collision vLLM fixed the same way).
+
 Plain bookkeeping over block ids: no torch, no I/O.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 __all__ = ["BlockCache", "block_keys"]
 
 
-def block_keys(tokens: Sequence[int], block_size: int, n_blocks: int, salt: tuple[object, ...]) -> list[int]:
-    """The hash chain of the first ``n_blocks`` full blocks of ``tokens`` under ``salt``."""
-    keys, parent = [], hash(salt)
+def block_keys(tokens: Sequence[int], block_size: int, n_blocks: int,
+               salt: tuple[object, ...]) -> list[bytes]:
+    """The SHA-256 chain of the first ``n_blocks`` full blocks of ``tokens`` under ``salt``
+    (whose ``repr`` must be deterministic: ints, strings and their tuples)."""
+    keys, tail = [], repr(salt).encode()
+    parent = hashlib.sha256(tail).digest()
     for i in range(n_blocks):
-        parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]), salt))
+        block = array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes()
+        parent = hashlib.sha256(parent + block + tail).digest()
         keys.append(parent)
     return keys
 
@@ -48,7 +58,7 @@ class BlockCache:
                  release: Callable[[list[int]], None]) -> None:
         self._refcount = refcount
         self._incref, self._release = incref, release
-        self._entries: OrderedDict[int, list[int]] = OrderedDict()
+        self._entries: OrderedDict[bytes, list[int]] = OrderedDict()
         self.hits = self.evictions = 0
 
     def __len__(self) -> int:
@@ -61,7 +71,7 @@ class BlockCache:
         """Blocks only the cache holds (evictable; counted neither used nor free)."""
         return sum(1 for blocks in self._entries.values() for b in blocks if self._refcount[b] == 1)
 
-    def insert(self, keys: Sequence[int], columns: Sequence[list[int]]) -> None:
+    def insert(self, keys: Sequence[bytes], columns: Sequence[list[int]]) -> None:
         """Keep ``columns[i]`` (block ids of every slot at block index i) under ``keys[i]``.
 
         A key already cached keeps its blocks (another sequence computed the same KV first).
@@ -73,7 +83,7 @@ class BlockCache:
             self._incref(blocks)
             self._entries[key] = list(blocks)
 
-    def lookup(self, keys: Sequence[int]) -> list[list[int]]:
+    def lookup(self, keys: Sequence[bytes]) -> list[list[int]]:
         """The longest run of cached entries for ``keys`` from the first, one reference taken on
         each of their blocks for the caller; marks them recently used."""
         found: list[list[int]] = []
