@@ -3,8 +3,8 @@
     python bench/run_all.py [--quick] [--only overhead batching ...] [--threads N]
                             [--output bench/RESULTS.md] [--timeout 1800]
 
-Runs ``overhead``, ``engine_vs_hf``, ``batching``, ``kv_modes``, ``speculative`` and
-``prefix`` one after another (each in its own process, with this interpreter), echoes their
+Runs ``overhead``, ``engine_vs_hf``, ``batching``, ``kv_modes``, ``speculative``, ``prefix``
+and ``demo_model`` one after another (each in its own process, with this interpreter), echoes their
 output, and appends one section to ``--output``: date, commit, machine (nproc, CPU model,
 RAM, torch version and threads, Python, transformers) and each benchmark's command, wall time,
 exit status and output.
@@ -38,6 +38,8 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
     "kv_modes": (["--tokens", "8", "--tps-tokens", "4"], [], True),
     "speculative": (["--tokens", "8", "--repeat", "1"], [], True),
     "prefix": (["--repeats", "1", "--prefix", "64", "--suffix", "8"], [], True),
+    "demo_model": (["--loops", "1,4", "--windows", "4", "--problems", "20", "--sample-tokens", "8",
+                    "--spec-tokens", "8"], [], True),
 }
 
 
@@ -120,7 +122,8 @@ def main() -> None:
         shown, rc, wall, out = run_bench(name, bench_args, args.timeout)
         if rc != 0:
             failed.append(name)
-        sections.append(f"### {name}\n\n`{shown}`: {wall:.0f} s, exit {rc}\n\n```\n{out}\n```\n")
+        # "~~~" fences: an output may hold ``` blocks of its own (demo_model's samples)
+        sections.append(f"### {name}\n\n`{shown}`: {wall:.0f} s, exit {rc}\n\n~~~\n{out}\n~~~\n")
     if output is not None:
         kind = "SMOKE RUN (--quick): not results" if args.quick else "full run"
         head = (f"\n## {started:%Y-%m-%d %H:%M} UTC, {kind}, commit {commit}{dirty}"
