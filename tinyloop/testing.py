@@ -19,6 +19,7 @@ import trio
 
 from tinyloop.engine.sequence import TokenEvent
 from tinyloop.errors import PromptTooLongError, RequestError
+from tinyloop.model.kvcache import KVPoolStats
 from tinyloop.requests import GenerationRequest, GenerationResult
 
 __all__ = ["FakeEngine", "FakeSequence"]
@@ -80,7 +81,9 @@ class FakeEngine:
     ``latency_ms`` is the time of a step that starts a request (its prefill), ``token_latency_ms``
     the time of every later step. ``fail_with`` is raised by every step while set. ``started``
     records request ids in the order the engine started them; ``batches`` the batch size of
-    each step.
+    each step. With ``kv_blocks`` set it counts KV like the real engine, one block per prompt
+    or output token: ``kv_statistics`` reports the total and ``kv_blocks_needed`` a request's
+    prompt plus ``max_tokens``; ``peak_blocks`` is the most that live sequences ever held.
     """
 
     latency_ms: float = 10.0
@@ -94,6 +97,9 @@ class FakeEngine:
     batches: list[int] = field(default_factory=list)
     prefixes: list[tuple[int, ...]] = field(default_factory=list)
     live: int = 0
+    kv_blocks: int | None = None
+    held_blocks: int = 0
+    peak_blocks: int = 0
 
     def validate(self, req: GenerationRequest) -> int:
         """The checks the real engine makes on limits and loops; returns the loops."""
@@ -108,6 +114,8 @@ class FakeEngine:
         loops = self.validate(req)
         self.started.append(req.request_id)
         self.live += 1
+        self.held_blocks += len(req.prompt_tokens) + req.max_tokens
+        self.peak_blocks = max(self.peak_blocks, self.held_blocks)
         return FakeSequence(req, loops, min(req.cache_window or loops, loops),
                             list(self.stream_tokens[: req.max_tokens]), trio.current_time(), prefix)
 
@@ -135,6 +143,7 @@ class FakeEngine:
 
     def free(self, seq: FakeSequence) -> None:
         self.live -= 1
+        self.held_blocks -= len(seq.request.prompt_tokens) + seq.request.max_tokens
 
     async def prefill_prefix(self, tokens: Sequence[int], loops: int | None,
                              cache_window: int | None) -> FakeSequence:
@@ -145,8 +154,14 @@ class FakeEngine:
         self.started.pop()
         return seq
 
-    def kv_statistics(self) -> None:
-        return None
+    def kv_statistics(self) -> KVPoolStats | None:
+        if self.kv_blocks is None:
+            return None
+        used = min(self.held_blocks, self.kv_blocks)
+        return KVPoolStats(self.kv_blocks, used, self.kv_blocks - used, 1, 0)
+
+    def kv_blocks_needed(self, req: GenerationRequest) -> int | None:
+        return None if self.kv_blocks is None else len(req.prompt_tokens) + req.max_tokens
 
     def kv_bytes_per_token(self) -> None:
         return None

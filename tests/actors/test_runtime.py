@@ -351,6 +351,85 @@ async def test_engine_broken_turns_the_runtime_unhealthy(autojump_clock: trio.ab
                 await rt.submit(req())
 
 
+# -- KV -----------------------------------------------------------------------------------------
+async def test_requests_start_only_when_their_kv_fits_in_dispatch_order(autojump_clock: trio.abc.Clock) -> None:
+    # one block per token: each request may hold 2 + 5 = 7 of 16, so two run at a time
+    engine = FakeEngine(latency_ms=10, token_latency_ms=10, stream_tokens=[1, 2, 3, 4, 5], kv_blocks=16)
+    out: Outcomes = {}
+    a, b, c, d = (req(max_tokens=5) for _ in range(4))
+    with trio.fail_after(CEILING_S):
+        async with runtime(engine, max_batch_size=4) as rt, trio.open_nursery() as n:
+            for r in (a, b, c, d):
+                await n.start(run_request, rt, r, out)
+            await until(lambda: len(engine.started) == 2)
+            await trio.sleep(0.025)  # a few steps: a and b run, c and d wait for blocks
+            assert engine.started == ids(a, b)
+            assert [rt.request_state(r.request_id) for r in (c, d)] == [RequestState.DISPATCHED] * 2
+    assert engine.started == ids(a, b, c, d)
+    assert all(out[r.request_id].tokens == [1, 2, 3, 4, 5] for r in (a, b, c, d))  # type: ignore[union-attr]
+    assert max(engine.batches) == 2 and engine.peak_blocks <= 16
+
+
+async def test_a_request_larger_than_the_pool_runs_alone(autojump_clock: trio.abc.Clock) -> None:
+    engine = FakeEngine(latency_ms=10, token_latency_ms=10, stream_tokens=list(range(1, 21)), kv_blocks=16)
+    out: Outcomes = {}
+    small, huge, after = req(max_tokens=5), req(max_tokens=20), req(max_tokens=5)
+    with trio.fail_after(CEILING_S):
+        async with runtime(engine, max_batch_size=4) as rt, trio.open_nursery() as n:
+            for r in (small, huge, after):
+                await n.start(run_request, rt, r, out)
+            await trio.sleep(0.025)
+            assert engine.started == ids(small)  # the huge one waits for an empty engine ...
+            await until(lambda: rt.request_state(small.request_id) is RequestState.DONE)
+            await trio.sleep(0.025)
+            assert engine.started == ids(small, huge)  # ... and the next one waits behind it
+            assert rt.request_state(after.request_id) is RequestState.DISPATCHED
+    assert engine.started == ids(small, huge, after)
+    assert [len(out[r.request_id].tokens) for r in (small, huge, after)] == [5, 20, 5]  # type: ignore[union-attr]
+
+
+async def test_cancel_while_waiting_for_kv_never_starts_it(autojump_clock: trio.abc.Clock) -> None:
+    engine = FakeEngine(latency_ms=10, token_latency_ms=10, stream_tokens=[1, 2, 3, 4, 5], kv_blocks=8)
+    out: Outcomes = {}
+    running, victim, last = req(max_tokens=5), req(max_tokens=5), req(max_tokens=5)
+    with trio.fail_after(CEILING_S):
+        async with runtime(engine, max_batch_size=4) as rt, trio.open_nursery() as n:
+            await n.start(run_request, rt, running, out)
+            async with trio.open_nursery() as inner:
+                await inner.start(run_request, rt, victim, out)
+                await n.start(run_request, rt, last, out)
+                await trio.sleep(0.025)  # both reached the engine actor, and wait there
+                assert rt.request_state(victim.request_id) is RequestState.DISPATCHED
+                inner.cancel_scope.cancel()  # the caller goes away
+            await trio.sleep(0.011)  # noticed at the end of the step under way
+            assert rt.request_state(victim.request_id) is RequestState.CANCELLED
+            assert rt.request_state(running.request_id) is RequestState.DECODING
+    assert victim.request_id not in engine.started and victim.request_id not in out
+    assert engine.started == ids(running, last)
+
+
+@pytest.mark.parametrize("drain", [True, False], ids=["drain", "no-drain"])
+async def test_shutdown_settles_requests_waiting_for_kv(autojump_clock: trio.abc.Clock, drain: bool) -> None:
+    engine = FakeEngine(latency_ms=10, token_latency_ms=10, stream_tokens=[1, 2, 3, 4, 5], kv_blocks=8)
+    out: Outcomes = {}
+    running, waiting = req(max_tokens=5), req(max_tokens=5)
+    with trio.fail_after(CEILING_S):
+        async with runtime(engine, max_batch_size=2) as rt:
+            async with trio.open_nursery() as n:
+                for r in (running, waiting):
+                    await n.start(run_request, rt, r, out)
+                await trio.sleep(0.025)
+                assert rt.request_state(waiting.request_id) is RequestState.DISPATCHED
+                await rt.shutdown(drain=drain)
+    if drain:
+        assert engine.started == ids(running, waiting)
+        assert all(out[r.request_id].tokens == [1, 2, 3, 4, 5] for r in (running, waiting))  # type: ignore[union-attr]
+    else:
+        assert engine.started == ids(running)
+        assert isinstance(out[waiting.request_id], SchedulerShutdown)
+        assert rt.request_state(waiting.request_id) is RequestState.CANCELLED
+
+
 # -- streaming ----------------------------------------------------------------------------------
 async def test_stream_yields_chunks_in_order_then_the_result(autojump_clock: trio.abc.Clock) -> None:
     engine = FakeEngine(latency_ms=20, token_latency_ms=5, stream_tokens=[7, 8, 9])

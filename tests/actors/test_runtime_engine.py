@@ -119,3 +119,37 @@ def test_embedding_example_runs_from_plain_trio(tmp_path: Path) -> None:
                          text=True, timeout=180, check=True)
     assert "loops= 1" in out.stdout and "loops= 8" in out.stdout and "stream chunk 15" in out.stdout
     assert "in_flight=0" in out.stdout
+
+
+async def test_requests_wait_for_kv_instead_of_running_short_of_it() -> None:
+    """A pool with room for two requests' full length: eight at once all complete, at most two
+    running at a time, each with its solo output (without the wait most would fail part way)."""
+    reqs = [GenerationRequest(prompt_tokens=tuple(range(5 + i, 17 + i)), max_tokens=36, loops=4,
+                              sampling=SamplingParams(temperature=0, ignore_eos=True)) for i in range(8)]
+    reference = make_engine()
+    alone = [reference.generate(r).tokens for r in reqs]
+    need = reference.kv_blocks_needed(reqs[0])
+    assert all(reference.kv_blocks_needed(r) == need for r in reqs)
+    per_block = reference.kv_statistics().bytes_per_block
+    engine = Engine(reference.model, default_tokenizer(), max_seq_len=256, block_size=8,
+                    kv_cache_mb=(2 * need + need // 2) * per_block / 2**20, prefix_caching=False)
+    assert 2 * need <= engine.kv_statistics().blocks_total < 3 * need
+    got: dict[int, list[int]] = {}
+    peak = 0
+    with trio.fail_after(120):
+        async with tinyloop.open_runtime(engine, tinyloop.Settings(max_batch_size=8)) as rt:
+            async def run(i: int) -> None:
+                nonlocal peak
+                async with rt.submit_stream(reqs[i]) as stream:
+                    got[i] = []
+                    async for chunk in stream:
+                        got[i].append(chunk.token_id)
+                        peak = max(peak, sum(rt.request_state(r.request_id) is RequestState.DECODING
+                                             for r in reqs))
+            async with trio.open_nursery() as nursery:
+                for i in range(8):
+                    nursery.start_soon(run, i)
+            assert rt.statistics().in_flight == 0
+    assert [got[i] for i in range(8)] == alone
+    assert peak == 2
+    assert engine.kv_statistics().blocks_used == 0

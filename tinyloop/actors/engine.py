@@ -6,6 +6,13 @@ engine's prefix cache as ``PrefixLookup``), drop sequences whose caller went awa
 active sequences (a prefill chunk for new ones, one batched decode for the rest, in a worker
 thread), deliver each new token to its ticket, retire finished sequences and free their KV.
 
+KV: a request starts only when the KV blocks it can come to hold (``kv_blocks_needed``: its
+prompt plus ``max_tokens`` in every slot) fit beside what the running ones can come to hold, so
+running sequences never run out of blocks half way. One that does not fit waits here, in
+dispatch order, until enough finish; one larger than the whole pool starts when nothing else
+runs. Idle prefix-cache blocks count as free (they are evicted on demand); blocks that
+registered prefixes pin do not, so with those a sequence can still run short.
+
 Errors: a sequence that fails on its own (no KV blocks) fails its request only. A step that
 raises ``EngineError`` fails the requests of that step; ``EngineBroken`` also marks the runtime
 unhealthy, and every later dispatch fails at once.
@@ -16,6 +23,7 @@ first (threads are not interruptible). Sequences still active are freed on the w
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +58,9 @@ class _Loop:
         self.engine, self.pool, self.health = engine, pool, health
         self.freed, self.observe, self.events = freed, observe, events
         self.active: dict[int, tuple[Any, Ticket]] = {}
+        self.waiting: deque[tuple[Ticket, bool]] = deque()  # dispatched, waiting for KV
+        self.reserved: dict[int, int] = {}  # id(seq) -> the KV blocks it may come to hold
+        self.committed = 0  # sum of reserved
 
     # -- messages ------------------------------------------------------------------------------
     async def handle(self, msg: Dispatch | RegisterPrefix) -> None:
@@ -68,6 +79,33 @@ class _Loop:
                 reply.send_nowait(None)
 
     async def admit(self, ticket: Ticket, via_pool: bool) -> None:
+        """Start a dispatched ticket, or line it up behind those waiting for KV."""
+        self.waiting.append((ticket, via_pool))
+        await self.start_waiting()
+
+    def _blocks(self, ticket: Ticket) -> int:
+        try:
+            return self.engine.kv_blocks_needed(ticket.request) or 0
+        except TinyLoopError:
+            return 0  # start() raises the same error for the caller
+
+    def _fits(self, blocks: int) -> bool:
+        if not blocks or not self.active:
+            return True
+        stats = self.engine.kv_statistics()
+        return stats is None or self.committed + blocks <= stats.blocks_total
+
+    async def start_waiting(self) -> None:
+        """Start waiting tickets in dispatch order while their KV fits (cancelled ones leave)."""
+        while self.waiting:
+            ticket, via_pool = self.waiting[0]
+            blocks = 0 if ticket.cancelled or self.health.broken else self._blocks(ticket)
+            if not self._fits(blocks):
+                return
+            self.waiting.popleft()
+            await self._start(ticket, via_pool, blocks)
+
+    async def _start(self, ticket: Ticket, via_pool: bool, blocks: int) -> None:
         now = trio.current_time()
         ticket.dispatched_at = now
         self.events.send_nowait(Started((now - ticket.submitted_at) * 1000))
@@ -94,10 +132,13 @@ class _Loop:
         self.events.send_nowait(PrefixLookup(len(req.prompt_tokens), seq.cached_tokens))
         ticket.state = RequestState.DECODING
         self.active[id(seq)] = (seq, ticket)
+        self.reserved[id(seq)] = blocks
+        self.committed += blocks
 
     # -- one iteration -------------------------------------------------------------------------
     async def step(self) -> None:
         await self.reap()
+        await self.start_waiting()
         if not self.active:
             return
         seqs = [seq for seq, _ in self.active.values()]
@@ -121,7 +162,10 @@ class _Loop:
         await self.reap()
 
     async def reap(self) -> None:
-        """Retire finished sequences and those whose caller left."""
+        """Retire finished sequences and those whose caller left (waiting for KV or running)."""
+        for entry in [e for e in self.waiting if e[0].cancelled]:
+            self.waiting.remove(entry)
+            await self._start(*entry, 0)  # retires it, cancelled
         for seq, ticket in list(self.active.values()):
             if ticket.cancelled:
                 await self.retire(seq, ticket, RequestState.CANCELLED)
@@ -137,6 +181,7 @@ class _Loop:
         result: GenerationResult | None = None
         if seq is not None:
             self.active.pop(id(seq), None)
+            self.committed -= self.reserved.pop(id(seq), 0)
             if state is RequestState.DONE:
                 result = seq.result()
             self.engine.free(seq)
@@ -152,7 +197,7 @@ class _Loop:
         await self.freed.send(SlotFreed(ticket))
 
     async def close(self) -> None:
-        for seq, ticket in list(self.active.values()):
+        for ticket in [t for t, _ in self.waiting] + [t for _, t in self.active.values()]:
             ticket.cancelled = True
             if ticket.cancel_error is None:  # the runtime stopped under a caller still reading
                 ticket.cancel_error = SchedulerShutdown("the runtime stopped while this request ran")
@@ -169,8 +214,8 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Dispatch | RegisterPrefix],
         task_status.started()
         try:
             closed = False
-            while not (closed and not loop.active):
-                if not loop.active and not closed:
+            while not (closed and not loop.active and not loop.waiting):
+                if not loop.active and not loop.waiting and not closed:
                     try:
                         await loop.handle(await inbox.receive())
                     except trio.EndOfChannel:

@@ -114,6 +114,16 @@ class Engine:
     def kv_statistics(self) -> KVPoolStats:
         return self.pool.statistics()
 
+    def kv_blocks_needed(self, req: GenerationRequest) -> int:
+        """KV blocks ``req`` holds at most: every slot's table at its full length (prompt plus
+        ``max_tokens``), times the beams of a beam search. Speculation needs no more: it falls
+        back to plain decoding when blocks are short."""
+        loops, window = self.validate(req)
+        length = min(len(req.prompt_tokens) + req.max_tokens, self.max_seq_len)
+        per_slot = -(-length // self.pool.block_size)
+        beams = req.beam[0] if req.beam is not None else 1
+        return slot_count(self.config, loops, window) * per_slot * beams
+
     def kv_bytes_per_token(self, loops: int | None = None, cache_window: int | None = None) -> int:
         loops = loops or self.config.default_loops
         return self.pool.bytes_per_token(loops, cache_window)

@@ -53,6 +53,10 @@ class EnginePort(Protocol):
 
     def kv_bytes_per_token(self) -> int | None: ...
 
+    def kv_blocks_needed(self, req: GenerationRequest) -> int | None:
+        """The most KV blocks ``req`` can hold (None: the engine does not count blocks)."""
+        ...
+
 
 @contextmanager
 def engine_errors() -> Iterator[None]:
@@ -101,3 +105,6 @@ class ThreadedEngine:
 
     def kv_bytes_per_token(self) -> int:
         return self.engine.kv_bytes_per_token()
+
+    def kv_blocks_needed(self, req: GenerationRequest) -> int:
+        return self.engine.kv_blocks_needed(req)
