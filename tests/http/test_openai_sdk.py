@@ -116,6 +116,11 @@ async def test_two_choices_streamed_and_not() -> None:
         assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + ["length"]
         assert chat_text(chunks, index) == whole.choices[index].message.content
     assert all(len(c.choices) == 1 for c in chunks)
+    # The choices decode together and stream interleaved: each one's text starts before any ends.
+    order = [(c.choices[0].index, c.choices[0].finish_reason) for c in chunks
+             if c.choices[0].delta.content or c.choices[0].finish_reason]
+    first_end = next(k for k, (_, finish) in enumerate(order) if finish)
+    assert {index for index, _ in order[:first_end]} == {0, 1}
 
 
 async def test_stop_string_cuts_the_text_before_it() -> None:

@@ -7,7 +7,8 @@ The handlers take a ``lmstudio`` flag: LM Studio's ``/api/v0`` routes are the sa
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from quart import Blueprint, Response, jsonify
@@ -16,8 +17,10 @@ from tinyloop.actors.stream import RequestStream
 from tinyloop.http.formats import chat_logprobs, completion_logprobs, lmstudio_extras, model_card, usage
 from tinyloop.http.schemas import ChatCompletionRequest, CompletionRequest
 from tinyloop.http.service import (
-    DONE, Served, collect, make_requests, new_id, parse_body, served, sse, sse_guard, start_all,
+    DONE, Served, collect, interleave, make_requests, new_id, parse_body, served, sse, sse_guard,
+    start_all,
 )
+from tinyloop.requests import GenerationChunk, GenerationResult
 
 __all__ = ["blueprint", "chat_completions", "completions"]
 
@@ -84,6 +87,23 @@ async def chat_completions(*, lmstudio: bool) -> Response:
     return jsonify(out)
 
 
+async def _choice_events(streams: list[RequestStream],
+                         token: Callable[[int, GenerationChunk], bytes | None],
+                         end: Callable[[int, GenerationResult], bytes]) -> AsyncGenerator[bytes, None]:
+    """The SSE body of every choice, interleaved as they decode: ``token`` renders a chunk of
+    choice ``i`` (None: nothing to send), ``end`` its final event. What piled up for a slow
+    connection goes out in one write."""
+    async with aclosing(interleave(streams)) as turns:
+        async for i, burst in turns:
+            events = [e for c in burst if (e := token(i, c)) is not None]
+            if not burst:
+                result = streams[i].result
+                assert result is not None
+                events.append(end(i, result))
+            if events:
+                yield b"".join(events)
+
+
 async def _chat_events(s: Served, streams: list[RequestStream], head: dict[str, Any],
                        include_usage: bool, lmstudio: bool,
                        context_limited: bool) -> AsyncGenerator[bytes, None]:
@@ -94,24 +114,19 @@ async def _chat_events(s: Served, streams: list[RequestStream], head: dict[str, 
         return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish}], "usage": None, **extra})
 
-    results = []
-    for i, stream in enumerate(streams):
-        yield chunk(i, {"role": "assistant", "content": ""})
-        while burst := await stream.next_burst():  # what piled up goes out in one write
-            events = []
-            for c in burst:
-                lp = None
-                if c.logprob is not None:
-                    lp = chat_logprobs(s.model.tokenizer, [c.logprob])
-                if c.text or lp is not None:
-                    events.append(chunk(i, {"content": c.text}, logprobs=lp))
-            if events:
-                yield b"".join(events)
-        result = stream.result
-        assert result is not None
-        results.append(result)
+    def token(i: int, c: GenerationChunk) -> bytes | None:
+        lp = None if c.logprob is None else chat_logprobs(s.model.tokenizer, [c.logprob])
+        return chunk(i, {"content": c.text}, logprobs=lp) if c.text or lp is not None else None
+
+    def end(i: int, result: GenerationResult) -> bytes:
         extra = lmstudio_extras(s.model, result, s.settings.commit, context_limited) if lmstudio else {}
-        yield chunk(i, {}, result.finish_reason, **extra)
+        return chunk(i, {}, result.finish_reason, **extra)
+
+    yield b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(len(streams)))
+    async with aclosing(_choice_events(streams, token, end)) as events:
+        async for event in events:
+            yield event
+    results = [st.result for st in streams if st.result is not None]  # all ended
     if include_usage:
         yield sse({**base, "choices": [], "usage": usage(results)})
     yield DONE
@@ -154,25 +169,23 @@ async def _completion_events(s: Served, streams: list[RequestStream], head: dict
         return sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish}], "usage": None, **extra})
 
-    results = []
-    for i, stream in enumerate(streams):
-        offset = 0
-        while burst := await stream.next_burst():  # what piled up goes out in one write
-            events = []
-            for c in burst:
-                lp = None
-                if c.logprob is not None:
-                    lp = completion_logprobs(s.model.tokenizer, [c.logprob], offset)
-                offset += len(c.text)
-                if c.text or lp is not None:
-                    events.append(chunk(i, c.text, logprobs=lp))
-            if events:
-                yield b"".join(events)
-        result = stream.result
-        assert result is not None
-        results.append(result)
+    offsets = [0] * len(streams)
+
+    def token(i: int, c: GenerationChunk) -> bytes | None:
+        lp = None
+        if c.logprob is not None:
+            lp = completion_logprobs(s.model.tokenizer, [c.logprob], offsets[i])
+        offsets[i] += len(c.text)
+        return chunk(i, c.text, logprobs=lp) if c.text or lp is not None else None
+
+    def end(i: int, result: GenerationResult) -> bytes:
         extra = lmstudio_extras(s.model, result, s.settings.commit, context_limited) if lmstudio else {}
-        yield chunk(i, "", result.finish_reason, **extra)
+        return chunk(i, "", result.finish_reason, **extra)
+
+    async with aclosing(_choice_events(streams, token, end)) as events:
+        async for event in events:
+            yield event
+    results = [st.result for st in streams if st.result is not None]  # all ended
     if include_usage:
         yield sse({**base, "choices": [], "usage": usage(results)})
     yield DONE

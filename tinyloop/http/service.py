@@ -21,11 +21,12 @@ from tinyloop.actors.stream import RequestStream
 from tinyloop.errors import ConfigError, PromptTooLongError, RequestError
 from tinyloop.model.config import ExitRule
 from tinyloop.http.errors import ApiError, from_exception
-from tinyloop.requests import GenerationRequest, GenerationResult, SamplingParams
+from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, SamplingParams
 from tinyloop.settings import Settings
 from tinyloop.tokenizer import Tokenizer
 
-__all__ = ["ServedModel", "Served", "served", "sse", "DONE", "new_id", "start_all", "parse_body"]
+__all__ = ["ServedModel", "Served", "served", "sse", "DONE", "new_id", "start_all", "parse_body",
+           "interleave"]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -230,6 +231,20 @@ async def collect(streams: Sequence[RequestStream]) -> list[GenerationResult]:
             assert s.result is not None
             results.append(s.result)
     return results
+
+
+async def interleave(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[int, list[GenerationChunk]], None]:
+    """``(choice, its new chunks)`` with the choices taking turns; ``[]`` once a choice ended
+    (its ``result`` is then set). The choices of one request decode in the same batch, so each
+    turn finds the next one's tokens ready; one that lags only delays the others, and what piled
+    up comes in its next turn."""
+    live = list(range(len(streams)))
+    while live:
+        for i in list(live):
+            burst = await streams[i].next_burst()
+            if not burst:
+                live.remove(i)
+            yield i, burst
 
 
 def sse(data: dict[str, Any]) -> bytes:
