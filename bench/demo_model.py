@@ -1,7 +1,7 @@
 """The bundled demo model's quality per loop count: text loss, addition accuracy, samples, speculation.
 
-    python bench/demo_model.py [--model FILE.tinyloop] [--loops 1,2,4,8,16] [--windows 96]
-                               [--problems 500] [--threads 2] [--no-samples] [--no-speculation]
+    python bench/demo_model.py [--model FILE.tinyloop] [--loops 1,2,4,8,16] [--windows N]
+                               [--problems 1000] [--threads 2] [--no-samples] [--no-speculation]
 
 Rebuilds the held-out splits the artifact was trained against (its ``tinyloop.train`` metadata
 names the corpus spec): the text validation files of the Python standard library found on this
@@ -139,8 +139,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="a .tinyloop artifact (default: the bundled demo)")
     ap.add_argument("--loops", default="1,2,4,8,16", help="comma-separated loop counts")
-    ap.add_argument("--windows", type=int, default=96, help="text validation windows")
-    ap.add_argument("--problems", type=int, default=500, help="held-out addition problems")
+    ap.add_argument("--windows", type=int, default=10**6,
+                    help="text validation windows of the context length (default: all that fit)")
+    ap.add_argument("--problems", type=int, default=1000,
+                    help="held-out addition problems (default: the whole held-out set)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--sample-tokens", type=int, default=80)
     ap.add_argument("--spec-tokens", type=int, default=48)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 from tinyloop.engine.engine import Engine
 from tinyloop.model.artifact import inspect_artifact
 from tinyloop.requests import GenerationRequest, SamplingParams
@@ -21,3 +25,39 @@ def test_the_bundled_demo_model_loads_and_generates() -> None:
     for result in results.values():
         assert result.completion_tokens == 6 and result.text.strip()
     assert engine.kv_statistics().blocks_used == 0
+
+
+def test_the_quality_benchmark_runs_on_the_bundled_model() -> None:
+    """``bench/demo_model.py`` (the model card's tables) at smoke sizes."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, str(root / "bench" / "demo_model.py"), "--loops", "1,2", "--windows", "2",
+         "--problems", "12", "--threads", "1", "--sample-tokens", "4", "--spec-tokens", "4"],
+        capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr
+    for heading in ("Text validation loss", "Held-out addition", "Greedy completions",
+                    "Chain self-speculation"):
+        assert heading in out.stdout
+    spec_rows = [line for line in out.stdout.splitlines() if line.startswith(("| code", "| addition"))]
+    assert len(spec_rows) == 2 and all(row.rstrip(" |").endswith("yes") for row in spec_rows)
+
+
+def test_more_loops_solve_more_held_out_additions() -> None:
+    """The point of the bundled model: the dial. Deterministic (greedy, fixed weights); the margin
+    at the model card's scale is about 20 points."""
+    import torch
+
+    from tinyloop.model.artifact import load_artifact
+    from tinyloop.train.corpus import held_out_problems
+    from tinyloop.train.evaluate import addition_accuracy
+
+    art = load_artifact(Settings().resolve_model_path(), dtype=torch.float32)
+    pairs = held_out_problems(0, 1000)[:120]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small batches: one thread avoids OpenMP stalls on a busy machine
+    try:
+        acc = {r: addition_accuracy(art.model, art.tokenizer, pairs, r)
+               for r in (1, art.config.default_loops)}
+    finally:
+        torch.set_num_threads(threads)
+    assert acc[art.config.default_loops] >= acc[1] + 0.08, acc
