@@ -23,6 +23,7 @@ EXPECTED = {
     "tinyloop_request_wall_ms": "histogram",
     "tinyloop_queue_depth": "gauge",
     "tinyloop_requests_in_flight": "gauge",
+    "tinyloop_requests_waiting_for_kv": "gauge",
     "tinyloop_max_seq_len": "gauge",
     "tinyloop_default_loops": "gauge",
     "tinyloop_up_timestamp_seconds": "gauge",

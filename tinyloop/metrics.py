@@ -82,6 +82,9 @@ class Metrics:
                                     BATCH_SIZE_BUCKETS)
         self.tokens_generated = counter("tinyloop_tokens_generated", "Tokens generated (completion tokens).")
         self.prompt_tokens = counter("tinyloop_prompt_tokens", "Prompt tokens prefilled or taken from a cache.")
+        self.requests_waiting_for_kv = gauge(
+            "tinyloop_requests_waiting_for_kv",
+            "Requests dispatched to the engine that wait for their KV blocks to fit.")
         self.kv_blocks_used = gauge("tinyloop_kv_blocks_used", "KV cache blocks currently allocated.")
         self.kv_blocks_total = gauge("tinyloop_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_bytes_per_token = gauge("tinyloop_kv_bytes_per_token",
@@ -108,9 +111,11 @@ class Metrics:
             self.kv_bytes_per_token.set(kv_bytes_per_token)
 
     def set_gauges(self, *, queue_depth: int | None = None, in_flight: int | None = None,
-                   kv_used: int | None = None, kv_total: int | None = None) -> None:
+                   waiting_for_kv: int | None = None, kv_used: int | None = None,
+                   kv_total: int | None = None) -> None:
         """Mirror a snapshot of actor state; an argument left None leaves its gauge as it was."""
         for metric, value in ((self.queue_depth, queue_depth), (self.requests_in_flight, in_flight),
+                              (self.requests_waiting_for_kv, waiting_for_kv),
                               (self.kv_blocks_used, kv_used), (self.kv_blocks_total, kv_total)):
             if value is not None:
                 metric.set(value)

@@ -365,6 +365,8 @@ async def test_requests_start_only_when_their_kv_fits_in_dispatch_order(autojump
             await trio.sleep(0.025)  # a few steps: a and b run, c and d wait for blocks
             assert engine.started == ids(a, b)
             assert [rt.request_state(r.request_id) for r in (c, d)] == [RequestState.DISPATCHED] * 2
+            assert (rt.statistics().waiting_for_kv, rt.statistics().in_flight) == (2, 4)
+            assert exposition(rt)["tinyloop_requests_waiting_for_kv"] == 2
     assert engine.started == ids(a, b, c, d)
     assert all(out[r.request_id].tokens == [1, 2, 3, 4, 5] for r in (a, b, c, d))  # type: ignore[union-attr]
     assert max(engine.batches) == 2 and engine.peak_blocks <= 16

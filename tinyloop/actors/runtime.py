@@ -53,7 +53,8 @@ class RuntimeStatistics:
     """A snapshot of the whole runtime."""
 
     queue_depth: int
-    in_flight: int
+    in_flight: int  # dispatched or decoding
+    waiting_for_kv: int  # dispatched, not started yet: the engine waits for their KV to fit
     slots: int
     dispatched: int
     prefix_pool_size: int
@@ -198,6 +199,7 @@ class Runtime:
         kv = self.engine.kv_statistics()
         return RuntimeStatistics(
             queue_depth=len(self._queue), in_flight=self._in_flight(),
+            waiting_for_kv=sum(1 for t in self._tickets.values() if t.state is RequestState.DISPATCHED),
             slots=self._dispatch.slots, dispatched=self._dispatch.dispatched,
             prefix_pool_size=self._pool.size(),
             kv_blocks_used=None if kv is None else kv.blocks_used,
@@ -218,7 +220,8 @@ class Runtime:
         """The Prometheus exposition of this runtime's registry."""
         s = self.statistics()
         self.metrics.set_gauges(queue_depth=s.queue_depth, in_flight=s.in_flight,
-                                kv_used=s.kv_blocks_used, kv_total=s.kv_blocks_total)
+                                waiting_for_kv=s.waiting_for_kv, kv_used=s.kv_blocks_used,
+                                kv_total=s.kv_blocks_total)
         return self.metrics.render().decode()
 
     # -- shutdown ------------------------------------------------------------------------------
