@@ -199,3 +199,18 @@ async def test_chat_stop_reason_context_length_when_streamed() -> None:
                          context=64)
             prompt = (await client.post("/tokenize", json={"messages": CHAT})).json()["count"]
             assert usage["prompt_tokens"] == prompt and usage["total_tokens"] == 64
+
+
+async def test_speculation_reports_lm_studio_draft_counts() -> None:
+    body = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0,
+            "speculation": {"draft_loops": 1, "draft_ahead": 3}}
+    with trio.fail_after(30):
+        async with running_server() as srv, httpx.AsyncClient(base_url=srv.url) as client:
+            out, _ = await post(client, "/api/v0/completions", body)
+            plain, _ = await post(client, "/api/v0/completions", {**body, "speculation": None})
+    stats = out["stats"]
+    assert stats["total_draft_tokens_count"] > 0
+    assert (stats["accepted_draft_tokens_count"] + stats["rejected_draft_tokens_count"]
+            == stats["total_draft_tokens_count"])
+    assert "total_draft_tokens_count" not in plain["stats"]
+    assert out["choices"][0]["text"] == plain["choices"][0]["text"]

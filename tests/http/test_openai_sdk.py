@@ -318,3 +318,23 @@ async def test_a_full_queue_is_503_with_retry_after() -> None:
         retry_after = err.response.headers.get("Retry-After")
         assert retry_after is not None and re.fullmatch(r"\d+(\.\d+)?", retry_after)
         assert 0 < float(retry_after) <= 120
+
+
+async def test_speculation_through_the_sdk_gives_plain_decodings_tokens() -> None:
+    plain: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    with trio.fail_after(30):
+        async with running_server() as srv, async_client(srv) as client:
+            reference = await client.completions.create(**plain, extra_body={"loops": 8})
+            chain = await client.completions.create(
+                **plain, extra_body={"loops": 8, "speculation": {"draft_loops": 2, "draft_ahead": 3}})
+            tree = await client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                extra_body={"speculation": {"draft_loops": 1, "branches": 2}})
+            tree_plain = await client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=6, temperature=0)
+            with pytest.raises(openai.BadRequestError) as too_deep:
+                await client.completions.create(**plain, extra_body={
+                    "loops": 2, "speculation": {"draft_loops": 4}})
+    assert chain.choices[0].text == reference.choices[0].text
+    assert tree.choices[0].message.content == tree_plain.choices[0].message.content
+    assert too_deep.value.param == "draft_loops"

@@ -9,7 +9,7 @@ from tinyloop.http.service import ServedModel
 from tinyloop.requests import GenerationResult, TokenLogprob
 from tinyloop.tokenizer import Tokenizer
 
-__all__ = ["usage", "chat_logprobs", "completion_logprobs", "lmstudio_extras", "STOP_REASONS"]
+__all__ = ["usage", "chat_logprobs", "completion_logprobs", "lmstudio_extras", "draft_stats", "STOP_REASONS"]
 
 STOP_REASONS = {"eos": "eosFound", "stop_token": "eosFound", "stop_string": "stopStringFound",
                 "length": "maxPredictedTokensReached", "cancelled": "userStopped"}
@@ -54,6 +54,15 @@ def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob] | None, offset: 
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def draft_stats(result: GenerationResult) -> dict[str, Any]:
+    """A speculative result's draft counts under LM Studio's stats names ({} otherwise)."""
+    if result.draft_tokens is None:
+        return {}
+    return {"total_draft_tokens_count": result.draft_tokens,
+            "accepted_draft_tokens_count": result.accepted_draft_tokens,
+            "rejected_draft_tokens_count": result.rejected_draft_tokens}
+
+
 def lmstudio_stats(result: GenerationResult, context_limited: bool) -> dict[str, Any]:
     wall = result.wall_ms / 1000
     ttft = (result.time_to_first_token_ms or 0.0) / 1000
@@ -64,7 +73,7 @@ def lmstudio_stats(result: GenerationResult, context_limited: bool) -> dict[str,
     tps = (result.completion_tokens - 1) / gen if result.completion_tokens > 1 else 0.0
     return {"tokens_per_second": round(tps, 3), "time_to_first_token": round(ttft, 6),
             "generation_time": round(gen, 6), "stop_reason": stop,
-            "loops": result.loops_used, "mean_loops": result.mean_loops}
+            "loops": result.loops_used, "mean_loops": result.mean_loops, **draft_stats(result)}
 
 
 def lmstudio_extras(model: ServedModel, result: GenerationResult, commit: str | None,

@@ -11,8 +11,8 @@ from typing import Any
 from quart import Blueprint, Response, jsonify
 
 from tinyloop.actors.stream import RequestStream
-from tinyloop.errors import RequestError
-from tinyloop.http.errors import ApiError, from_exception
+from tinyloop.http.errors import ApiError
+from tinyloop.http.formats import draft_stats
 from tinyloop.http.schemas import (
     DetokenizeRequest, GenerateBase, GenerateRequest, SpeculativeRequest, TokenizeRequest, TreeSpeculativeRequest,
 )
@@ -36,9 +36,7 @@ def result_json(rid: str, r: GenerationResult) -> dict[str, Any]:
     out["id"] = rid
     out["loops"] = out.pop("loops_used")
     if r.draft_tokens is not None:  # the same counts under LM Studio's stats names
-        out["stats"] = {"total_draft_tokens_count": r.draft_tokens,
-                        "accepted_draft_tokens_count": r.accepted_draft_tokens,
-                        "rejected_draft_tokens_count": r.rejected_draft_tokens}
+        out["stats"] = draft_stats(r)
     if r.logprobs is not None:
         out["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
                             "top": [[t, v] for t, v in lp.top]} for lp in r.logprobs]
@@ -63,12 +61,7 @@ async def _generate(body: GenerateBase, mode: str, **fields: Any) -> Response:
     s.model.check_context(tokens, "prompt" if body.prompt is not None else "prompt_tokens")
     reqs = make_requests(body, s.model, tokens, body.max_tokens, 1, seed=body.sample_seed,
                          stop=tuple(body.stop or ()), logprobs=body.logprobs or body.top_logprobs > 0,
-                         top_logprobs=body.top_logprobs, mode=mode)
-    if fields:
-        try:
-            reqs = [dataclasses.replace(r, **fields) for r in reqs]
-        except RequestError as exc:
-            raise from_exception(exc) from None
+                         top_logprobs=body.top_logprobs, mode=mode, **fields)
     streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms)
     rid = new_id("gen")
     if body.stream:

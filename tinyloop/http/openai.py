@@ -15,7 +15,7 @@ from quart import Blueprint, Response, jsonify
 
 from tinyloop.actors.stream import RequestStream
 from tinyloop.http.formats import chat_logprobs, completion_logprobs, lmstudio_extras, model_card, usage
-from tinyloop.http.schemas import ChatCompletionRequest, CompletionRequest
+from tinyloop.http.schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from tinyloop.http.service import (
     DONE, Served, collect, interleave, make_requests, new_id, parse_body, served, sse, sse_guard,
     start_all,
@@ -25,6 +25,15 @@ from tinyloop.requests import GenerationChunk, GenerationResult
 __all__ = ["blueprint", "chat_completions", "completions"]
 
 blueprint = Blueprint("openai", __name__, url_prefix="/v1")
+
+
+def speculation(body: Sampling) -> dict[str, Any]:
+    """The request fields of ``body.speculation``: a chain, or a tree with several branches."""
+    spec = body.speculation
+    if spec is None:
+        return {}
+    return {"mode": "speculative" if spec.branches == 1 else "tree", "draft_loops": spec.draft_loops,
+            "draft_ahead": spec.draft_ahead, "k_branches": spec.branches if spec.branches > 1 else None}
 
 
 @blueprint.get("/models")
@@ -67,7 +76,7 @@ async def chat_completions(*, lmstudio: bool) -> Response:
                          stop=body.stop_list(), logprobs=body.logprobs,
                          top_logprobs=body.top_logprobs or 0,
                          max_tokens_param="max_completion_tokens" if body.max_completion_tokens
-                         else "max_tokens")
+                         else "max_tokens", **speculation(body))
     context_limited = max_tokens in (None, -1)
     streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms)
     rid, created = new_id("chatcmpl"), int(time.time())
@@ -140,7 +149,8 @@ async def completions(*, lmstudio: bool) -> Response:
     s.model.check_context(tokens, "prompt")
     want_lp = body.logprobs is not None
     reqs = make_requests(body, s.model, tokens, body.max_tokens, body.n, seed=body.seed,
-                         stop=body.stop_list(), logprobs=want_lp, top_logprobs=body.logprobs or 0)
+                         stop=body.stop_list(), logprobs=want_lp, top_logprobs=body.logprobs or 0,
+                         **speculation(body))
     context_limited = body.max_tokens in (None, -1)
     streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms)
     head = {"id": new_id("cmpl"), "created": int(time.time()), "model": s.model.id}

@@ -56,6 +56,15 @@ class Knobs(Strict):
     exit: ExitSpec | None = Field(None, description="adaptive exit rule (default: the model's)")
 
 
+class Speculation(Strict):
+    """Self-speculative decoding on the OpenAI and LM Studio routes: draft with the same weights
+    at ``draft_loops``, verify at the request's loops; the output is what plain decoding gives."""
+
+    draft_loops: int = Field(1, ge=1, description="loops of the draft (at most the request's loops)")
+    draft_ahead: int = Field(4, ge=1, le=64, description="tokens drafted per branch and step")
+    branches: int = Field(1, ge=1, le=16, description="1: a chain; more: a tree with this many first tokens")
+
+
 class Sampling(Knobs):
     """OpenAI's sampling fields plus the knobs."""
 
@@ -67,6 +76,7 @@ class Sampling(Knobs):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)
     user: str | None = Field(None, max_length=256)
+    speculation: Speculation | None = Field(None, description="self-speculative decoding (default: off)")
 
     @model_validator(mode="after")
     def _stop_strings(self) -> Sampling:

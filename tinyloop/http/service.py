@@ -177,8 +177,9 @@ def new_id(prefix: str) -> str:
 def make_requests(body: Any, model: ServedModel, tokens: list[int], max_tokens: int | None,
                   n: int, *, seed: int | None, stop: tuple[str, ...], logprobs: bool,
                   top_logprobs: int, mode: str = "generate",
-                  max_tokens_param: str = "max_tokens") -> list[GenerationRequest]:
-    """One request per choice; choice ``i`` samples with ``seed + i`` so choices differ."""
+                  max_tokens_param: str = "max_tokens", **fields: Any) -> list[GenerationRequest]:
+    """One request per choice; choice ``i`` samples with ``seed + i`` so choices differ.
+    ``fields`` are further ``GenerationRequest`` fields (a mode's own: draft loops, beams)."""
     model.check_loops(body.loops)
     limit = model.max_tokens(len(tokens), max_tokens, max_tokens_param)
     out = []
@@ -190,7 +191,7 @@ def make_requests(body: Any, model: ServedModel, tokens: list[int], max_tokens: 
             out.append(GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=limit, mode=mode,
                                          loops=body.loops, cache_window=body.cache_window,
                                          warm_start=body.warm_start, sampling=sampling,
-                                         exit=exit_rule(body)))
+                                         exit=exit_rule(body), **fields))
         except RequestError as exc:
             raise from_exception(exc) from None
     return out
