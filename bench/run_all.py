@@ -128,8 +128,12 @@ def main() -> None:
         kind = "SMOKE RUN (--quick): not results" if args.quick else "full run"
         head = (f"\n## {started:%Y-%m-%d %H:%M} UTC, {kind}, commit {commit}{dirty}"
                 + (f", --threads {args.threads}" if args.threads else "") + "\n\n")
+        preamble = "" if output.exists() else (
+            "# Benchmark results\n\nOne section per run of `python bench/run_all.py`, newest last, "
+            "each with its date, commit and machine. Compare ratios within a section; absolute "
+            "figures only between sections from the same machine.\n")
         with open(output, "a", encoding="utf-8") as f:
-            f.write(head + "\n".join(desc) + "\n\n" + "\n".join(sections))
+            f.write(preamble + head + "\n".join(desc) + "\n\n" + "\n".join(sections))
         print(f"\nappended to {output}")
     else:
         print("\n(smoke run: nothing written; pass --output FILE to keep it)")
