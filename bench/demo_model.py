@@ -69,7 +69,7 @@ def quality(model, tokenizer, spec: CorpusSpec, loop_counts: list[int], n_window
             n_problems: int) -> None:
     stream = validation_text(spec, tokenizer)
     windows = text_windows(stream, n_windows, model.config.max_position)
-    pairs = held_out_problems(spec.seed, spec.n_held_out)[:n_problems]
+    pairs = held_out_problems(spec.seed, spec.n_held_out, spec.max_digits)[:n_problems]
     default = model.config.default_loops
     losses, accs, by_digits = {}, {}, {}
     for r in loop_counts:

@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-core", type=int, default=2)
     p.add_argument("--source-dir", default="", help="text source folder (default: the stdlib)")
     p.add_argument("--train-problems", type=int, default=CorpusSpec().n_train_problems)
+    p.add_argument("--arith-max-digits", type=int,
+                   help=f"digits of the longest addition operand (default {CorpusSpec().max_digits}); "
+                   "with --resume, a new value rebuilds the addition problems and their held-out set")
     return p.parse_args(argv)
 
 
@@ -109,8 +112,10 @@ def configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, CorpusS
         for k in ("steps", *RETUNABLE):
             if getattr(args, k) is not None:
                 overrides[k] = getattr(args, k)
-        return (ModelConfig.from_json(state["model_config"]), dataclasses.replace(train, **overrides),
-                CorpusSpec(**state["corpus_spec"]))
+        spec = CorpusSpec(**state["corpus_spec"])
+        if args.arith_max_digits is not None:
+            spec = dataclasses.replace(spec, max_digits=args.arith_max_digits)
+        return ModelConfig.from_json(state["model_config"]), dataclasses.replace(train, **overrides), spec
     if ckpt.exists():
         sys.exit(f"{ckpt} exists: pass --resume to continue it, or choose another --out")
     model = demo_model_config(hidden=args.hidden, intermediate=args.intermediate, n_core=args.n_core)
@@ -119,7 +124,8 @@ def configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, CorpusS
                         lr=args.lr, warmup=args.warmup, **retuned, bf16=args.bf16,
                         log_every=args.log_every, eval_every_min=args.eval_every_min, ckpt_every_min=args.ckpt_every_min)
     return model, train, CorpusSpec(source_dir=args.source_dir, seed=args.seed,
-                                    n_train_problems=args.train_problems)
+                                    n_train_problems=args.train_problems,
+                                    max_digits=args.arith_max_digits or CorpusSpec().max_digits)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -78,6 +78,13 @@ def test_addition_never_leaks_held_out_pairs() -> None:
     assert set(np.char.str_len(train.astype(str)).ravel().tolist()) == {1, 2, 3, 4, 5}
     assert format_problems(np.array([[417, 386], [0, 5]])) == "417+386=803\n0+5=5\n"
     assert np.array_equal(held, held_out_problems(0, 1000))
+    long_held = held_out_problems(0, 500, max_digits=8)
+    long_train = training_problems(0, 20000, long_held, max_digits=8)
+    assert set(np.char.str_len(long_train.astype(str)).ravel().tolist()) == set(range(1, 9))
+    banned = {tuple(p) for p in long_held.tolist()} | {(b, a) for a, b in long_held.tolist()}
+    assert not banned & {tuple(p) for p in long_train.tolist()}
+    with pytest.raises(ValueError, match="max_digits"):
+        CorpusSpec(max_digits=10)
 
 
 def test_loop_draw_is_heavy_tailed_around_the_mean() -> None:

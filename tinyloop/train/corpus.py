@@ -5,8 +5,8 @@ Everything is built by code from what every machine has, so a run is reproducibl
 - text: the ``.py`` files under ``sysconfig.get_paths()["stdlib"]`` (PSF licence), sorted, test
   and site-packages folders skipped; each file's tokens followed by ``<|endoftext|>``. About 2%
   of the files, chosen by a hash of their relative path, are held out for validation.
-- addition: ``417+386=803`` one problem per line, operands of 1-5 digits (the digit count
-  uniform, then the value uniform), from a seeded RNG. A fixed set of held-out problems is drawn
+- addition: ``417+386=803`` one problem per line, operands of 1 to ``max_digits`` (default 5)
+  digits (the digit count uniform, then the value uniform), from a seeded RNG. A fixed set of held-out problems is drawn
   first; no training problem uses a held-out operand pair, in either order.
 
 Tokenised once; the arrays are cached as ``.npy`` files in a cache folder keyed by a digest of
@@ -36,7 +36,7 @@ __all__ = ["Corpus", "CorpusSpec", "build_corpus", "source_files", "split_files"
 
 SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
 CORPUS_VERSION = 1
-MAX_DIGITS = 5
+MAX_DIGITS = 9  # operands stay below 10**9, so an operand pair packs into one int64
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,11 @@ class CorpusSpec:
     seed: int = 0  # seeds the addition problems
     n_held_out: int = 1000  # held-out addition problems
     n_train_problems: int = 1_000_000  # addition problems in the training stream
+    max_digits: int = 5  # digits of the longest addition operand (at most MAX_DIGITS)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_digits <= MAX_DIGITS:
+            raise ValueError(f"max_digits must be in 1..{MAX_DIGITS}, got {self.max_digits}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +111,9 @@ def _encode_files(root: Path, files: Sequence[str], tokenizer: Tokenizer) -> np.
 # -- addition --------------------------------------------------------------------------------
 
 
-def _operands(rng: np.random.Generator, n: int) -> np.ndarray:
-    """``n`` operands: digit count uniform in 1..5, then the value uniform among those numbers."""
-    digits = rng.integers(1, MAX_DIGITS + 1, size=n)
+def _operands(rng: np.random.Generator, n: int, max_digits: int) -> np.ndarray:
+    """``n`` operands: digit count uniform in 1..max_digits, then the value uniform among those."""
+    digits = rng.integers(1, max_digits + 1, size=n)
     lo = np.where(digits == 1, 0, 10 ** (digits - 1))
     return lo + (rng.random(n) * (10 ** digits - lo)).astype(np.int64)
 
@@ -117,26 +122,26 @@ def _pair_key(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a.astype(np.int64) * 10 ** MAX_DIGITS + b.astype(np.int64)
 
 
-def held_out_problems(seed: int, n: int) -> np.ndarray:
+def held_out_problems(seed: int, n: int, max_digits: int = 5) -> np.ndarray:
     """``[n, 2]`` distinct operand pairs (a, b) kept out of training."""
     rng = np.random.default_rng([seed, 1])
     pairs: dict[tuple[int, int], None] = {}
     while len(pairs) < n:
-        a, b = _operands(rng, n), _operands(rng, n)
+        a, b = _operands(rng, n, max_digits), _operands(rng, n, max_digits)
         for x, y in zip(a.tolist(), b.tolist()):
             if len(pairs) < n:
                 pairs.setdefault((x, y), None)
     return np.asarray(list(pairs), dtype=np.int64).reshape(n, 2)
 
 
-def training_problems(seed: int, n: int, held_out: np.ndarray) -> np.ndarray:
+def training_problems(seed: int, n: int, held_out: np.ndarray, max_digits: int = 5) -> np.ndarray:
     """``[n, 2]`` operand pairs, none equal to a held-out pair in either order."""
     rng = np.random.default_rng([seed, 2])
     banned = np.concatenate([_pair_key(held_out[:, 0], held_out[:, 1]),
                              _pair_key(held_out[:, 1], held_out[:, 0])])
     chunks, have = [], 0
     while have < n:
-        a, b = _operands(rng, n), _operands(rng, n)
+        a, b = _operands(rng, n, max_digits), _operands(rng, n, max_digits)
         keep = ~np.isin(_pair_key(a, b), banned)
         chunk = np.stack([a[keep], b[keep]], axis=1)
         chunks.append(chunk)
@@ -154,8 +159,11 @@ def format_problems(pairs: np.ndarray) -> str:
 
 def _cache_key(spec: CorpusSpec, root: Path, files: Sequence[str], tokenizer: Tokenizer) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([CORPUS_VERSION, spec.val_fraction, spec.seed, spec.n_held_out,
-                         spec.n_train_problems, str(root)]).encode())
+    key: list[object] = [CORPUS_VERSION, spec.val_fraction, spec.seed, spec.n_held_out,
+                         spec.n_train_problems, str(root)]
+    if spec.max_digits != 5:  # the caches of 5-digit corpora keep their names
+        key.append(spec.max_digits)
+    h.update(json.dumps(key).encode())
     for rel in files:
         h.update(f"{rel}\0{(root / rel).stat().st_size}\0".encode())
     h.update(hashlib.sha256(tokenizer.to_json().encode()).digest())
@@ -183,8 +191,8 @@ def build_corpus(spec: CorpusSpec, tokenizer: Tokenizer, cache_dir: Path | None)
         if all((folder / f"{name}.npy").exists() for name in _ARRAYS):
             arrays = {name: np.load(folder / f"{name}.npy") for name in _ARRAYS}
             return Corpus(**arrays, val_files=tuple(val_files))
-    held = held_out_problems(spec.seed, spec.n_held_out)
-    problems = training_problems(spec.seed, spec.n_train_problems, held)
+    held = held_out_problems(spec.seed, spec.n_held_out, spec.max_digits)
+    problems = training_problems(spec.seed, spec.n_train_problems, held, spec.max_digits)
     arrays = {
         "text_train": _encode_files(root, train_files, tokenizer),
         "text_val": _encode_files(root, val_files, tokenizer),
