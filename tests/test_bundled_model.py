@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -48,11 +49,12 @@ def test_more_loops_solve_more_held_out_additions() -> None:
     import torch
 
     from tinyloop.model.artifact import load_artifact
-    from tinyloop.train.corpus import held_out_problems
+    from tinyloop.train.corpus import CorpusSpec, held_out_problems
     from tinyloop.train.evaluate import addition_accuracy
 
     art = load_artifact(Settings().resolve_model_path(), dtype=torch.float32)
-    pairs = held_out_problems(0, 1000)[:120]
+    spec = CorpusSpec(**json.loads(art.metadata["tinyloop.train"])["corpus_spec"])  # as trained
+    pairs = held_out_problems(spec.seed, spec.n_held_out, spec.max_digits)[:120]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small batches: one thread avoids OpenMP stalls on a busy machine
     try:

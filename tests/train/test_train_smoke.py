@@ -169,3 +169,30 @@ def test_export_writes_a_loadable_artifact(source_dir: Path, tmp_path: Path,
     assert artifact.config == TINY.replace(default_loops=8)
     for name, tensor in trainer.model.state_dict().items():
         assert torch.equal(artifact.model.state_dict()[name], tensor), name
+
+
+def test_addition_accuracy_generates_enough_tokens_for_the_longest_sum() -> None:
+    """A stand-in model that always writes the right answer scores 100% on 8-digit operands:
+    the generation budget follows the sums' length (it once stopped at 7 tokens)."""
+    from types import SimpleNamespace
+
+    from tinyloop.model.layers import Rope
+    from tinyloop.train.evaluate import addition_accuracy
+
+    tok = default_tokenizer()
+
+    class Oracle:
+        rope = Rope(16, 64, 10000.0, "half")
+
+        def __call__(self, tokens: torch.Tensor, ctx: object, specs: object, last_only: bool) -> SimpleNamespace:
+            logits = torch.full((len(tokens), 1, tok.vocab_size), -1e9)
+            for i, row in enumerate(tokens.tolist()):
+                line = [x for x in tok.decode(row).split("\n") if "=" in x][-1]
+                question, _, written = line.partition("=")
+                a, b = map(int, question.split("+"))
+                answer = f"{a + b}\n\n"  # then newlines, once the answer is out
+                logits[i, 0, tok.encode(answer[min(len(written), len(answer) - 1)])[0]] = 0.0
+            return SimpleNamespace(logits=logits)
+
+    pairs = np.array([[99_999_999, 99_999_999], [12_345_678, 1], [7, 5]])
+    assert addition_accuracy(Oracle(), tok, pairs, loops=1) == 1.0  # type: ignore[arg-type]

@@ -53,11 +53,15 @@ def addition_prefix(arith_stream: np.ndarray, tokenizer: Tokenizer, n_problems: 
 
 @torch.no_grad()
 def addition_accuracy(model: LoopedLM, tokenizer: Tokenizer, pairs: np.ndarray, loops: int,
-                      prefix: str = "\n", max_new: int = 7) -> float:
+                      prefix: str = "\n", max_new: int | None = None) -> float:
     """Greedy exact match on ``prefix + "a+b="``: the text before the first newline must be a+b.
 
-    Prompts of equal token length form one batch, so no padding is needed.
+    ``max_new`` (default: the longest sum's digits plus the newline, digits being one token
+    each) bounds the tokens generated. Prompts of equal token length form one batch, so no
+    padding is needed.
     """
+    if max_new is None:
+        max_new = max((len(str(a + b)) for a, b in pairs.tolist()), default=0) + 1
     groups: dict[int, list[tuple[list[int], int]]] = defaultdict(list)
     for a, b in pairs.tolist():
         ids = tokenizer.encode(f"{prefix}{a}+{b}=")
