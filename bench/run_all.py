@@ -36,7 +36,9 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
     "engine_vs_hf": (["--quick"], [], True),
     "batching": (["--quick"], [], True),
     "kv_modes": (["--tokens", "8", "--tps-tokens", "4"], [], True),
-    "speculative": (["--tokens", "8", "--repeat", "1"], [], True),
+    # the trained demo model: a random one's drafts almost never agree (acceptance ~1%)
+    "speculative": (["--tokens", "8", "--repeat", "1"],
+                    ["--model", "tinyloop/data/demo.tinyloop", "--prompt", "def fibonacci(n):"], True),
     "prefix": (["--repeats", "1", "--prefix", "64", "--suffix", "8"], [], True),
     "demo_model": (["--loops", "1,4", "--windows", "4", "--problems", "20", "--sample-tokens", "8",
                     "--spec-tokens", "8"], [], True),

@@ -1,6 +1,7 @@
 """Self-speculative decoding: plain vs chain vs tree, tokens/s and acceptance, one table.
 
-    python bench/speculative.py [--model FILE.tinyloop] [--tokens 64] [--threads 1] [--repeat 2]
+    python bench/speculative.py [--model FILE.tinyloop] [--prompt TEXT] [--tokens 64] [--threads 1]
+                                [--repeat 2]
 
 Without ``--model`` a random ``small`` preset (what ``tinyloop init --preset small`` writes) is
 saved to a temporary file and loaded from there. Every row decodes the same prompt greedily
@@ -93,6 +94,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per row; the fastest counts")
     ap.add_argument("--seed", type=int, default=0, help="init seed of the random model")
+    ap.add_argument("--prompt", default=PROMPT, help="the prompt every row decodes from")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -100,7 +102,7 @@ def main() -> None:
         path = args.model or random_small(Path(tmp), args.seed)
         engine = Engine.load(path)
         name = "random small (seed %d)" % args.seed if args.model is None else str(path)
-    tokens = engine.tokenizer.encode(PROMPT)
+    tokens = engine.tokenizer.encode(args.prompt)
     loops = engine.default_loops
     print(f"model: {name}; {engine.config.n_prelude}+{engine.config.n_core}x{loops}+"
           f"{engine.config.n_coda} layers, hidden {engine.config.hidden}; prompt {len(tokens)} tokens, "
