@@ -22,6 +22,7 @@ import argparse
 import datetime as dt
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -81,7 +82,7 @@ def machine() -> list[str]:
 
 def run_bench(name: str, args: list[str], timeout: float) -> tuple[str, int, float, str]:
     cmd = [sys.executable, str(HERE / f"{name}.py"), *args]
-    shown = " ".join(["python", f"bench/{name}.py", *args])
+    shown = shlex.join(["python", f"bench/{name}.py", *args])
     print(f"\n=== {shown}", flush=True)
     t0 = time.perf_counter()
     try:
