@@ -22,3 +22,18 @@ async def test_health_models_and_a_chat_completion() -> None:
             assert body["usage"]["completion_tokens"] == 4
             missing = await client.get("/nope")
             assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_the_browser_ui_ships_inside_the_package_and_is_served() -> None:
+    from importlib.resources import files
+
+    from tinyloop.http.web import web_root
+
+    # package data (tinyloop/web links to the repository's web/), so `pip install .` carries it
+    assert (files("tinyloop") / "web" / "index.html").is_file()
+    assert web_root() is not None and (web_root() / "index.html").is_file()
+    with trio.fail_after(30):
+        async with running_server() as srv, httpx.AsyncClient(base_url=srv.url) as client:
+            page = await client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "<html" in page.text.lower()
