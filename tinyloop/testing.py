@@ -163,6 +163,9 @@ class FakeEngine:
     def kv_blocks_needed(self, req: GenerationRequest) -> int | None:
         return None if self.kv_blocks is None else len(req.prompt_tokens) + req.max_tokens
 
+    def kv_blocks_held(self, seq: FakeSequence) -> int | None:
+        return None if self.kv_blocks is None else self.kv_blocks_needed(seq.request)
+
     def kv_bytes_per_token(self) -> None:
         return None
 

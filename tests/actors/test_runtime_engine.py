@@ -153,3 +153,37 @@ async def test_requests_wait_for_kv_instead_of_running_short_of_it() -> None:
     assert [got[i] for i in range(8)] == alone
     assert peak == 2
     assert engine.kv_statistics().blocks_used == 0
+
+
+async def test_blocks_a_registered_prefix_pins_are_not_counted_as_free() -> None:
+    """A pool with room for three requests, a third of it pinned by a registered prefix: two
+    run at a time and all complete (counting the pinned blocks as free, the third would run
+    short half way)."""
+    reqs = [GenerationRequest(prompt_tokens=tuple(range(5 + i, 17 + i)), max_tokens=36, loops=4,
+                              sampling=SamplingParams(temperature=0, ignore_eos=True)) for i in range(3)]
+    reference = make_engine()
+    alone = [reference.generate(r).tokens for r in reqs]
+    need = reference.kv_blocks_needed(reqs[0])
+    per_block = reference.kv_statistics().bytes_per_block
+    engine = Engine(reference.model, default_tokenizer(), max_seq_len=256, block_size=8,
+                    kv_cache_mb=(3 * need + need // 2) * per_block / 2**20, prefix_caching=False)
+    got: dict[int, list[int]] = {}
+    peak = 0
+    with trio.fail_after(120):
+        async with tinyloop.open_runtime(engine, tinyloop.Settings(max_batch_size=8)) as rt:
+            await rt.register_prefix(list(range(900, 948)), loops=4)  # 48 tokens: `need` blocks
+            assert engine.kv_statistics().blocks_used == need
+
+            async def run(i: int) -> None:
+                nonlocal peak
+                async with rt.submit_stream(reqs[i]) as stream:
+                    got[i] = []
+                    async for chunk in stream:
+                        got[i].append(chunk.token_id)
+                        peak = max(peak, sum(rt.request_state(r.request_id) is RequestState.DECODING
+                                             for r in reqs))
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(run, i)
+    assert [got[i] for i in range(3)] == alone
+    assert peak == 2

@@ -11,7 +11,8 @@ prompt plus ``max_tokens`` in every slot) fit beside what the running ones can c
 running sequences never run out of blocks half way. One that does not fit waits here, in
 dispatch order, until enough finish; one larger than the whole pool starts when nothing else
 runs. Idle prefix-cache blocks count as free (they are evicted on demand); blocks that
-registered prefixes pin do not, so with those a sequence can still run short.
+registered prefixes pin do not (a request sharing them counts them twice: it may wait longer
+than it must, never run short).
 
 Errors: a sequence that fails on its own (no KV blocks) fails its request only. A step that
 raises ``EngineError`` fails the requests of that step; ``EngineBroken`` also marks the runtime
@@ -93,7 +94,10 @@ class _Loop:
         if not blocks or not self.active:
             return True
         stats = self.engine.kv_statistics()
-        return stats is None or self.committed + blocks <= stats.blocks_total
+        if stats is None:
+            return True
+        pinned = sum(self.engine.kv_blocks_held(h) or 0 for h in self.pool.handles())
+        return self.committed + blocks <= stats.blocks_total - pinned
 
     async def start_waiting(self) -> None:
         """Start waiting tickets in dispatch order while their KV fits (cancelled ones leave)."""

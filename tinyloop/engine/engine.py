@@ -124,6 +124,10 @@ class Engine:
         beams = req.beam[0] if req.beam is not None else 1
         return slot_count(self.config, loops, window) * per_slot * beams
 
+    def kv_blocks_held(self, seq: Sequence) -> int:
+        """KV blocks ``seq``'s tables hold now (a registered prefix pins these)."""
+        return seq.kv.num_blocks
+
     def kv_bytes_per_token(self, loops: int | None = None, cache_window: int | None = None) -> int:
         loops = loops or self.config.default_loops
         return self.pool.bytes_per_token(loops, cache_window)

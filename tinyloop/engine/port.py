@@ -57,6 +57,10 @@ class EnginePort(Protocol):
         """The most KV blocks ``req`` can hold (None: the engine does not count blocks)."""
         ...
 
+    def kv_blocks_held(self, seq: Any) -> int | None:
+        """KV blocks a sequence (a registered prefix's handle) holds now."""
+        ...
+
 
 @contextmanager
 def engine_errors() -> Iterator[None]:
@@ -108,3 +112,6 @@ class ThreadedEngine:
 
     def kv_blocks_needed(self, req: GenerationRequest) -> int:
         return self.engine.kv_blocks_needed(req)
+
+    def kv_blocks_held(self, seq: Seq) -> int:
+        return self.engine.kv_blocks_held(seq)

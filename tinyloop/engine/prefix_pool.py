@@ -77,6 +77,10 @@ class PrefixPool(Generic[H]):
         self._matched_tokens += len(best[0])
         return len(best[0]), self._entries[best]
 
+    def handles(self) -> list[H]:
+        """The registered prefixes' handles (least recently used first)."""
+        return list(self._entries.values())
+
     def clear(self) -> list[H]:
         handles = list(self._entries.values())
         self._entries.clear()
