@@ -121,6 +121,25 @@ def test_embedding_example_runs_from_plain_trio(tmp_path: Path) -> None:
     assert "in_flight=0" in out.stdout
 
 
+async def stream_all(rt: tinyloop.Runtime, reqs: list[GenerationRequest]) -> tuple[list[list[int]], int]:
+    """Stream every request at once: each one's tokens, and the most that were decoding together."""
+    got: dict[int, list[int]] = {}
+    peak = 0
+
+    async def run(i: int) -> None:
+        nonlocal peak
+        async with rt.submit_stream(reqs[i]) as stream:
+            got[i] = []
+            async for chunk in stream:
+                got[i].append(chunk.token_id)
+                peak = max(peak, sum(rt.request_state(r.request_id) is RequestState.DECODING for r in reqs))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(reqs)):
+            nursery.start_soon(run, i)
+    return [got[i] for i in range(len(reqs))], peak
+
+
 async def test_requests_wait_for_kv_instead_of_running_short_of_it() -> None:
     """A pool with room for two requests' full length: eight at once all complete, at most two
     running at a time, each with its solo output (without the wait most would fail part way)."""
@@ -134,23 +153,11 @@ async def test_requests_wait_for_kv_instead_of_running_short_of_it() -> None:
     engine = Engine(reference.model, default_tokenizer(), max_seq_len=256, block_size=8,
                     kv_cache_mb=(2 * need + need // 2) * per_block / 2**20, prefix_caching=False)
     assert 2 * need <= engine.kv_statistics().blocks_total < 3 * need
-    got: dict[int, list[int]] = {}
-    peak = 0
     with trio.fail_after(120):
         async with tinyloop.open_runtime(engine, tinyloop.Settings(max_batch_size=8)) as rt:
-            async def run(i: int) -> None:
-                nonlocal peak
-                async with rt.submit_stream(reqs[i]) as stream:
-                    got[i] = []
-                    async for chunk in stream:
-                        got[i].append(chunk.token_id)
-                        peak = max(peak, sum(rt.request_state(r.request_id) is RequestState.DECODING
-                                             for r in reqs))
-            async with trio.open_nursery() as nursery:
-                for i in range(8):
-                    nursery.start_soon(run, i)
+            got, peak = await stream_all(rt, reqs)
             assert rt.statistics().in_flight == 0
-    assert [got[i] for i in range(8)] == alone
+    assert got == alone
     assert peak == 2
     assert engine.kv_statistics().blocks_used == 0
 
@@ -167,23 +174,10 @@ async def test_blocks_a_registered_prefix_pins_are_not_counted_as_free() -> None
     per_block = reference.kv_statistics().bytes_per_block
     engine = Engine(reference.model, default_tokenizer(), max_seq_len=256, block_size=8,
                     kv_cache_mb=(3 * need + need // 2) * per_block / 2**20, prefix_caching=False)
-    got: dict[int, list[int]] = {}
-    peak = 0
     with trio.fail_after(120):
         async with tinyloop.open_runtime(engine, tinyloop.Settings(max_batch_size=8)) as rt:
             await rt.register_prefix(list(range(900, 948)), loops=4)  # 48 tokens: `need` blocks
             assert engine.kv_statistics().blocks_used == need
-
-            async def run(i: int) -> None:
-                nonlocal peak
-                async with rt.submit_stream(reqs[i]) as stream:
-                    got[i] = []
-                    async for chunk in stream:
-                        got[i].append(chunk.token_id)
-                        peak = max(peak, sum(rt.request_state(r.request_id) is RequestState.DECODING
-                                             for r in reqs))
-            async with trio.open_nursery() as nursery:
-                for i in range(3):
-                    nursery.start_soon(run, i)
-    assert [got[i] for i in range(3)] == alone
+            got, peak = await stream_all(rt, reqs)
+    assert got == alone
     assert peak == 2
