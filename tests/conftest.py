@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tinyloop.model.artifact import save_artifact
 from tinyloop.model.presets import PRESETS, init_model
@@ -20,3 +22,17 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("artifacts") / "tiny.tinyloop"
     save_artifact(path, init_model(PRESETS["tiny"], seed=0), default_tokenizer())
     return path
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Run the test on one torch thread, then restore the count. Tiny matmuls gain nothing from
+    a second thread, and on a shared CPU two OpenMP threads spin against each other (4-10x
+    slower measured beside a training job). Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tinyloop.engine.engine import Engine
 from tinyloop.model.artifact import inspect_artifact
 from tinyloop.requests import GenerationRequest, SamplingParams
@@ -43,6 +45,7 @@ def test_the_quality_benchmark_runs_on_the_bundled_model() -> None:
     assert len(spec_rows) == 2 and all(row.rstrip(" |").endswith("yes") for row in spec_rows)
 
 
+@pytest.mark.usefixtures("one_torch_thread")  # small batches
 def test_more_loops_solve_more_held_out_additions() -> None:
     """The point of the bundled model: the dial. Deterministic (greedy, fixed weights); the margin
     at the model card's scale is about 20 points."""
@@ -55,11 +58,5 @@ def test_more_loops_solve_more_held_out_additions() -> None:
     art = load_artifact(Settings().resolve_model_path(), dtype=torch.float32)
     spec = CorpusSpec(**json.loads(art.metadata["tinyloop.train"])["corpus_spec"])  # as trained
     pairs = held_out_problems(spec.seed, spec.n_held_out, spec.max_digits)[:120]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small batches: one thread avoids OpenMP stalls on a busy machine
-    try:
-        acc = {r: addition_accuracy(art.model, art.tokenizer, pairs, r)
-               for r in (1, art.config.default_loops)}
-    finally:
-        torch.set_num_threads(threads)
+    acc = {r: addition_accuracy(art.model, art.tokenizer, pairs, r) for r in (1, art.config.default_loops)}
     assert acc[art.config.default_loops] >= acc[1] + 0.08, acc

@@ -4,7 +4,6 @@ short case, KV shared between beams and all given back, and through the actor ru
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,16 +20,11 @@ from tinyloop.requests import GenerationRequest, SamplingParams
 PROMPT = [5, 6, 7]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def engine(one_thread: None) -> Engine:
+def engine() -> Engine:
     return make_engine(max_seq_len=256, block_size=8)
 
 
@@ -155,7 +149,7 @@ def test_free_mid_search_gives_every_beam_back(engine: Engine) -> None:
     assert engine.kv_statistics().blocks_used == 0
 
 
-def test_kv_exhaustion_fails_the_beam_request_alone(one_thread: None) -> None:
+def test_kv_exhaustion_fails_the_beam_request_alone() -> None:
     small = make_engine(max_seq_len=256, block_size=8, kv_cache_mb=40 * 2048 / 2**20)
     wide = beam(list(range(100, 130)), 16, max_tokens=40, sampling=SamplingParams(temperature=0, ignore_eos=True))
     seq = small.start(wide)

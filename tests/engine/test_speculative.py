@@ -28,14 +28,7 @@ GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 PROMPT = list(range(30, 40))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls gain nothing from a second thread, and with the CPU shared (a training job
-    beside the tests) two OpenMP threads spin against each other: 4-5x slower here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

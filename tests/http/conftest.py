@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,6 +30,16 @@ def tiny_engine(max_seq_len: int = 256, **options: Any) -> Engine:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
     return Engine(model, default_tokenizer(), max_seq_len=max_seq_len, block_size=8, name="tiny",
                   **options)
+
+
+def sse_events(text: str) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded; ``[DONE]`` kept as the string."""
+    out: list[Any] = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
 
 
 @dataclass

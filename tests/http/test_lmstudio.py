@@ -6,7 +6,6 @@ streamed form carries the extras on its final chunk only (the one with ``finish_
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
@@ -14,7 +13,7 @@ import pytest
 import trio
 
 import tinyloop
-from tests.http.conftest import running_server, tiny_engine
+from tests.http.conftest import running_server, sse_events, tiny_engine
 from tinyloop.settings import Settings
 
 SETTINGS = Settings(port=0, max_batch_size=8, commit="abc123")
@@ -22,16 +21,6 @@ PROMPT = "Once upon a time"  # greedy on tiny_engine(): "Loader" "if" "if" ... "
 CHAT = [{"role": "user", "content": PROMPT}]
 CARD_FIELDS = {"id", "object", "type", "publisher", "arch", "compatibility_type", "quantization",
                "state", "max_context_length"}
-
-
-def sse_events(text: str) -> list[Any]:
-    """The ``data:`` payloads of an SSE body, JSON-decoded; ``[DONE]`` kept as the string."""
-    out: list[Any] = []
-    for line in text.splitlines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 async def post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:

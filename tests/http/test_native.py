@@ -8,7 +8,6 @@ the default run).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,7 +16,7 @@ import httpx
 import pytest
 import trio
 
-from tests.http.conftest import running_server, tiny_engine
+from tests.http.conftest import running_server, sse_events, tiny_engine
 from tinyloop.engine.engine import Engine
 from tinyloop.http.factory import create_app
 from tinyloop.requests import GenerationRequest, SamplingParams
@@ -26,15 +25,6 @@ from tinyloop.settings import Settings
 PROMPT = "Once upon a time"
 RESULT_FIELDS = {"id", "tokens", "text", "finish_reason", "prompt_tokens", "completion_tokens",
                  "wall_ms", "stop_reason", "logprobs", "loops", "mean_loops", "time_to_first_token_ms"}
-
-
-def sse_events(text: str) -> list[Any]:
-    out: list[Any] = []
-    for line in text.splitlines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 @asynccontextmanager

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
 import trio
 
 from tests.http.conftest import LiveServer
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Keep the model work on one core (the suite shares the machine); restore afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+def _single_thread(one_torch_thread: None) -> None:
+    """Keep the model work on one core (the suite shares the machine)."""
 
 
 async def wait_for(predicate: Callable[[], bool], poll_s: float = 0.005) -> None:

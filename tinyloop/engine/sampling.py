@@ -123,7 +123,7 @@ def sample_token(
     if params.greedy:
         token_id = int(torch.argmax(penalised))  # argmax returns the first maximum: lowest id
     else:
-        token_id = _draw(_filtered_probs(penalised, params), generator)
+        token_id = draw(_filtered_probs(penalised, params), generator)
     return SampleResult(token_id, _logprob(raw, token_id, params))
 
 
@@ -141,11 +141,6 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, prompt_tokens: Se
     its output has exactly the distribution of plain sampling."""
     raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
     return _filtered_probs(apply_penalties(raw, params, prompt_tokens, output_tokens), params)
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token drawn from ``probs`` [V] (need not be normalised) with ``generator``."""
-    return _draw(probs, generator)
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, params: SamplingParams) -> TokenLogprob | None:
@@ -198,8 +193,9 @@ def _nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return values[int((mass_before < top_p).sum()) - 1]
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token drawn from ``probs`` [V] with ``generator``, among the tokens left non-zero.
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token drawn from ``probs`` [V] (need not be normalised) with ``generator``, among the
+    tokens left non-zero.
 
     Drawing over the surviving support only makes filtered sampling cheaper, since
     ``torch.multinomial`` spends one exponential variate per entry.

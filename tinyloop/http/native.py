@@ -35,8 +35,8 @@ def result_json(rid: str, r: GenerationResult) -> dict[str, Any]:
             del out[name]
     out["id"] = rid
     out["loops"] = out.pop("loops_used")
-    if r.draft_tokens is not None:  # the same counts under LM Studio's stats names
-        out["stats"] = draft_stats(r)
+    if stats := draft_stats(r):  # a speculative result's counts, under LM Studio's stats names
+        out["stats"] = stats
     if r.logprobs is not None:
         out["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
                             "top": [[t, v] for t, v in lp.top]} for lp in r.logprobs]
