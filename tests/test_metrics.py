@@ -30,6 +30,7 @@ EXPECTED = {
     "tinyloop_batch_size": "histogram",
     "tinyloop_tokens_generated": "counter",
     "tinyloop_prompt_tokens": "counter",
+    "tinyloop_preemptions": "counter",
     "tinyloop_kv_blocks_used": "gauge",
     "tinyloop_kv_blocks_total": "gauge",
     "tinyloop_kv_bytes_per_token": "gauge",

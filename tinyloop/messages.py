@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Admit", "AdmitReply", "Observe", "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
     "RegisterPrefix", "Event", "Admitted", "Rejected", "Started", "FirstToken", "Finished",
-    "StepDone", "PoolDispatched", "PrefixLookup",
+    "StepDone", "PoolDispatched", "PrefixLookup", "Preempted",
 ]
 
 
@@ -104,7 +104,10 @@ class Rejected:
 
 @dataclass(frozen=True, slots=True)
 class Started:
+    """A request reached the engine (never sent for one retired before it did)."""
+
     queue_wait_ms: float
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +125,11 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class StepDone:
+    """One engine step: the sequences it ran and the tokens it emitted (whatever becomes of
+    their requests later)."""
+
     batch_size: int
+    tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,4 +146,10 @@ class PoolDispatched:
     pass
 
 
-Event = Admitted | Rejected | Started | FirstToken | Finished | StepDone | PoolDispatched | PrefixLookup
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """A running sequence gave its KV back, to be recomputed when the pool has room."""
+
+
+Event = (Admitted | Rejected | Started | FirstToken | Finished | StepDone | PoolDispatched | PrefixLookup
+         | Preempted)

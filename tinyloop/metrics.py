@@ -80,11 +80,15 @@ class Metrics:
         # Engine throughput and KV.
         self.batch_size = histogram("tinyloop_batch_size", "Sequences decoded together in one decode step.",
                                     BATCH_SIZE_BUCKETS)
-        self.tokens_generated = counter("tinyloop_tokens_generated", "Tokens generated (completion tokens).")
-        self.prompt_tokens = counter("tinyloop_prompt_tokens", "Prompt tokens prefilled or taken from a cache.")
+        self.tokens_generated = counter("tinyloop_tokens_generated",
+                                        "Tokens generated, counted as emitted (whatever becomes of the request).")
+        self.prompt_tokens = counter("tinyloop_prompt_tokens",
+                                     "Prompt tokens of requests that reached the engine (prefilled or cached).")
         self.requests_waiting_for_kv = gauge(
             "tinyloop_requests_waiting_for_kv",
             "Requests dispatched to the engine that wait for their KV blocks to fit.")
+        self.preemptions = counter("tinyloop_preemptions",
+                                   "Running sequences that gave their KV back to be recomputed later.")
         self.kv_blocks_used = gauge("tinyloop_kv_blocks_used", "KV cache blocks currently allocated.")
         self.kv_blocks_total = gauge("tinyloop_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_bytes_per_token = gauge("tinyloop_kv_bytes_per_token",

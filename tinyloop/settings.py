@@ -55,6 +55,11 @@ class Settings:
     downgrade_on_admission: bool = _opt(False, "TINYLOOP_DOWNGRADE_ON_ADMISSION",
                                         "admit at fewer loops instead of rejecting for the SLO")
     downgrade_min_loops: int = _opt(1, "TINYLOOP_DOWNGRADE_MIN_LOOPS", "the lowest loops a downgrade may pick")
+    kv_aging_ms: float = _opt(2000.0, "TINYLOOP_KV_AGING_MS",
+                              "a request waiting for KV lets later ones that fit start first for at "
+                              "most this many ms, then nothing starts before it")
+    max_draft_nodes: int = _opt(64, "TINYLOOP_MAX_DRAFT_NODES",
+                                "speculative draft tokens per engine step, shared by its sequences")
     prefix_caching: bool = _opt(True, "TINYLOOP_PREFIX_CACHING",
                                 "keep full KV blocks of ended requests for reuse by shared prompt prefixes")
     prefix_pool_capacity: int = _opt(16, "TINYLOOP_PREFIX_POOL_CAPACITY", "entries in the prefix pool (LRU)")
@@ -68,13 +73,14 @@ class Settings:
 
     def __post_init__(self) -> None:
         for name in ("max_seq_len", "kv_block_size", "prefill_chunk", "max_batch_size",
-                     "max_queue_depth", "prefix_pool_capacity", "downgrade_min_loops", "max_body_bytes"):
+                     "max_queue_depth", "prefix_pool_capacity", "downgrade_min_loops", "max_body_bytes",
+                     "max_draft_nodes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if not 0 <= self.port <= 65535:
             raise ConfigError("port must be in 0..65535")
-        if self.priority_aging_ms < 0 or self.graceful_timeout < 0:
-            raise ConfigError("priority_aging_ms and graceful_timeout must be >= 0")
+        if self.priority_aging_ms < 0 or self.graceful_timeout < 0 or self.kv_aging_ms < 0:
+            raise ConfigError("priority_aging_ms, kv_aging_ms and graceful_timeout must be >= 0")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):

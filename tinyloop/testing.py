@@ -19,7 +19,7 @@ import trio
 
 from tinyloop.engine.sequence import TokenEvent
 from tinyloop.errors import PromptTooLongError, RequestError
-from tinyloop.model.kvcache import KVPoolStats
+from tinyloop.model.kvcache import KVDemand, KVPoolStats
 from tinyloop.requests import GenerationRequest, GenerationResult
 
 __all__ = ["FakeEngine", "FakeSequence"]
@@ -40,6 +40,8 @@ class FakeSequence:
     error: BaseException | None = None
     finish_reason: str | None = None
     first_token_at: float | None = None
+    prefill_only: bool = False  # a registered prefix: "prefilled" as soon as it starts
+    prefilling: bool = False
 
     @property
     def request_id(self) -> str:
@@ -82,8 +84,8 @@ class FakeEngine:
     the time of every later step. ``fail_with`` is raised by every step while set. ``started``
     records request ids in the order the engine started them; ``batches`` the batch size of
     each step. With ``kv_blocks`` set it counts KV like the real engine, one block per prompt
-    or output token: ``kv_statistics`` reports the total and ``kv_blocks_needed`` a request's
-    prompt plus ``max_tokens``; ``peak_blocks`` is the most that live sequences ever held.
+    or output token: ``kv_statistics`` reports the total and ``kv_start_blocks`` a request's
+    prompt plus ``max_tokens``, held from its start (never preempted); ``peak_blocks`` is the most that live sequences ever held.
     """
 
     latency_ms: float = 10.0
@@ -145,14 +147,21 @@ class FakeEngine:
         self.live -= 1
         self.held_blocks -= len(seq.request.prompt_tokens) + seq.request.max_tokens
 
-    async def prefill_prefix(self, tokens: Sequence[int], loops: int | None,
-                             cache_window: int | None) -> FakeSequence:
+    def start_prefix(self, tokens: Sequence[int], loops: int | None,
+                     cache_window: int | None) -> FakeSequence:
         req = GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=1, loops=loops,
                                 cache_window=cache_window)
         self.prefixes.append(tuple(tokens))
         seq = self.start(req)
         self.started.pop()
+        seq.prefill_only = True
         return seq
+
+    def preempt(self, seq: FakeSequence) -> None:
+        raise ValueError("FakeEngine sequences set their KV aside at start: never preempted")
+
+    def resume(self, seq: FakeSequence) -> None:
+        pass
 
     def kv_statistics(self) -> KVPoolStats | None:
         if self.kv_blocks is None:
@@ -160,11 +169,20 @@ class FakeEngine:
         used = min(self.held_blocks, self.kv_blocks)
         return KVPoolStats(self.kv_blocks, used, self.kv_blocks - used, 1, 0)
 
-    def kv_blocks_needed(self, req: GenerationRequest) -> int | None:
+    def kv_start_blocks(self, req: GenerationRequest) -> int | None:
+        """Every FakeEngine request holds its worst case from the start (one block per prompt
+        and output token), like the real engine's warm-start, exit and beam requests."""
         return None if self.kv_blocks is None else len(req.prompt_tokens) + req.max_tokens
 
-    def kv_blocks_held(self, seq: FakeSequence) -> int | None:
-        return None if self.kv_blocks is None else self.kv_blocks_needed(seq.request)
+    def kv_prefix_blocks(self, tokens: Sequence[int], loops: int | None,
+                         cache_window: int | None) -> int | None:
+        return None if self.kv_blocks is None else len(tokens) + 1
+
+    def kv_demand(self, seq: FakeSequence) -> KVDemand | None:
+        return None if self.kv_blocks is None else KVDemand(0, 0, False, 0)
+
+    def kv_available(self) -> int | None:
+        return None if self.kv_blocks is None else max(self.kv_blocks - self.held_blocks, 0)
 
     def kv_bytes_per_token(self) -> None:
         return None

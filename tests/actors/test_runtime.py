@@ -372,7 +372,8 @@ async def test_requests_start_only_when_their_kv_fits_in_dispatch_order(autojump
     assert max(engine.batches) == 2 and engine.peak_blocks <= 16
 
 
-async def test_a_request_larger_than_the_pool_runs_alone(autojump_clock: trio.abc.Clock) -> None:
+async def test_a_request_that_does_not_fit_lets_later_ones_that_fit_go_first(
+        autojump_clock: trio.abc.Clock) -> None:
     engine = FakeEngine(latency_ms=10, token_latency_ms=10, stream_tokens=list(range(1, 21)), kv_blocks=16)
     out: Outcomes = {}
     small, huge, after = req(max_tokens=5), req(max_tokens=20), req(max_tokens=5)
@@ -381,13 +382,31 @@ async def test_a_request_larger_than_the_pool_runs_alone(autojump_clock: trio.ab
             for r in (small, huge, after):
                 await n.start(run_request, rt, r, out)
             await trio.sleep(0.025)
-            assert engine.started == ids(small)  # the huge one waits for an empty engine ...
-            await until(lambda: rt.request_state(small.request_id) is RequestState.DONE)
-            await trio.sleep(0.025)
-            assert engine.started == ids(small, huge)  # ... and the next one waits behind it
-            assert rt.request_state(after.request_id) is RequestState.DISPATCHED
-    assert engine.started == ids(small, huge, after)
+            assert engine.started == ids(small, after)  # no head-of-line blocking behind huge ...
+            assert rt.request_state(huge.request_id) is RequestState.DISPATCHED
+    assert engine.started == ids(small, after, huge)  # ... which runs alone once the pool is empty
     assert [len(out[r.request_id].tokens) for r in (small, huge, after)] == [5, 20, 5]  # type: ignore[union-attr]
+
+
+async def test_a_request_waiting_for_kv_past_the_aging_time_is_not_passed_again(
+        autojump_clock: trio.abc.Clock) -> None:
+    # 16 blocks; each 5-token request holds 7. A 14-block request waits while short ones keep
+    # arriving: for kv_aging_ms they go first, then nothing starts before it does.
+    engine = FakeEngine(latency_ms=10, token_latency_ms=10, stream_tokens=list(range(1, 13)), kv_blocks=16)
+    out: Outcomes = {}
+    big = req(max_tokens=12)
+    shorts = [req(max_tokens=5) for _ in range(12)]
+    with trio.fail_after(CEILING_S):
+        async with runtime(engine, max_batch_size=4, kv_aging_ms=100) as rt, trio.open_nursery() as n:
+            await n.start(run_request, rt, shorts[0], out)
+            await n.start(run_request, rt, big, out)
+            for r in shorts[1:]:  # a short one every 20 ms: without aging big would wait for all
+                await trio.sleep(0.02)
+                await n.start(run_request, rt, r, out)
+    order = engine.started
+    assert order.index(big.request_id) < order.index(shorts[-1].request_id)
+    assert order.index(big.request_id) > order.index(shorts[1].request_id)  # some did pass it
+    assert all(len(out[r.request_id].tokens) == 5 for r in shorts)  # type: ignore[union-attr]
 
 
 async def test_cancel_while_waiting_for_kv_never_starts_it(autojump_clock: trio.abc.Clock) -> None:

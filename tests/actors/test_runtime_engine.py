@@ -140,15 +140,15 @@ async def stream_all(rt: tinyloop.Runtime, reqs: list[GenerationRequest]) -> tup
     return [got[i] for i in range(len(reqs))], peak
 
 
-async def test_requests_wait_for_kv_instead_of_running_short_of_it() -> None:
-    """A pool with room for two requests' full length: eight at once all complete, at most two
-    running at a time, each with its solo output (without the wait most would fail part way)."""
+async def test_sequences_grow_their_kv_and_the_youngest_is_preempted_when_it_runs_short() -> None:
+    """A pool with room for two requests' full length: eight at once start together (each
+    takes blocks as it grows), the youngest are preempted and recomputed when the pool runs dry,
+    and every one completes with its solo output."""
     reqs = [GenerationRequest(prompt_tokens=tuple(range(5 + i, 17 + i)), max_tokens=36, loops=4,
                               sampling=SamplingParams(temperature=0, ignore_eos=True)) for i in range(8)]
     reference = make_engine()
     alone = [reference.generate(r).tokens for r in reqs]
     need = reference.kv_blocks_needed(reqs[0])
-    assert all(reference.kv_blocks_needed(r) == need for r in reqs)
     per_block = reference.kv_statistics().bytes_per_block
     engine = Engine(reference.model, default_tokenizer(), max_seq_len=256, block_size=8,
                     kv_cache_mb=(2 * need + need // 2) * per_block / 2**20, prefix_caching=False)
@@ -157,15 +157,17 @@ async def test_requests_wait_for_kv_instead_of_running_short_of_it() -> None:
         async with tinyloop.open_runtime(engine, tinyloop.Settings(max_batch_size=8)) as rt:
             got, peak = await stream_all(rt, reqs)
             assert rt.statistics().in_flight == 0
+            preempted = rt.metrics.registry.get_sample_value("tinyloop_preemptions_total")
     assert got == alone
-    assert peak == 2
+    assert peak > 2  # more side by side than their worst cases would allow
+    assert preempted and preempted > 0
     assert engine.kv_statistics().blocks_used == 0
 
 
-async def test_blocks_a_registered_prefix_pins_are_not_counted_as_free() -> None:
-    """A pool with room for three requests, a third of it pinned by a registered prefix: two
-    run at a time and all complete (counting the pinned blocks as free, the third would run
-    short half way)."""
+async def test_blocks_a_registered_prefix_pins_are_never_taken() -> None:
+    """A pool with room for three requests, a third of it pinned by a registered prefix: all
+    complete with their solo output (preempting each other, never the prefix), and the prefix
+    keeps its blocks."""
     reqs = [GenerationRequest(prompt_tokens=tuple(range(5 + i, 17 + i)), max_tokens=36, loops=4,
                               sampling=SamplingParams(temperature=0, ignore_eos=True)) for i in range(3)]
     reference = make_engine()
@@ -178,6 +180,6 @@ async def test_blocks_a_registered_prefix_pins_are_not_counted_as_free() -> None
         async with tinyloop.open_runtime(engine, tinyloop.Settings(max_batch_size=8)) as rt:
             await rt.register_prefix(list(range(900, 948)), loops=4)  # 48 tokens: `need` blocks
             assert engine.kv_statistics().blocks_used == need
-            got, peak = await stream_all(rt, reqs)
+            got, _ = await stream_all(rt, reqs)
+            assert engine.kv_statistics().blocks_used == need
     assert got == alone
-    assert peak == 2

@@ -150,7 +150,10 @@ def test_free_mid_search_gives_every_beam_back(engine: Engine) -> None:
 
 
 def test_kv_exhaustion_fails_the_beam_request_alone() -> None:
-    small = make_engine(max_seq_len=256, block_size=8, kv_cache_mb=40 * 2048 / 2**20)
+    # The pool could hold the search (a larger one is refused up front), but other holders
+    # leave it 40 free blocks.
+    small = make_engine(max_seq_len=256, block_size=8, kv_cache_mb=1500 * 2048 / 2**20)
+    others = small.pool.allocate(small.pool.num_blocks - 40)
     wide = beam(list(range(100, 130)), 16, max_tokens=40, sampling=SamplingParams(temperature=0, ignore_eos=True))
     seq = small.start(wide)
     while not seq.finished:
@@ -158,5 +161,6 @@ def test_kv_exhaustion_fails_the_beam_request_alone() -> None:
     assert seq.finish_reason == "error" and seq.error is not None
     assert seq.beam is not None and not seq.beam.live  # failed mid-search, its beams freed
     small.free(seq)
+    small.pool.release(others)
     assert small.kv_statistics().blocks_used == 0
     assert small.generate(req(PROMPT, max_tokens=4)).completion_tokens == 4

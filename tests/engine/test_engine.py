@@ -132,8 +132,9 @@ def test_limits_raise_typed_errors(engine: Engine) -> None:
 
 
 def test_kv_exhaustion_fails_only_the_sequence_that_needs_blocks() -> None:
-    eng = make_engine(max_seq_len=256, block_size=4, kv_cache_mb=0.05)  # 50 blocks
+    eng = make_engine(max_seq_len=256, block_size=4, kv_cache_mb=1.0)  # 1024 blocks
     total = eng.kv_statistics().blocks_total
+    others = eng.pool.allocate(total - 50)  # held elsewhere: 50 blocks left
     small = eng.start(req([1, 2, 3], max_tokens=3, loops=1))  # 4 slots x 1 block
     big = eng.start(req(list(range(60)), max_tokens=3, loops=8))  # 2+2*8 slots x 15 blocks
     events = eng.step([small, big])
@@ -144,6 +145,7 @@ def test_kv_exhaustion_fails_only_the_sequence_that_needs_blocks() -> None:
     assert small.result().completion_tokens == 3
     eng.free(small)
     eng.free(big)
+    eng.pool.release(others)
     stats = eng.kv_statistics()  # nothing held: idle prefix-cache blocks are evictable
     assert (stats.blocks_used, stats.blocks_free + stats.blocks_cached) == (0, total)
 

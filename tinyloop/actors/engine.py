@@ -1,21 +1,25 @@
 """The engine actor: owns the engine and runs the continuous-batching iteration loop.
 
-Each iteration: take newly dispatched tickets (start their sequences, through the prefix pool
-when the dispatcher said so, and report how much of each prompt's KV came from the pool or the
-engine's prefix cache as ``PrefixLookup``), drop sequences whose caller went away, run one ``step`` over all
-active sequences (a prefill chunk for new ones, one batched decode for the rest, in a worker
-thread), deliver each new token to its ticket, retire finished sequences and free their KV.
+Each iteration: drop sequences whose caller went away, plan the KV (``policy/kvplan.py``:
+preempt the youngest growing sequence while the batch's next step does not fit, then start
+waiting entries that fit), run one ``step`` over all active sequences (a prefill chunk for new
+ones, one batched decode for the rest, in a worker thread), deliver each new token to its
+ticket, retire finished sequences and free their KV.
 
-KV: a request starts only when the KV blocks it can come to hold (``kv_blocks_needed``: its
-prompt plus ``max_tokens`` in every slot) fit beside what the running ones can come to hold, so
-running sequences never run out of blocks half way. One that does not fit waits here, in
-dispatch order, until enough finish; one larger than the whole pool starts when nothing else
-runs. Idle prefix-cache blocks count as free (they are evicted on demand); blocks that
-registered prefixes pin do not (a request sharing them counts them twice: it may wait longer
-than it must, never run short).
+KV: a sequence takes blocks as it grows. A dispatched request starts once its prompt fits beside
+what the running ones need next; until then it waits (state ``dispatched``), and one that fits
+may start before an earlier one that does not, until that one has waited ``kv_aging_ms``.
+When the pool runs short, the youngest growing sequence is preempted: its KV is freed (its full
+blocks go to the prefix cache) and it waits at the front to be recomputed, then decodes on with
+the tokens it would have produced anyway. Warm-start, adaptive-exit and beam requests, whose KV a
+recompute would not reproduce, set their worst case aside when they start and are never
+preempted. A request that could not fit in the whole pool was refused at admission
+(``Engine.validate``). A prefix registration (``RegisterPrefix``) waits and prefills the same way,
+a chunk per step beside the other sequences, then joins the prefix pool.
 
-Errors: a sequence that fails on its own (no KV blocks) fails its request only. A step that
-raises ``EngineError`` fails the requests of that step; ``EngineBroken`` also marks the runtime
+Errors: a sequence that fails on its own (no KV blocks, a NaN row, its sampler or stop check)
+fails its request only: the engine isolates it (``Engine.step``). A step that raises
+``EngineError`` fails the requests of that step; ``EngineBroken`` also marks the runtime
 unhealthy, and every later dispatch fails at once.
 
 Cancellation: cancelled with its nursery; a step already running in the worker thread finishes
@@ -24,8 +28,9 @@ first (threads are not interruptible). Sequences still active are freed on the w
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -35,9 +40,10 @@ from tinyloop.engine.port import EnginePort, engine_errors
 from tinyloop.engine.prefix_pool import PrefixPool
 from tinyloop.errors import EngineBroken, EngineError, SchedulerShutdown, TinyLoopError
 from tinyloop.messages import (
-    Dispatch, Event, Finished, FirstToken, Observe, PrefixLookup, RegisterPrefix, SlotFreed, Started,
-    StepDone,
+    Dispatch, Event, Finished, FirstToken, Observe, Preempted, PrefixLookup, RegisterPrefix, SlotFreed,
+    Started, StepDone,
 )
+from tinyloop.policy.kvplan import KVPlanner, Running, Waiting
 from tinyloop.requests import GenerationResult, RequestState
 
 __all__ = ["run", "Health"]
@@ -50,80 +56,134 @@ class Health:
     broken: str | None = None
 
 
-class _Loop:
-    """The actor's state: active sequences and the channels it reports on."""
+@dataclass(eq=False, slots=True)
+class _Entry:
+    """A request (or a prefix registration) the actor holds, waiting or running.
 
-    def __init__(self, engine: EnginePort, pool: PrefixPool[Any], health: Health,
-                 freed: trio.MemorySendChannel[SlotFreed], observe: trio.MemorySendChannel[Observe],
-                 events: trio.MemorySendChannel[Event]) -> None:
-        self.engine, self.pool, self.health = engine, pool, health
-        self.freed, self.observe, self.events = freed, observe, events
-        self.active: dict[int, tuple[Any, Ticket]] = {}
-        self.waiting: deque[tuple[Ticket, bool]] = deque()  # dispatched, waiting for KV
-        self.reserved: dict[int, int] = {}  # id(seq) -> the KV blocks it may come to hold
-        self.committed = 0  # sum of reserved
+    ``seq`` is None until the request first starts; a preempted entry keeps its sequence.
+    """
+
+    ticket: Ticket | None
+    via_pool: bool = False
+    prefix: RegisterPrefix | None = None
+    seq: Any = None
+    order: int = 0  # dispatch order: a higher one is younger (preempted first)
+    since: float = 0.0  # when it began waiting (trio time)
+    started: bool = False  # has run before (a Started event was sent)
+
+
+@dataclass(eq=False)
+class _Loop:
+    """The actor's state: waiting and active entries, and the channels it reports on."""
+
+    engine: EnginePort
+    pool: PrefixPool[Any]
+    health: Health
+    freed: trio.MemorySendChannel[SlotFreed]
+    observe: trio.MemorySendChannel[Observe]
+    events: trio.MemorySendChannel[Event]
+    planner: KVPlanner
+    active: dict[int, _Entry] = field(default_factory=dict)  # id(seq) -> entry
+    waiting: deque[_Entry] = field(default_factory=deque)  # dispatched, not running
+    counter: itertools.count[int] = field(default_factory=itertools.count)
+    outgoing: list[SlotFreed | Observe] = field(default_factory=list)  # sent by flush()
+
+    async def flush(self) -> None:
+        """Send what retiring produced (the dispatcher's slots, the predictor's samples)."""
+        while self.outgoing:
+            msg = self.outgoing.pop(0)
+            if isinstance(msg, SlotFreed):
+                await self.freed.send(msg)
+            else:
+                await self.observe.send(msg)
 
     # -- messages ------------------------------------------------------------------------------
-    async def handle(self, msg: Dispatch | RegisterPrefix) -> None:
+    def handle(self, msg: Dispatch | RegisterPrefix) -> None:
         match msg:
             case Dispatch(ticket=ticket, via_pool=via_pool):
-                await self.admit(ticket, via_pool)
-            case RegisterPrefix(tokens=tokens, loops=loops, cache_window=window, reply=reply):
-                try:
-                    with engine_errors():
-                        handle = await self.engine.prefill_prefix(tokens, loops, window)
-                except TinyLoopError as exc:
-                    reply.send_nowait(exc)
-                    return
-                for old in self.pool.add(tokens, handle.loops, handle.window, handle):
-                    self.engine.free(old)
-                reply.send_nowait(None)
+                self.waiting.append(_Entry(ticket, via_pool, order=next(self.counter),
+                                           since=trio.current_time()))
+            case RegisterPrefix():
+                self.waiting.append(_Entry(None, prefix=msg, order=next(self.counter),
+                                           since=trio.current_time()))
 
-    async def admit(self, ticket: Ticket, via_pool: bool) -> None:
-        """Start a dispatched ticket, or line it up behind those waiting for KV."""
-        self.waiting.append((ticket, via_pool))
-        await self.start_waiting()
-
-    def _blocks(self, ticket: Ticket) -> int:
+    # -- planning the KV -----------------------------------------------------------------------
+    def _start_blocks(self, entry: _Entry) -> int:
         try:
-            return self.engine.kv_blocks_needed(ticket.request) or 0
+            if entry.seq is not None:
+                demand = self.engine.kv_demand(entry.seq)
+                return 0 if demand is None else demand.next_blocks
+            if entry.prefix is not None:
+                return self.engine.kv_prefix_blocks(entry.prefix.tokens, entry.prefix.loops,
+                                                    entry.prefix.cache_window) or 0
+            assert entry.ticket is not None
+            return self.engine.kv_start_blocks(entry.ticket.request) or 0
         except TinyLoopError:
-            return 0  # start() raises the same error for the caller
+            return 0  # starting raises the same error for the caller
 
-    def _fits(self, blocks: int) -> bool:
-        if not blocks or not self.active:
-            return True
-        stats = self.engine.kv_statistics()
-        if stats is None:
-            return True
-        pinned = sum(self.engine.kv_blocks_held(h) or 0 for h in self.pool.handles())
-        return self.committed + blocks <= stats.blocks_total - pinned
+    def _running(self) -> list[Running]:
+        out = []
+        for key, entry in self.active.items():
+            d = self.engine.kv_demand(entry.seq)
+            if d is not None:
+                out.append(Running(key, entry.order, d.next_blocks, d.outstanding, d.preemptible,
+                                   d.headroom))
+        return out
 
-    async def start_waiting(self) -> None:
-        """Start waiting tickets in dispatch order while their KV fits (cancelled ones leave)."""
-        while self.waiting:
-            ticket, via_pool = self.waiting[0]
-            blocks = 0 if ticket.cancelled or self.health.broken else self._blocks(ticket)
-            if not self._fits(blocks):
-                return
-            self.waiting.popleft()
-            await self._start(ticket, via_pool, blocks)
-
-    async def _start(self, ticket: Ticket, via_pool: bool, blocks: int) -> None:
+    def plan(self) -> None:
+        """Preempt what the next step cannot hold, then start what fits (module docstring)."""
+        available = self.engine.kv_available()
+        if available is None or self.health.broken is not None:
+            for entry in list(self.waiting):
+                self._start(entry)
+            self.waiting.clear()
+            return
+        while (victim := self.planner.preempt(self._running(), available)) is not None:
+            self._preempt(self.active.pop(victim))
+            available = self.engine.kv_available() or 0
         now = trio.current_time()
-        ticket.dispatched_at = now
-        self.events.send_nowait(Started((now - ticket.submitted_at) * 1000))
+        candidates = [Waiting(i, self._start_blocks(e), e.since) for i, e in enumerate(self.waiting)]
+        chosen = set(self.planner.admit(candidates, self._running(), available, now))
+        if chosen:
+            entries = list(self.waiting)
+            self.waiting = deque(e for i, e in enumerate(entries) if i not in chosen)
+            for i in sorted(chosen):
+                self._start(entries[i])
+
+    def _preempt(self, entry: _Entry) -> None:
+        self.engine.preempt(entry.seq)
+        self.events.send_nowait(Preempted())
+        entry.since = trio.current_time()
+        self.waiting.appendleft(entry)  # first in line to run again
+
+    # -- starting ------------------------------------------------------------------------------
+    def _start(self, entry: _Entry) -> None:
+        if entry.prefix is not None:
+            self._start_prefix(entry, entry.prefix)
+            return
+        ticket = entry.ticket
+        assert ticket is not None
+        if entry.seq is not None:  # a preempted sequence runs again
+            if ticket.cancelled or self.health.broken is not None:
+                self.active[id(entry.seq)] = entry  # reap() retires it
+                return
+            self.engine.resume(entry.seq)
+            self.active[id(entry.seq)] = entry
+            return
         if ticket.cancelled:
-            await self.retire(None, ticket, RequestState.CANCELLED)
+            self.retire(None, ticket, RequestState.CANCELLED)
             return
         if self.health.broken is not None:
-            await self.retire(None, ticket, RequestState.ERROR,
-                              EngineBroken(f"the engine is broken: {self.health.broken}"))
+            self.retire(None, ticket, RequestState.ERROR,
+                        EngineBroken(f"the engine is broken: {self.health.broken}"))
             return
+        now = trio.current_time()
+        ticket.dispatched_at = now
         req = ticket.request
+        self.events.send_nowait(Started((now - ticket.submitted_at) * 1000, len(req.prompt_tokens)))
         try:
             prefix = None
-            if via_pool:
+            if entry.via_pool:
                 loops = req.loops or self.engine.default_loops
                 window = min(req.cache_window or loops, loops)
                 found = self.pool.find(req.prompt_tokens, loops, window)
@@ -131,89 +191,144 @@ class _Loop:
             with engine_errors():
                 seq = self.engine.start(req, prefix)
         except TinyLoopError as exc:
-            await self.retire(None, ticket, RequestState.ERROR, exc)
+            self.retire(None, ticket, RequestState.ERROR, exc)
             return
         self.events.send_nowait(PrefixLookup(len(req.prompt_tokens), seq.cached_tokens))
         ticket.state = RequestState.DECODING
-        self.active[id(seq)] = (seq, ticket)
-        self.reserved[id(seq)] = blocks
-        self.committed += blocks
+        entry.seq = seq
+        self.active[id(seq)] = entry
+
+    def _start_prefix(self, entry: _Entry, msg: RegisterPrefix) -> None:
+        try:
+            with engine_errors():
+                entry.seq = self.engine.start_prefix(msg.tokens, msg.loops, msg.cache_window)
+        except TinyLoopError as exc:
+            _reply(msg, exc)
+            return
+        self.active[id(entry.seq)] = entry
 
     # -- one iteration -------------------------------------------------------------------------
     async def step(self) -> None:
-        await self.reap()
-        await self.start_waiting()
+        self.reap()
+        self.plan()
+        self.reap()  # prefixes that needed no prefill, entries started cancelled
+        await self.flush()
         if not self.active:
             return
-        seqs = [seq for seq, _ in self.active.values()]
+        seqs = [e.seq for e in self.active.values()]
         try:
             with engine_errors():  # a foreign exception fails this step's requests, not the runtime
                 events = await self.engine.step(seqs)
         except TinyLoopError as exc:
             if isinstance(exc, EngineBroken):
                 self.health.broken = str(exc)
-            for seq, ticket in list(self.active.values()):
-                await self.retire(seq, ticket, RequestState.ERROR, exc)
+            for entry in list(self.active.values()):
+                self._retire_entry(entry, RequestState.ERROR, exc)
+            await self.flush()
             return
-        self.events.send_nowait(StepDone(len(seqs)))
+        self.events.send_nowait(StepDone(len(seqs), len(events)))
         for ev in events:
-            seq, ticket = self.active[id(ev.sequence)]
+            ticket = self.active[id(ev.sequence)].ticket
+            assert ticket is not None
             if ticket.first_token_at is None:
                 ticket.first_token_at = trio.current_time()
                 if ticket.stream:
                     self.events.send_nowait(FirstToken(ticket.ms_since(ticket.submitted_at) or 0.0))
             ticket.deliver(ev.chunk())
-        await self.reap()
+        self.reap()
+        await self.flush()
 
-    async def reap(self) -> None:
-        """Retire finished sequences and those whose caller left (waiting for KV or running)."""
-        for entry in [e for e in self.waiting if e[0].cancelled]:
+    def reap(self) -> None:
+        """Retire finished sequences and those whose caller left (waiting or running)."""
+        for entry in [e for e in self.waiting if e.ticket is not None and e.ticket.cancelled]:
             self.waiting.remove(entry)
-            await self._start(*entry, 0)  # retires it, cancelled
-        for seq, ticket in list(self.active.values()):
-            if ticket.cancelled:
-                await self.retire(seq, ticket, RequestState.CANCELLED)
+            self._retire_entry(entry, RequestState.CANCELLED)
+        for entry in list(self.active.values()):
+            seq, ticket = entry.seq, entry.ticket
+            if ticket is None:
+                if seq.finished or not seq.prefilling:
+                    self._finish_prefix(entry)
+            elif ticket.cancelled:
+                self.retire(seq, ticket, RequestState.CANCELLED)
             elif seq.finished:
                 if seq.error is not None:
                     err = seq.error if isinstance(seq.error, TinyLoopError) else EngineError(str(seq.error))
-                    await self.retire(seq, ticket, RequestState.ERROR, err)
+                    self.retire(seq, ticket, RequestState.ERROR, err)
                 else:
-                    await self.retire(seq, ticket, RequestState.DONE)
+                    self.retire(seq, ticket, RequestState.DONE)
 
-    async def retire(self, seq: Any, ticket: Ticket, state: RequestState,
-                     error: BaseException | None = None) -> None:
+    def _finish_prefix(self, entry: _Entry) -> None:
+        seq, msg = entry.seq, entry.prefix
+        assert msg is not None
+        self.active.pop(id(seq), None)
+        if seq.error is not None:
+            self.engine.free(seq)
+            _reply(msg, seq.error if isinstance(seq.error, TinyLoopError) else EngineError(str(seq.error)))
+            return
+        for old in self.pool.add(msg.tokens, seq.loops, seq.window, seq):
+            self.engine.free(old)
+        _reply(msg, None)
+
+    def _retire_entry(self, entry: _Entry, state: RequestState, error: BaseException | None = None) -> None:
+        if entry.prefix is not None:
+            if entry.seq is not None:
+                self.active.pop(id(entry.seq), None)
+                self.engine.free(entry.seq)
+            _reply(entry.prefix, error or SchedulerShutdown("the runtime stopped"))
+            return
+        assert entry.ticket is not None
+        self.retire(entry.seq, entry.ticket, state, error)
+
+    def retire(self, seq: Any, ticket: Ticket, state: RequestState,
+               error: BaseException | None = None) -> None:
         result: GenerationResult | None = None
         if seq is not None:
             self.active.pop(id(seq), None)
-            self.committed -= self.reserved.pop(id(seq), 0)
             if state is RequestState.DONE:
                 result = seq.result()
             self.engine.free(seq)
         dispatch_ms = ticket.ms_since(ticket.dispatched_at)
         if result is not None:
             ticket.terminate(state, Final(result))
-            await self.observe.send(Observe(dispatch_ms or 0.0, result.loops_used or 1,
-                                            max(result.completion_tokens, 1)))
+            self.outgoing.append(Observe(dispatch_ms or 0.0, result.loops_used or 1,
+                                         max(result.completion_tokens, 1)))
         else:
             ticket.terminate(state, Failure(error) if error is not None else None)
         self.events.send_nowait(Finished(state, ticket.ms_since(ticket.submitted_at) or 0.0,
                                          dispatch_ms, result))
-        await self.freed.send(SlotFreed(ticket))
+        self.outgoing.append(SlotFreed(ticket))
 
     async def close(self) -> None:
-        for ticket in [t for t, _ in self.waiting] + [t for _, t in self.active.values()]:
+        for entry in list(self.waiting) + list(self.active.values()):
+            ticket = entry.ticket
+            if ticket is None:
+                continue
             ticket.cancelled = True
             if ticket.cancel_error is None:  # the runtime stopped under a caller still reading
                 ticket.cancel_error = SchedulerShutdown("the runtime stopped while this request ran")
-        with trio.CancelScope(shield=True):
-            await self.reap()
+        self.reap()
+        for entry in list(self.waiting) + list(self.active.values()):  # prefix registrations
+            self._retire_entry(entry, RequestState.CANCELLED)
+        self.waiting.clear()
+        try:
+            await self.flush()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the dispatcher or admission stopped first: nobody counts slots any more
+
+
+def _reply(msg: RegisterPrefix, error: BaseException | None) -> None:
+    try:
+        msg.reply.send_nowait(error)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+        pass  # the caller went away: the prefix stays registered (or the error is dropped)
 
 
 async def run(*, inbox: trio.MemoryReceiveChannel[Dispatch | RegisterPrefix],
               freed: trio.MemorySendChannel[SlotFreed], observe: trio.MemorySendChannel[Observe],
               events: trio.MemorySendChannel[Event], engine: EnginePort, pool: PrefixPool[Any],
-              health: Health, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    loop = _Loop(engine, pool, health, freed, observe, events)
+              health: Health, kv_aging_ms: float = 2000.0,
+              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    loop = _Loop(engine, pool, health, freed, observe, events, KVPlanner(kv_aging_ms / 1000))
     async with inbox, freed, observe, events:
         task_status.started()
         try:
@@ -221,7 +336,7 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Dispatch | RegisterPrefix],
             while not (closed and not loop.active and not loop.waiting):
                 if not loop.active and not loop.waiting and not closed:
                     try:
-                        await loop.handle(await inbox.receive())
+                        loop.handle(await inbox.receive())
                     except trio.EndOfChannel:
                         closed = True
                 while not closed:
@@ -232,10 +347,11 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Dispatch | RegisterPrefix],
                     except trio.EndOfChannel:
                         closed = True
                         break
-                    await loop.handle(msg)
+                    loop.handle(msg)
                 await loop.step()
                 await trio.lowlevel.checkpoint()
         finally:
-            await loop.close()
+            with trio.CancelScope(shield=True):
+                await loop.close()
             for handle in pool.clear():
                 engine.free(handle)

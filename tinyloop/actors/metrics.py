@@ -12,7 +12,8 @@ from __future__ import annotations
 import trio
 
 from tinyloop.messages import (
-    Admitted, Event, Finished, FirstToken, PoolDispatched, PrefixLookup, Rejected, Started, StepDone,
+    Admitted, Event, Finished, FirstToken, PoolDispatched, Preempted, PrefixLookup, Rejected, Started,
+    StepDone,
 )
 from tinyloop.metrics import Metrics
 from tinyloop.requests import GenerationResult, RequestState
@@ -27,17 +28,21 @@ def record(metrics: Metrics, event: Event) -> None:
             metrics.requests_submitted.inc()
         case Rejected():
             metrics.requests_rejected.inc()
-        case Started(queue_wait_ms=ms):
+        case Started(queue_wait_ms=ms, prompt_tokens=prompt):
             metrics.queue_wait_ms.observe(ms)
+            metrics.prompt_tokens.inc(prompt)
         case FirstToken(ms=ms):
             metrics.first_token_ms.observe(ms)
         case PoolDispatched():
             metrics.prefix_pool_hits.inc()
+        case Preempted():
+            metrics.preemptions.inc()
         case PrefixLookup(queried_tokens=queried, hit_tokens=hit):
             metrics.prefix_cache_queried_tokens.inc(queried)
             metrics.prefix_cache_hit_tokens.inc(hit)
-        case StepDone(batch_size=n):
+        case StepDone(batch_size=n, tokens=tokens):
             metrics.batch_size.observe(n)
+            metrics.tokens_generated.inc(tokens)
         case Finished(state=state, wall_ms=wall, dispatch_ms=dispatch, result=result):
             _finished(metrics, state, wall, dispatch, result)
 
@@ -54,8 +59,6 @@ def _finished(metrics: Metrics, state: RequestState, wall: float, dispatch: floa
     else:
         metrics.requests_cancelled.inc()
     if result is not None:
-        metrics.tokens_generated.inc(result.completion_tokens)
-        metrics.prompt_tokens.inc(result.prompt_tokens)
         if result.mean_loops is not None:
             metrics.loops_per_token.observe(result.mean_loops)
         if result.draft_tokens is not None:  # a speculative request

@@ -102,7 +102,8 @@ class Runtime:
         await n.start(lambda **kw: metrics_actor.run(inbox=events_recv, metrics=self.metrics, **kw))
         await n.start(lambda **kw: engine_actor.run(
             inbox=e_recv, freed=d_send.clone(), observe=adm_send.clone(), events=events_send.clone(),
-            engine=self.engine, pool=self._pool, health=self.health, **kw))
+            engine=self.engine, pool=self._pool, health=self.health,
+            kv_aging_ms=self.settings.kv_aging_ms, **kw))
         await n.start(lambda **kw: dispatcher.run(
             inbox=d_recv, outbox=e_send, pulls=q_send.clone(), events=events_send.clone(),
             state=self._dispatch, pool_size=self._pool.size, **kw))

@@ -23,10 +23,11 @@ thread. One engine is driven by one thread at a time.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence as Seq
 from os import PathLike
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,11 +35,11 @@ from tinyloop.engine.beam import BeamSearch, release as release_beams
 from tinyloop.engine.sampling import StopMatcher, make_generator, sample_batch
 from tinyloop.engine.sequence import Sequence, TokenEvent
 from tinyloop.engine.speculative import Emission, Speculator
-from tinyloop.errors import KVCacheExhausted, PromptTooLongError, RequestError
+from tinyloop.errors import EngineBroken, EngineError, KVCacheExhausted, PromptTooLongError, RequestError
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.blockcache import block_keys
 from tinyloop.model.context import PagedContext
-from tinyloop.model.kvcache import KVPool, KVPoolStats, SeqKV, slot_count
+from tinyloop.model.kvcache import KVDemand, KVPool, KVPoolStats, SeqKV, slot_count
 from tinyloop.model.kvmode import KVMode
 from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult
@@ -46,7 +47,11 @@ from tinyloop.tokenizer import Tokenizer
 
 __all__ = ["Engine"]
 
+_T = TypeVar("_T")
+_log = logging.getLogger(__name__)
+
 DEFAULT_KV_BUDGET_MB = 1024
+DEFAULT_MAX_DRAFT_NODES = 64
 # The randn initial state depends on the token position only (never on the request), so the KV
 # of a prompt prefix is the same for every request: prefix sharing and reproducible greedy
 # decoding both rely on it.
@@ -59,7 +64,8 @@ class Engine:
     def __init__(self, model: LoopedLM, tokenizer: Tokenizer, *, max_seq_len: int | None = None,
                  kv_cache_mb: float | None = None, block_size: int = 16, prefill_chunk: int = 512,
                  chat_template: str | None = None, name: str = "tinyloop",
-                 kv_mode: KVMode | str | None = None, prefix_caching: bool = True) -> None:
+                 kv_mode: KVMode | str | None = None, prefix_caching: bool = True,
+                 max_draft_nodes: int = DEFAULT_MAX_DRAFT_NODES) -> None:
         self.model = model.eval()
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -72,6 +78,9 @@ class Engine:
         if prefill_chunk < 1:
             raise RequestError("prefill_chunk must be >= 1", param="prefill_chunk")
         self.prefill_chunk = prefill_chunk
+        if max_draft_nodes < 1:
+            raise RequestError("max_draft_nodes must be >= 1", param="max_draft_nodes")
+        self.max_draft_nodes = max_draft_nodes  # speculative draft tokens per step, all sequences
         self._vocab_limit = min(tokenizer.vocab_size, self.config.vocab_size)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -118,15 +127,61 @@ class Engine:
         """KV blocks ``req`` holds at most: every slot's table at its full length (prompt plus
         ``max_tokens``), times the beams of a beam search. Speculation needs no more: it falls
         back to plain decoding when blocks are short."""
-        loops, window = self.validate(req)
+        return self._worst_blocks(req, *self.validate(req))
+
+    def _worst_blocks(self, req: GenerationRequest, loops: int, window: int) -> int:
         length = min(len(req.prompt_tokens) + req.max_tokens, self.max_seq_len)
         per_slot = -(-length // self.pool.block_size)
         beams = req.beam[0] if req.beam is not None else 1
         return slot_count(self.config, loops, window) * per_slot * beams
 
-    def kv_blocks_held(self, seq: Sequence) -> int:
-        """KV blocks ``seq``'s tables hold now (a registered prefix pins these)."""
-        return seq.kv.num_blocks
+    def reserves_worst_case(self, req: GenerationRequest) -> bool:
+        """Whether ``req`` sets its worst-case KV aside when it starts instead of growing and
+        being preemptible: a recompute would not reproduce the KV of a warm-start or
+        adaptive-exit sequence (decoding ran each token differently from a prefill), and a beam
+        search's beams are not one sequence."""
+        rule = req.exit or self.config.exit
+        return req.warm_start or rule.kind != "none" or req.mode == "beam"
+
+    def kv_start_blocks(self, req: GenerationRequest) -> int:
+        """Blocks ``req`` needs to start: its worst case when it reserves one, else its prompt
+        and first token (prefix-cache hits may make it less)."""
+        loops, window = self.validate(req)
+        if self.reserves_worst_case(req):
+            return self._worst_blocks(req, loops, window)
+        return slot_count(self.config, loops, window) * -(-(len(req.prompt_tokens) + 1) // self.pool.block_size)
+
+    def kv_demand(self, seq: Sequence) -> KVDemand:
+        """What ``seq`` asks of the pool next (the engine actor's planning input)."""
+        kv = seq.kv
+        target = seq.context_length if seq.prefilling else kv.length + 1
+        slots = kv.n_slots
+        if seq.prefill_only or self.reserves_worst_case(seq.request):
+            worst = self._worst_blocks(seq.request, seq.loops, seq.window)
+            held = kv.num_blocks + (seq.beam.blocks() if seq.beam is not None else 0)
+            return KVDemand(0, max(worst - held, 0), False, 0)
+        return KVDemand(kv.blocks_to_reserve(target), 0, True, slots)
+
+    def kv_available(self) -> int:
+        """Blocks the pool can hand out now: free ones and idle prefix-cache ones."""
+        stats = self.pool.statistics()
+        return stats.blocks_free + stats.blocks_cached
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give ``seq``'s KV back now and rebuild it later: its next steps prefill the prompt and
+        every output token but the pending one (through the prefix cache where it kept them),
+        then decoding goes on where it stopped, with the same tokens as without the pause."""
+        if self.reserves_worst_case(seq.request) or seq.prefill_only:
+            raise ValueError(f"{seq!r} cannot be preempted: a recompute would change its KV")
+        self.free(seq)
+        seq.resumed = bool(seq.output)  # none yet: the prompt's last logits are still to sample
+        seq.preemptions += 1
+
+    def resume(self, seq: Sequence) -> None:
+        """Before a preempted sequence runs again: take what the prefix cache kept of it."""
+        cached = self._cached_blocks(seq)
+        if cached:
+            seq.kv.adopt(cached)
 
     def kv_bytes_per_token(self, loops: int | None = None, cache_window: int | None = None) -> int:
         loops = loops or self.config.default_loops
@@ -157,6 +212,12 @@ class Engine:
                                param="exit")
         if req.speculation is not None:
             self._validate_speculation(req, loops, window)
+        worst = self._worst_blocks(req, loops, window)
+        if worst > self.pool.num_blocks:
+            raise RequestError(
+                f"this request can hold up to {worst} KV blocks (prompt + max_tokens at {loops} "
+                f"loops, cache_window {window}) but the whole KV pool has {self.pool.num_blocks}: "
+                "lower max_tokens, loops or cache_window", param="max_tokens")
         return loops, window
 
     def _validate_speculation(self, req: GenerationRequest, loops: int, window: int) -> None:
@@ -223,8 +284,9 @@ class Engine:
         never the block of the last prompt token, which must run to give the first logits."""
         if not self._cacheable(seq):
             return []
-        n = (len(seq.prompt) - 1) // self.pool.block_size
-        return self.pool.cache.lookup(block_keys(seq.prompt, self.pool.block_size, n, self._salt(seq)))
+        context = seq.context
+        n = (len(context) - 1) // self.pool.block_size
+        return self.pool.cache.lookup(block_keys(context, self.pool.block_size, n, self._salt(seq)))
 
     def _cacheable(self, seq: Sequence) -> bool:
         # With W < loops a token reads its predecessors' latest slot when they ran in an earlier
@@ -249,15 +311,33 @@ class Engine:
     def prefill_prefix(self, tokens: Seq[int], loops: int | None = None,
                        cache_window: int | None = None) -> Sequence:
         """Prefill ``tokens`` once and keep the KV (free it with ``free``): a prefix-pool entry."""
-        req = GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=1, loops=loops,
-                                cache_window=cache_window)
-        seq = self.start(req)
+        seq = self.start_prefix(tokens, loops, cache_window)
         try:
             self.prefill(seq)
         except BaseException:
             self.free(seq)
             raise
         return seq
+
+    def start_prefix(self, tokens: Seq[int], loops: int | None = None,
+                     cache_window: int | None = None) -> Sequence:
+        """A prefix-pool entry to be: ``step`` prefills it a chunk at a time beside the other
+        sequences and samples nothing; once it is no longer ``prefilling`` it is ready."""
+        seq = self.start(self._prefix_request(tokens, loops, cache_window))
+        seq.prefill_only = True
+        return seq
+
+    def kv_prefix_blocks(self, tokens: Seq[int], loops: int | None = None,
+                         cache_window: int | None = None) -> int:
+        """Blocks a registered prefix of ``tokens`` holds (validated like a request)."""
+        req = self._prefix_request(tokens, loops, cache_window)
+        loops_, window = self.validate(req)
+        return slot_count(self.config, loops_, window) * -(-len(tokens) // self.pool.block_size)
+
+    @staticmethod
+    def _prefix_request(tokens: Seq[int], loops: int | None, cache_window: int | None) -> GenerationRequest:
+        return GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=1, loops=loops,
+                                 cache_window=cache_window)
 
     def fork(self, seq: Sequence) -> Sequence:
         """A copy of ``seq`` sharing its KV blocks copy-on-write (beam, prefix pool)."""
@@ -310,12 +390,16 @@ class Engine:
 
     @torch.inference_mode()
     def prefill_step(self, seq: Sequence) -> torch.Tensor | None:
-        """Run the next ``prefill_chunk`` prompt tokens; the last logits ``[V]`` once done."""
+        """Run the next ``prefill_chunk`` context tokens; the last logits ``[V]`` once done (None
+        for a resumed preempted sequence, whose pending token decodes next)."""
         start = seq.kv.length
-        chunk = seq.prompt[start:start + self.prefill_chunk]
+        chunk = seq.context[start:start + self.prefill_chunk]
         out = self._forward([seq], torch.tensor([chunk], dtype=torch.long), warm=False)
         self.prefilled_tokens += len(chunk)
         if seq.prefilling:
+            return None
+        if seq.resumed:
+            seq.resumed = False
             return None
         seq.loops_total += out.loops_used[0]
         return out.logits[0, -1]
@@ -340,39 +424,97 @@ class Engine:
     # -- one iteration -------------------------------------------------------------------------
     def step(self, seqs: Seq[Sequence]) -> list[TokenEvent]:
         """One iteration over ``seqs``: a prefill chunk for each prefilling sequence, one batched
-        decode for the others, then sampling. A sequence that cannot get KV blocks finishes with
-        an error (``seq.error``) without touching the others."""
+        decode for the others, then sampling.
+
+        Failures stay with their sequence: one that cannot get KV blocks, whose prefill, sampling
+        (a NaN row), stop check, detokenisation, speculation or beam bookkeeping raises finishes
+        with ``seq.error`` and the others go on. When a batched forward raises, its sequences are
+        retried one by one in the same step and only those that fail alone fail.
+        ``EngineBroken`` is the exception: the engine cannot run anything, so it propagates.
+        """
         events: list[TokenEvent] = []
         ready: list[tuple[Sequence, torch.Tensor]] = []
         decoding = [s for s in seqs if not s.finished and not s.prefilling]
         beams = [s for s in decoding if s.request.mode == "beam"]
-        decoding = [s for s in decoding if s.request.mode != "beam"]
+        decoding = self._reserve_or_fail([s for s in decoding if s.request.mode != "beam"])
         for seq in [s for s in seqs if not s.finished and s.prefilling]:
-            try:
-                logits = self.prefill_step(seq)
-            except KVCacheExhausted as exc:
-                self._fail(seq, exc)
-                continue
-            if logits is not None:
+            logits = self._guard(seq, self.prefill_step, seq)
+            if logits is not None and not seq.prefill_only:
                 ready.append((seq, logits))
         runs: list[tuple[Sequence, list[Emission]]] = []
         speculative = [s for s in decoding if s.request.speculation is not None]
         if speculative:
-            runs, fallback = self.speculate(speculative)
+            runs, fallback = self._speculate_or_fall_back(speculative)
             decoding = [s for s in decoding if s.request.speculation is None] + fallback
-        decoding = self._reserve_or_fail(decoding)
-        if decoding:
-            logits = self.decode(decoding)
-            ready.extend(zip(decoding, logits))
+        ready.extend(self._decode_isolated(decoding))
         for seq, logits in [(s, l) for s, l in ready if s.request.mode == "beam"]:
-            events.extend(self.beam_search.begin(seq, logits))
+            events.extend(self._guard(seq, self.beam_search.begin, seq, logits) or [])
         ready = [(s, l) for s, l in ready if s.request.mode != "beam"]
         if ready:
-            events.extend(self._sample([s for s, _ in ready], torch.stack([l for _, l in ready])))
+            events.extend(self._sample([s for s, _ in ready], [l for _, l in ready]))
         if beams:
-            events.extend(self.beam_search.step(beams))
+            events.extend(self._beam_isolated(beams))
         for seq, emissions in runs:
-            events.extend(self._accept_run(seq, emissions))
+            events.extend(self._guard(seq, self._accept_run, seq, emissions) or [])
+        return events
+
+    def _guard(self, seq: Sequence, fn: Callable[..., _T], *args: Any) -> _T | None:
+        """``fn(*args)``, or None with ``seq`` failed when it raises (EngineBroken propagates)."""
+        try:
+            return fn(*args)
+        except EngineBroken:
+            raise
+        except Exception as exc:
+            self._fail(seq, exc)
+            return None
+
+    def _decode_isolated(self, seqs: list[Sequence]) -> list[tuple[Sequence, torch.Tensor]]:
+        """``decode(seqs)``; when the batched forward raises, each sequence alone."""
+        if not seqs:
+            return []
+        try:
+            return list(zip(seqs, self.decode(seqs)))
+        except EngineBroken:
+            raise
+        except Exception as exc:
+            if len(seqs) == 1:
+                self._fail(seqs[0], exc)
+                return []
+        out = []
+        for s in seqs:
+            logits = self._guard(s, self.decode, [s])
+            if logits is not None:
+                out.append((s, logits[0]))
+        return out
+
+    def _speculate_or_fall_back(self, seqs: list[Sequence]) -> tuple[list[tuple[Sequence, list[Emission]]], list[Sequence]]:
+        """Speculate; when a draft or verify forward raises, these sequences decode plainly this
+        step instead (drafts never change the output, and no KV was committed)."""
+        try:
+            return self.speculate(seqs)
+        except EngineBroken:
+            raise
+        except Exception:  # raised before any commit: every KV length is where it was
+            _log.exception("speculation failed; %d sequences decode plainly this step", len(seqs))
+            return [], list(seqs)
+
+    def _beam_isolated(self, seqs: list[Sequence]) -> list[TokenEvent]:
+        try:
+            return self.beam_search.step(seqs)
+        except EngineBroken:
+            raise
+        except Exception as exc:
+            if len(seqs) == 1:
+                self.beam_search.fail(seqs[0], exc)
+                return []
+        events: list[TokenEvent] = []
+        for s in seqs:
+            try:
+                events.extend(self.beam_search.step([s]))
+            except EngineBroken:
+                raise
+            except Exception as exc:
+                self.beam_search.fail(s, exc)
         return events
 
     @torch.inference_mode()
@@ -404,14 +546,39 @@ class Engine:
 
     @staticmethod
     def _fail(seq: Sequence, exc: BaseException) -> None:
-        seq.error = exc
-        seq.finish("error", "error")
+        seq.fail(exc)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
-        results = sample_batch(logits.float(), [s.request.sampling for s in seqs],
-                               [s.generator for s in seqs], [s.prompt for s in seqs],
-                               [s.output for s in seqs])
-        return [self._accept(s, r.token_id, r.logprob) for s, r in zip(seqs, results)]
+    def _sample(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> list[TokenEvent]:
+        """Sample every row and accept its token; a row with NaN or +inf logits, or with no
+        finite one, fails its own sequence only (as does a sampler or stop-check failure)."""
+        logits = torch.stack(rows).float()  # [B, V]
+        bad = (torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
+               | ~torch.isfinite(logits).any(-1)).tolist()  # [B]
+        for seq, b in zip(seqs, bad):
+            if b:
+                self._fail(seq, EngineError("the model produced non-finite logits for this request"))
+        keep = [i for i, b in enumerate(bad) if not b]
+        good = [seqs[i] for i in keep]
+        if not good:
+            return []
+        try:
+            results: list[Any] = sample_batch(logits[keep], [s.request.sampling for s in good],
+                                              [s.generator for s in good], [s.prompt for s in good],
+                                              [s.output for s in good])
+        except Exception:  # find the row that raised: every other row samples as it would have
+            results = [self._guard(s, self._sample_one, s, logits[i]) for s, i in zip(good, keep)]
+        events = []
+        for s, r in zip(good, results):
+            if r is not None:
+                event = self._guard(s, self._accept, s, r.token_id, r.logprob)
+                if event is not None:
+                    events.append(event)
+        return events
+
+    @staticmethod
+    def _sample_one(seq: Sequence, row: torch.Tensor) -> Any:
+        return sample_batch(row[None], [seq.request.sampling], [seq.generator], [seq.prompt],
+                            [seq.output])[0]
 
     def _accept(self, seq: Sequence, token: int, logprob: Any) -> TokenEvent:
         """Append a sampled token: stop checks, detokenisation, bookkeeping."""

@@ -19,7 +19,7 @@ import trio
 from tinyloop.engine.engine import Engine
 from tinyloop.engine.sequence import Sequence as Seq, TokenEvent
 from tinyloop.errors import EngineError, TinyLoopError
-from tinyloop.model.kvcache import KVPoolStats
+from tinyloop.model.kvcache import KVDemand, KVPoolStats
 from tinyloop.requests import GenerationRequest
 
 __all__ = ["EnginePort", "ThreadedEngine", "engine_errors"]
@@ -46,19 +46,38 @@ class EnginePort(Protocol):
 
     def free(self, seq: Any) -> None: ...
 
-    async def prefill_prefix(self, tokens: Sequence[int], loops: int | None,
-                             cache_window: int | None) -> Any: ...
+    def start_prefix(self, tokens: Sequence[int], loops: int | None, cache_window: int | None) -> Any:
+        """A sequence that prefills ``tokens`` through ``step`` and stops there (``prefilling``
+        turns False): a prefix-pool entry once done (no model work here)."""
+        ...
+
+    def preempt(self, seq: Any) -> None:
+        """Free a growing sequence's KV; its next steps rebuild it (``KVDemand.preemptible``)."""
+        ...
+
+    def resume(self, seq: Any) -> None:
+        """A preempted sequence runs again (take what the prefix cache kept of its KV)."""
+        ...
 
     def kv_statistics(self) -> KVPoolStats | None: ...
 
     def kv_bytes_per_token(self) -> int | None: ...
 
-    def kv_blocks_needed(self, req: GenerationRequest) -> int | None:
-        """The most KV blocks ``req`` can hold (None: the engine does not count blocks)."""
+    def kv_start_blocks(self, req: GenerationRequest) -> int | None:
+        """Blocks ``req`` needs to start (None: the engine does not count blocks)."""
         ...
 
-    def kv_blocks_held(self, seq: Any) -> int | None:
-        """KV blocks a sequence (a registered prefix's handle) holds now."""
+    def kv_prefix_blocks(self, tokens: Sequence[int], loops: int | None,
+                         cache_window: int | None) -> int | None:
+        """Blocks a prefix registration of ``tokens`` holds."""
+        ...
+
+    def kv_demand(self, seq: Any) -> KVDemand | None:
+        """What a running sequence asks of the pool next."""
+        ...
+
+    def kv_available(self) -> int | None:
+        """Blocks the pool can hand out now (None: the engine does not count blocks)."""
         ...
 
 
@@ -99,10 +118,14 @@ class ThreadedEngine:
     def free(self, seq: Seq) -> None:
         self.engine.free(seq)
 
-    async def prefill_prefix(self, tokens: Sequence[int], loops: int | None,
-                             cache_window: int | None) -> Seq:
-        with engine_errors():
-            return await trio.to_thread.run_sync(self.engine.prefill_prefix, tokens, loops, cache_window)
+    def start_prefix(self, tokens: Sequence[int], loops: int | None, cache_window: int | None) -> Seq:
+        return self.engine.start_prefix(tokens, loops, cache_window)
+
+    def preempt(self, seq: Seq) -> None:
+        self.engine.preempt(seq)
+
+    def resume(self, seq: Seq) -> None:
+        self.engine.resume(seq)
 
     def kv_statistics(self) -> KVPoolStats:
         return self.engine.kv_statistics()
@@ -110,8 +133,14 @@ class ThreadedEngine:
     def kv_bytes_per_token(self) -> int:
         return self.engine.kv_bytes_per_token()
 
-    def kv_blocks_needed(self, req: GenerationRequest) -> int:
-        return self.engine.kv_blocks_needed(req)
+    def kv_start_blocks(self, req: GenerationRequest) -> int:
+        return self.engine.kv_start_blocks(req)
 
-    def kv_blocks_held(self, seq: Seq) -> int:
-        return self.engine.kv_blocks_held(seq)
+    def kv_prefix_blocks(self, tokens: Sequence[int], loops: int | None, cache_window: int | None) -> int:
+        return self.engine.kv_prefix_blocks(tokens, loops, cache_window)
+
+    def kv_demand(self, seq: Seq) -> KVDemand:
+        return self.engine.kv_demand(seq)
+
+    def kv_available(self) -> int:
+        return self.engine.kv_available()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tinyloop.engine.sampling import StopMatcher
+from tinyloop.errors import EngineError, TinyLoopError
 from tinyloop.model.kvcache import SeqKV
 from tinyloop.requests import (
     FinishReason,
@@ -33,6 +34,10 @@ class Sequence:
     ``kv.length`` tokens are in the cache; ``pending`` is the last sampled token, fed to the
     model by the next decode step. ``warm_state`` is the previous token's final core state when
     the request warm-starts.
+
+    A sequence prefills ``context`` (its prompt; after a preemption, the prompt and every output
+    token but the pending one, ``Engine.preempt``) before it decodes. ``prefill_only``: a
+    registered prefix, which stops once its prompt is in the KV and samples nothing.
     """
 
     request: GenerationRequest
@@ -60,6 +65,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: StopReason | None = None
     error: BaseException | None = None
+    resumed: bool = False  # preempted: rebuilding its KV, the pending token decodes next
+    preemptions: int = 0
+    prefill_only: bool = False
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -69,8 +77,18 @@ class Sequence:
         return self.request.request_id
 
     @property
+    def context_length(self) -> int:
+        """Positions the KV must hold before the next decode step."""
+        return len(self.prompt) + (len(self.output) - 1 if self.resumed else 0)
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens at those positions."""
+        return self.prompt + self.output[:-1] if self.resumed else self.prompt
+
+    @property
     def prefilling(self) -> bool:
-        return self.kv.length < len(self.prompt)
+        return self.kv.length < self.context_length
 
     @property
     def finished(self) -> bool:
@@ -90,6 +108,15 @@ class Sequence:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.finished_at = time.perf_counter()
+
+    def fail(self, exc: BaseException) -> None:
+        """Finish with an error of this sequence alone (a foreign one becomes EngineError)."""
+        if not isinstance(exc, TinyLoopError):
+            err = EngineError(f"{type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            exc = err
+        self.error = exc
+        self.finish("error", "error")
 
     def result(self) -> GenerationResult:
         """The finished request as a GenerationResult."""

@@ -4,7 +4,9 @@ One ``Speculator.run`` serves every speculative sequence of an engine step, batc
 
 1. Plan. A sequence with ``L`` tokens in its KV and a pending token drafts ``k = min(draft_ahead,
    tokens left - 1)`` tokens per branch, so an accepted run never passes ``max_tokens``. With
-   ``k = 0`` (or no KV blocks to speculate with) it falls back to a plain decode step.
+   ``k = 0`` (or no KV blocks to speculate with) it falls back to a plain decode step. A step
+   drafts at most ``Engine.max_draft_nodes`` tokens over all its sequences, shared evenly: a
+   sequence's branches and depth shrink to its share (the output does not change, only speed).
 2. Draft. One-token forwards at ``draft_loops``, every draft row of every sequence in one batched
    call per depth. Draft rows run inside the verifier's KV layout (``RowSpec.kv_loops``): they
    read the prefix's KV of the loops they run (and its coda), and write their own KV at
@@ -115,21 +117,36 @@ class Speculator:
         by_size: dict[int, list[_Job]] = defaultdict(list)
         for job in verifying:
             by_size[len(job.tree or ())].append(job)
+        # Every verify forward runs before any commit: a forward that raises leaves every KV
+        # length as it was, and the engine decodes these sequences plainly instead.
+        verified = [(group, self._verify(group)) for group in by_size.values()]  # [B, T, V] each
         out: list[tuple[Sequence, list[Emission]]] = []
-        for group in by_size.values():
-            logits = self._verify(group)  # [B, T, V]
-            out.extend((job.seq, self._commit(job, logits[b])) for b, job in enumerate(group))
+        for group, logits in verified:
+            for b, job in enumerate(group):
+                try:
+                    out.append((job.seq, self._commit(job, logits[b])))
+                except Exception as exc:  # this sequence's bookkeeping: it fails alone
+                    job.seq.fail(exc)
         return out, plain
 
     # -- plan ----------------------------------------------------------------------------------
     def _plan(self, seqs: Seq[Sequence]) -> tuple[list[_Job], list[Sequence]]:
         jobs, plain = [], []
+        # The step's draft nodes are capped (``Engine.max_draft_nodes``) and shared evenly, so
+        # one request's wide tree cannot make every other sequence's step slow.
+        left = self.engine.max_draft_nodes
+        share = max(left // max(len(seqs), 1), 1)
         for seq in seqs:
             spec = seq.request.speculation
             assert spec is not None
             draft_loops, ahead, width = spec
+            cap = min(share, left)
+            if cap < 1:  # the step's draft budget is spent: a plain step this time
+                plain.append(seq)
+                continue
+            width = min(width, cap)
             start = seq.kv.length
-            depth = min(ahead, seq.request.max_tokens - len(seq.output) - 1)
+            depth = min(ahead, seq.request.max_tokens - len(seq.output) - 1, cap // max(width, 1))
             # a tree's nodes are stored side by side past its root: keep them inside the model's
             # positions (h-mode derives RoPE tables from storage positions)
             depth = min(depth, (self.engine.config.max_position - start - 1) // width)
@@ -142,6 +159,7 @@ class Speculator:
                 plain.append(seq)
                 continue
             jobs.append(_Job(seq, start, depth, width, draft_loops, [[]] if width == 1 else []))
+            left -= depth * width
         return jobs, plain
 
     # -- draft ---------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def load_engine(settings: Settings) -> Engine:
                        device=settings.device, dtype=_DTYPES.get(settings.dtype or "", None),
                        kv_cache_mb=settings.kv_cache_mb, block_size=settings.kv_block_size,
                        prefill_chunk=settings.prefill_chunk, kv_mode=settings.kv_mode,
-                       prefix_caching=settings.prefix_caching)
+                       prefix_caching=settings.prefix_caching, max_draft_nodes=settings.max_draft_nodes)
 
 
 def hypercorn_config(settings: Settings) -> Config:

@@ -35,7 +35,7 @@ from tinyloop.model.blockcache import BlockCache
 from tinyloop.model.kvmode import KVMode
 from tinyloop.model.kvstore import KVStore
 
-__all__ = ["KVPool", "KVPoolStats", "SeqKV", "slot_count"]
+__all__ = ["KVDemand", "KVPool", "KVPoolStats", "SeqKV", "slot_count"]
 
 
 def slot_count(config: ModelConfig, loops: int, cache_window: int) -> int:
@@ -58,6 +58,22 @@ class KVPoolStats:
     block_size: int
     bytes_per_block: int
     blocks_cached: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KVDemand:
+    """What a running sequence will ask of the pool (the engine actor plans with it).
+
+    ``next_blocks``: blocks its next step may take beyond what it holds. ``outstanding``: for a
+    sequence that set its worst case aside at start (not ``preemptible``: a recompute would not
+    reproduce its KV), the blocks of that worst case it does not hold yet. ``headroom``: the
+    blocks one more block of positions takes (its slot count).
+    """
+
+    next_blocks: int
+    outstanding: int
+    preemptible: bool
+    headroom: int
 
 
 class KVPool:
@@ -173,6 +189,16 @@ class SeqKV:
 
     def capacity(self) -> int:
         return self.blocks_per_slot * self.pool.block_size
+
+    def blocks_to_reserve(self, new_length: int) -> int:
+        """The blocks ``reserve(new_length)`` would take now (new ones and copies of shared ones)."""
+        bs = self.pool.block_size
+        need_per_slot = max(-(-new_length // bs) - self.blocks_per_slot, 0)
+        first = self.length // bs
+        shared = 0
+        if first < self.blocks_per_slot:
+            shared = sum(1 for t in self.tables if self.pool.refcount[t[first]] > 1)
+        return need_per_slot * self.n_slots + shared
 
     def reserve(self, new_length: int) -> None:
         """Make room for positions ``[length, new_length)`` in every slot, copying shared blocks.
