@@ -1,7 +1,9 @@
 """The dispatcher actor: fills free engine slots from the queue and decides how each request runs.
 
 It starts with ``max_batch_size`` free slots, asks the queue for one ticket per free slot
-(``Pull``), and gets a slot back for each ``SlotFreed`` from the engine. Every request dispatched
+(``Pull``), and gets a request's slots back with its ``SlotFreed`` from the engine. A beam search
+takes one slot per beam (``weight``), so one wide search cannot crowd a full batch of others
+into the engine beside it. Every request dispatched
 while the prefix pool has entries goes through the pool, whatever its mode; the
 ``tinyloop_prefix_pool_hits_total`` counter keeps the seeds' rule and counts only the ``generate``
 ones (whether or not a prefix then matches).
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import trio
 
+from tinyloop.actors.ticket import Ticket
 from tinyloop.messages import Dispatch, Event, Finished, PoolDispatched, Pull, Ready, SlotFreed
 from tinyloop.requests import RequestState
 
@@ -25,7 +28,8 @@ __all__ = ["run", "DispatcherState"]
 
 @dataclass(slots=True)
 class DispatcherState:
-    """Slots and in-flight count, shared read-only with the runtime's statistics."""
+    """Slots and in-flight count (in slots: a beam search takes one per beam), shared read-only
+    with the runtime's statistics."""
 
     slots: int
     in_flight: int = 0
@@ -33,32 +37,50 @@ class DispatcherState:
     via_pool: int = 0
 
 
+def weight(ticket: Ticket) -> int:
+    """Engine slots a request takes: one per beam of a beam search (its beams decode as that
+    many rows of every step), one otherwise. Speculation's extra rows are capped per step by
+    the engine (``max_draft_nodes``) instead."""
+    beam = ticket.request.beam
+    return beam[0] if beam is not None else 1
+
+
 async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed],
               outbox: trio.MemorySendChannel[Dispatch], pulls: trio.MemorySendChannel[Pull],
               events: trio.MemorySendChannel[Event], state: DispatcherState,
               pool_size: Callable[[], int],
               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    async with inbox, outbox, pulls, events:
-        for _ in range(state.slots):
+    asked = 0  # Pulls sent and not answered yet
+
+    def top_up() -> None:
+        nonlocal asked
+        while state.in_flight + asked < state.slots:
             pulls.send_nowait(Pull())
+            asked += 1
+
+    async with inbox, outbox, pulls, events:
+        top_up()
         task_status.started()
         async for msg in inbox:
             match msg:
-                case SlotFreed():
-                    state.in_flight -= 1
-                    pulls.send_nowait(Pull())
+                case SlotFreed(ticket=ticket):
+                    state.in_flight -= weight(ticket)
+                    top_up()
                 case Ready(ticket=ticket):
+                    asked -= 1
                     if ticket.cancelled:
                         ticket.terminate(RequestState.CANCELLED)
                         events.send_nowait(Finished(RequestState.CANCELLED,
                                                     ticket.ms_since(ticket.submitted_at) or 0.0, None, None))
-                        pulls.send_nowait(Pull())
+                        top_up()
                         continue
                     via_pool = pool_size() > 0
                     if via_pool and ticket.request.mode == "generate":
                         state.via_pool += 1
                         events.send_nowait(PoolDispatched())
                     ticket.state = RequestState.DISPATCHED
-                    state.in_flight += 1
+                    # A beam search wider than the free slots still runs (alone if it must):
+                    # no more requests are pulled until its slots are back.
+                    state.in_flight += weight(ticket)
                     state.dispatched += 1
                     await outbox.send(Dispatch(ticket, via_pool))

@@ -472,6 +472,7 @@ class Engine:
         """``decode(seqs)``; when the batched forward raises, each sequence alone."""
         if not seqs:
             return []
+        saved = [(s.pending, s.kv.length, s.loops_total, s.last_loops, s.warm_state) for s in seqs]
         try:
             return list(zip(seqs, self.decode(seqs)))
         except EngineBroken:
@@ -480,6 +481,8 @@ class Engine:
             if len(seqs) == 1:
                 self._fail(seqs[0], exc)
                 return []
+            for s, (pending, length, total, last, warm) in zip(seqs, saved):  # as before the call
+                s.pending, s.kv.length, s.loops_total, s.last_loops, s.warm_state = pending, length, total, last, warm
         out = []
         for s in seqs:
             logits = self._guard(s, self.decode, [s])
@@ -561,11 +564,14 @@ class Engine:
         good = [seqs[i] for i in keep]
         if not good:
             return []
+        states = [s.generator.get_state() for s in good]
         try:
             results: list[Any] = sample_batch(logits[keep], [s.request.sampling for s in good],
                                               [s.generator for s in good], [s.prompt for s in good],
                                               [s.output for s in good])
         except Exception:  # find the row that raised: every other row samples as it would have
+            for s, state in zip(good, states):
+                s.generator.set_state(state)  # rows before the one that raised drew already
             results = [self._guard(s, self._sample_one, s, logits[i]) for s, i in zip(good, keep)]
         events = []
         for s, r in zip(good, results):
