@@ -792,3 +792,56 @@ async def test_request_state_follows_the_lifecycle(autojump_clock: trio.abc.Cloc
                 assert rt.request_state(c.request_id) in (RequestState.DISPATCHED, RequestState.DECODING)
             assert [rt.request_state(r.request_id) for r in (a, b, c)] == [RequestState.DONE] * 3
             assert "queued=0 in_flight=0/2 healthy" in repr(rt)
+
+
+# -- fairness and what the metrics count -------------------------------------------------------
+async def test_a_beam_search_takes_one_slot_per_beam(autojump_clock: trio.abc.Clock) -> None:
+    engine = FakeEngine(latency_ms=10, token_latency_ms=10, stream_tokens=[1, 2, 3, 4, 5])
+    out: Outcomes = {}
+    wide = req(max_tokens=5, mode="beam", num_beams=3)
+    others = [req(max_tokens=5) for _ in range(3)]
+    with trio.fail_after(CEILING_S):
+        async with runtime(engine, max_batch_size=4) as rt, trio.open_nursery() as n:
+            await n.start(run_request, rt, wide, out)
+            for r in others:
+                await n.start(run_request, rt, r, out)
+            await trio.sleep(0.025)
+            assert engine.started == ids(wide, others[0])  # 3 + 1 slots of 4
+            assert [rt.request_state(r.request_id) for r in others[1:]] == [RequestState.QUEUED] * 2
+    assert all(len(out[r.request_id].tokens) == 5 for r in [wide, *others])  # type: ignore[union-attr]
+
+
+async def test_a_request_cancelled_before_the_engine_records_no_queue_wait_or_dispatch_time(
+        autojump_clock: trio.abc.Clock) -> None:
+    engine = FakeEngine(latency_ms=10, token_latency_ms=10, stream_tokens=[1, 2, 3, 4, 5], kv_blocks=8)
+    out: Outcomes = {}
+    running, victim = req(max_tokens=5), req(max_tokens=5)
+    with trio.fail_after(CEILING_S):
+        async with runtime(engine, max_batch_size=4) as rt, trio.open_nursery() as n:
+            await n.start(run_request, rt, running, out)
+            async with rt.submit_stream(victim) as stream:
+                await stream.start()
+                await until(lambda: rt.request_state(victim.request_id) is RequestState.DISPATCHED)
+            await until(lambda: rt.request_state(victim.request_id) is RequestState.CANCELLED)
+            await settle()
+            counts = exposition(rt)
+            assert counts["tinyloop_queue_wait_ms_count"] == 1  # the running one only
+            assert counts["tinyloop_dispatch_ms_count"] == 0  # the running one has not ended
+            assert counts["tinyloop_requests_cancelled_total"] == 1
+
+
+async def test_tokens_count_as_they_are_generated_whatever_becomes_of_the_request(
+        autojump_clock: trio.abc.Clock) -> None:
+    engine = FakeEngine(latency_ms=10, token_latency_ms=10, stream_tokens=list(range(1, 11)))
+    with trio.fail_after(CEILING_S):
+        async with runtime(engine) as rt:
+            async with rt.submit_stream(req(max_tokens=10, prompt=(1, 2, 3))) as stream:
+                async for chunk in stream:
+                    if chunk.index == 3:
+                        break  # cancelled after 4 of its 10 tokens
+            await rt.submit(req(max_tokens=2, prompt=(1, 2)))
+            await settle()
+            counts = exposition(rt)
+            assert counts["tinyloop_requests_cancelled_total"] == 1
+            assert counts["tinyloop_tokens_generated_total"] >= 4 + 2
+            assert counts["tinyloop_prompt_tokens_total"] == 3 + 2

@@ -15,6 +15,7 @@ the engine is retired here and its slot pulled again.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass
 
 import trio
@@ -51,12 +52,32 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed],
               pool_size: Callable[[], int],
               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     asked = 0  # Pulls sent and not answered yet
+    held: deque[Ticket] = deque()  # pulled, waiting for their slots (a wide beam search)
 
     def top_up() -> None:
         nonlocal asked
-        while state.in_flight + asked < state.slots:
+        while not held and state.in_flight + asked < state.slots:
             pulls.send_nowait(Pull())
             asked += 1
+
+    async def dispatch_held() -> None:
+        # A beam search wider than the free slots waits for them (runs alone if wider than
+        # all of them), and what was pulled after it waits behind it.
+        while held and (state.in_flight == 0 or state.in_flight + weight(held[0]) <= state.slots):
+            ticket = held.popleft()
+            if ticket.cancelled:
+                ticket.terminate(RequestState.CANCELLED)
+                events.send_nowait(Finished(RequestState.CANCELLED,
+                                            ticket.ms_since(ticket.submitted_at) or 0.0, None, None))
+                continue
+            via_pool = pool_size() > 0
+            if via_pool and ticket.request.mode == "generate":
+                state.via_pool += 1
+                events.send_nowait(PoolDispatched())
+            ticket.state = RequestState.DISPATCHED
+            state.in_flight += weight(ticket)
+            state.dispatched += 1
+            await outbox.send(Dispatch(ticket, via_pool))
 
     async with inbox, outbox, pulls, events:
         top_up()
@@ -65,22 +86,8 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed],
             match msg:
                 case SlotFreed(ticket=ticket):
                     state.in_flight -= weight(ticket)
-                    top_up()
                 case Ready(ticket=ticket):
                     asked -= 1
-                    if ticket.cancelled:
-                        ticket.terminate(RequestState.CANCELLED)
-                        events.send_nowait(Finished(RequestState.CANCELLED,
-                                                    ticket.ms_since(ticket.submitted_at) or 0.0, None, None))
-                        top_up()
-                        continue
-                    via_pool = pool_size() > 0
-                    if via_pool and ticket.request.mode == "generate":
-                        state.via_pool += 1
-                        events.send_nowait(PoolDispatched())
-                    ticket.state = RequestState.DISPATCHED
-                    # A beam search wider than the free slots still runs (alone if it must):
-                    # no more requests are pulled until its slots are back.
-                    state.in_flight += weight(ticket)
-                    state.dispatched += 1
-                    await outbox.send(Dispatch(ticket, via_pool))
+                    held.append(ticket)
+            await dispatch_held()
+            top_up()
