@@ -2,9 +2,12 @@ from __future__ import annotations
 
 import math
 
+import httpx
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from tests.http.conftest import running_server
 from tinyloop.metrics import CONTENT_TYPE, Metrics
 
 SEED_MS_BUCKETS = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, math.inf]
@@ -124,3 +127,29 @@ def test_two_instances_do_not_share_state() -> None:
     assert b.registry.get_sample_value("tinyloop_requests_completed_total") == 0.0
     assert b.registry.get_sample_value("tinyloop_queue_depth") == 0.0
     assert a.registry.get_sample_value("tinyloop_requests_completed_total") == 5.0
+
+
+ROUTES = [("/generate", {"prompt": "hi"}), ("/v1/completions", {"prompt": "hi"}),
+          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
+
+
+async def test_first_token_ms_counts_streamed_http_requests_only() -> None:
+    """A JSON answer (``stream: false``) is no stream: only the SSE requests count."""
+
+    async def first_tokens(client: httpx.AsyncClient) -> float:
+        text = (await client.get("/metrics")).text
+        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == "tinyloop_first_token_ms_count")
+
+    with trio.fail_after(60):
+        async with running_server() as srv, httpx.AsyncClient(base_url=srv.url) as client:
+            for path, body in ROUTES:
+                resp = await client.post(path, json={**body, "max_tokens": 2, "stream": False})
+                assert resp.status_code == 200, resp.text
+            for path, body in ROUTES:
+                resp = await client.post(path, json={**body, "max_tokens": 2, "stream": True})
+                assert resp.status_code == 200 and resp.text.rstrip().endswith("[DONE]"), resp.text
+            while await first_tokens(client) < len(ROUTES):  # the metrics actor lags a little
+                await trio.sleep(0.01)
+            # events arrive in order: the JSON requests' ones (if any) came before the streams'
+            assert await first_tokens(client) == len(ROUTES)

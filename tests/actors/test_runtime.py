@@ -24,6 +24,7 @@ from tinyloop import (
     RequestError, RequestState, RequestStream, Runtime, SchedulerShutdown, Settings, TinyLoopError,
     open_runtime,
 )
+from tinyloop.model.config import ExitRule
 from tinyloop.testing import FakeEngine
 
 CEILING_S = 60  # virtual seconds
@@ -742,6 +743,24 @@ async def test_downgrade_respects_the_min_loops_floor(autojump_clock: trio.abc.C
             assert (await rt.submit(req(), slo_ms=80)).loops_used == 6  # 6 * 12.5 = 75 <= 80
             with pytest.raises(AdmissionRejected):
                 await rt.submit(req(), slo_ms=55)  # 4 loops would fit, but 6 is the floor
+
+
+@pytest.mark.parametrize("needs", [
+    {"mode": "speculative", "draft_loops": 6},
+    {"mode": "tree", "draft_loops": 6, "cache_window": 8},
+    {"exit": ExitRule("latent_diff", 0.1, min_loops=6)},
+], ids=["speculative", "tree-full-window", "exit-min-loops"])
+async def test_downgrade_stays_at_or_above_what_the_request_needs(
+        autojump_clock: trio.abc.Clock, needs: dict[str, Any]) -> None:
+    # Settings floor 1; 12.5 ms per loop as above. The request cannot run below 6 loops.
+    engine = FakeEngine(latency_ms=80, token_latency_ms=10, default_loops=8)
+    with trio.fail_after(CEILING_S):
+        async with runtime(engine, downgrade_on_admission=True) as rt:
+            await rt.submit(req())
+            assert (await rt.submit(req(**needs), slo_ms=80)).loops_used == 6  # 75 ms <= 80
+            with pytest.raises(AdmissionRejected):
+                await rt.submit(req(**needs), slo_ms=55)  # 4 loops would fit, the request needs 6
+            assert (await rt.submit(req(), slo_ms=55)).loops_used == 4  # a plain one goes lower
 
 
 @pytest.mark.parametrize("slots", [4, 1])

@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from tinyloop.errors import AdmissionRejected, QueueFullError, SchedulerShutdown
-from tinyloop.policy import Admission, AdmissionPredictor, Decision
+from tests.engine.test_engine import make_engine
+from tinyloop.errors import AdmissionRejected, QueueFullError, RequestError, SchedulerShutdown
+from tinyloop.model.config import ExitRule
+from tinyloop.policy import Admission, AdmissionPredictor, Decision, least_loops
+from tinyloop.requests import GenerationRequest
 from tinyloop.settings import Settings
 
 
@@ -122,6 +127,45 @@ def test_downgrade_rejects_below_the_floor() -> None:
         check(adm, in_flight=1, slo_ms=1300.0, loops=8, max_tokens=10)
     assert info.value.predicted_wait_ms == 800.0
     assert check(adm, in_flight=1, slo_ms=1400.0, loops=8, max_tokens=10).loops == 6
+
+
+def test_downgrade_never_goes_below_the_requests_own_floor() -> None:
+    # 5 loops would fit the SLO, but the request cannot run below 6 (its draft_loops, say).
+    adm = downgrading(min_loops=2)
+    with pytest.raises(AdmissionRejected) as info:
+        check(adm, in_flight=1, slo_ms=1300.0, loops=8, max_tokens=10, least_loops=6)
+    assert "at 6 loops" in str(info.value)
+    decision = check(adm, in_flight=1, slo_ms=1400.0, loops=8, max_tokens=10, least_loops=6)
+    assert (decision.loops, decision.downgraded) == (6, True)
+    # A floor above the requested loops never raises them (validation refuses such a request).
+    assert check(adm, in_flight=1, slo_ms=5000.0, loops=4, max_tokens=10, least_loops=6).loops == 4
+
+
+LOOPED = [
+    GenerationRequest(prompt_tokens=(1, 2), max_tokens=4, loops=8),
+    GenerationRequest(prompt_tokens=(1, 2), max_tokens=4, loops=8, mode="speculative", draft_loops=3),
+    GenerationRequest(prompt_tokens=(1, 2), max_tokens=4, loops=8, mode="speculative"),  # default draft
+    GenerationRequest(prompt_tokens=(1, 2), max_tokens=4, loops=8, mode="speculative", draft_loops=5,
+                      cache_window=8),
+    GenerationRequest(prompt_tokens=(1, 2), max_tokens=4, loops=8, mode="tree", draft_loops=2),
+    GenerationRequest(prompt_tokens=(1, 2), max_tokens=4, loops=8, exit=ExitRule("kl", 0.1, min_loops=5)),
+    GenerationRequest(prompt_tokens=(1, 2), max_tokens=4, loops=8, exit=ExitRule("none", min_loops=5)),
+    GenerationRequest(prompt_tokens=(1, 2), max_tokens=4, loops=8, cache_window=3),
+]
+
+
+@pytest.mark.parametrize("req", LOOPED, ids=range(len(LOOPED)))
+def test_least_loops_is_the_fewest_loops_the_engine_accepts(req: GenerationRequest) -> None:
+    """Every loop count a downgrade may pick (least_loops .. loops) passes the engine's checks."""
+    engine = make_engine(max_seq_len=64, block_size=8)
+    least = least_loops(req)
+    for k in range(1, 9):
+        lowered = dataclasses.replace(req, loops=k)
+        if k >= least:
+            engine.validate(lowered)
+        else:
+            with pytest.raises(RequestError):
+                engine.validate(lowered)
 
 
 def test_downgrade_cannot_beat_a_wait_longer_than_the_slo() -> None:

@@ -18,7 +18,7 @@ import trio
 from tinyloop.errors import SchedulerError, SchedulerShutdown
 from tinyloop.messages import Admit, AdmitReply, Admitted, Enqueue, Event, Observe, Rejected
 from tinyloop.actors.queue import Backlog
-from tinyloop.policy.admission import Admission
+from tinyloop.policy.admission import Admission, least_loops
 
 __all__ = ["run", "Load"]
 
@@ -53,7 +53,8 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Admit | Observe],
                         decision = policy.check(
                             queue_depth=now.queue_depth, in_flight=now.in_flight, slots=now.slots,
                             slo_ms=ticket.slo_ms, shutting_down=now.shutting_down,
-                            loops=req.loops or default_loops, max_tokens=req.max_tokens)
+                            loops=req.loops or default_loops, max_tokens=req.max_tokens,
+                            least_loops=least_loops(req))
                     except SchedulerError as exc:
                         if not isinstance(exc, SchedulerShutdown):  # the seeds count queue-full and SLO only
                             events.send_nowait(Rejected(type(exc).__name__))

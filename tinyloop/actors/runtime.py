@@ -123,12 +123,13 @@ class Runtime:
 
     # -- submitting ----------------------------------------------------------------------------
     def submit_stream(self, request: GenerationRequest, *, priority: int = 0,
-                      slo_ms: float | None = None) -> RequestStream:
+                      slo_ms: float | None = None, stream: bool = True) -> RequestStream:
         """A stream of the request's chunks: ``async with rt.submit_stream(req) as s: async for
         chunk in s``. Admission happens on ``await s.start()`` or the first iteration and raises
         ``QueueFullError``, ``AdmissionRejected`` or ``SchedulerShutdown``; ``s.result`` holds
-        the GenerationResult once the stream ends."""
-        return RequestStream(self, request, priority, slo_ms, stream=True)
+        the GenerationResult once the stream ends. ``stream=False`` says the caller only wants
+        the result (as ``submit``): the request then does not count in ``first_token_ms``."""
+        return RequestStream(self, request, priority, slo_ms, stream=stream)
 
     async def submit(self, request: GenerationRequest, *, priority: int = 0,
                      slo_ms: float | None = None) -> GenerationResult:

@@ -62,7 +62,7 @@ async def _generate(body: GenerateBase, mode: str, **fields: Any) -> Response:
     reqs = make_requests(body, s.model, tokens, body.max_tokens, 1, seed=body.sample_seed,
                          stop=tuple(body.stop or ()), logprobs=body.logprobs or body.top_logprobs > 0,
                          top_logprobs=body.top_logprobs, mode=mode, **fields)
-    streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms)
+    streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms, streaming=body.stream)
     rid = new_id("gen")
     if body.stream:
         response = Response(sse_guard(_events(rid, streams[0]), streams),

@@ -78,7 +78,7 @@ async def chat_completions(*, lmstudio: bool) -> Response:
                          max_tokens_param="max_completion_tokens" if body.max_completion_tokens
                          else "max_tokens", **speculation(body))
     context_limited = max_tokens in (None, -1)
-    streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms)
+    streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms, streaming=body.stream)
     rid, created = new_id("chatcmpl"), int(time.time())
     head = {"id": rid, "created": created, "model": s.model.id}
     if body.stream:
@@ -152,7 +152,7 @@ async def completions(*, lmstudio: bool) -> Response:
                          stop=body.stop_list(), logprobs=want_lp, top_logprobs=body.logprobs or 0,
                          **speculation(body))
     context_limited = body.max_tokens in (None, -1)
-    streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms)
+    streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms, streaming=body.stream)
     head = {"id": new_id("cmpl"), "created": int(time.time()), "model": s.model.id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

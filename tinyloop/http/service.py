@@ -211,12 +211,13 @@ def _all_or_none(streams: Sequence[RequestStream]) -> Iterator[None]:
 
 
 async def start_all(rt: Runtime, reqs: Sequence[GenerationRequest], priority: int,
-                    slo_ms: float | None) -> list[RequestStream]:
-    """Admit every request (all or none: a refusal cancels the ones already admitted)."""
+                    slo_ms: float | None, *, streaming: bool) -> list[RequestStream]:
+    """Admit every request (all or none: a refusal cancels the ones already admitted);
+    ``streaming`` is the body's ``stream``: only streamed requests count in ``first_token_ms``."""
     streams: list[RequestStream] = []
     with _all_or_none(streams):
         for req in reqs:
-            stream = rt.submit_stream(req, priority=priority, slo_ms=slo_ms)
+            stream = rt.submit_stream(req, priority=priority, slo_ms=slo_ms, stream=streaming)
             streams.append(stream)
             await stream.start()
     return streams

@@ -17,6 +17,14 @@ held, and the pool's copy-on-write (refcount > 1) keeps a writer from changing c
 Eviction is least recently used, by entry (all slots of a block index together), and only of
 idle entries; the pool asks for it when its free list runs dry.
 
+The idle count is kept as it changes, never recounted: ``holders[b]`` says how many entries
+hold block ``b`` (0 or 1 in practice), and a block is idle when ``holders[b] > 0`` and its
+refcount is 1 (``refcount >= holders`` always, so a block in two entries is never idle). The
+cache updates ``idle`` when an entry comes or goes; the pool's ``incref``/``release`` update it
+when a held block's refcount crosses 1. So ``idle_blocks()`` is O(1) and reads one int: safe
+from the event loop while the engine's worker thread inserts and evicts (iterating the entries
+there raised "OrderedDict mutated during iteration").
+
 The chain is SHA-256, not Python's ``hash``: an int tuple's ``hash`` is the same in every
 process and cheap to collide on purpose, and a collision would hand one client's KV to another
 prompt (the prefix-caching hash collision vLLM fixed the same way).
@@ -59,6 +67,8 @@ class BlockCache:
         self._refcount = refcount
         self._incref, self._release = incref, release
         self._entries: OrderedDict[bytes, list[int]] = OrderedDict()
+        self.holders = [0] * len(refcount)  # entries holding each block
+        self.idle = 0  # blocks only the cache references (see the module docstring)
         self.hits = self.evictions = 0
 
     def __len__(self) -> int:
@@ -68,8 +78,25 @@ class BlockCache:
         return f"<BlockCache entries={len(self)} idle_blocks={self.idle_blocks()} hits={self.hits}>"
 
     def idle_blocks(self) -> int:
-        """Blocks only the cache holds (evictable; counted neither used nor free)."""
-        return sum(1 for blocks in self._entries.values() for b in blocks if self._refcount[b] == 1)
+        """Blocks only the cache holds (evictable; counted neither used nor free). O(1)."""
+        return self.idle
+
+    def _hold(self, blocks: Sequence[int]) -> None:
+        """An entry takes ``blocks``: one reference each, and they count as held."""
+        self._incref(list(blocks))
+        for b in blocks:
+            self.holders[b] += 1
+            if self.holders[b] == 1 and self._refcount[b] == 1:
+                self.idle += 1
+
+    def _drop(self, blocks: list[int]) -> None:
+        """An entry lets go of ``blocks``: no longer held (first, so no block ever counts both
+        idle and free), then its references go back to the pool."""
+        for b in blocks:
+            if self.holders[b] == 1 and self._refcount[b] == 1:
+                self.idle -= 1
+            self.holders[b] -= 1
+        self._release(blocks)
 
     def insert(self, keys: Sequence[bytes], columns: Sequence[list[int]]) -> None:
         """Keep ``columns[i]`` (block ids of every slot at block index i) under ``keys[i]``.
@@ -80,7 +107,7 @@ class BlockCache:
             if key in self._entries:
                 self._entries.move_to_end(key)
                 continue
-            self._incref(blocks)
+            self._hold(blocks)
             self._entries[key] = list(blocks)
 
     def lookup(self, keys: Sequence[bytes]) -> list[list[int]]:
@@ -111,7 +138,7 @@ class BlockCache:
             blocks = self._entries[key]
             if all(self._refcount[b] == 1 for b in blocks):
                 del self._entries[key]
-                self._release(blocks)
+                self._drop(blocks)
                 freed += len(blocks)
                 self.evictions += 1
         return freed
@@ -119,5 +146,5 @@ class BlockCache:
     def clear(self) -> None:
         """Drop every entry (held blocks stay with their sequences)."""
         for blocks in self._entries.values():
-            self._release(blocks)
+            self._drop(blocks)
         self._entries.clear()

@@ -125,6 +125,9 @@ class KVPool:
         return self.bytes_per_token_slot * kv_slots_per_token(self.config, loops, cache_window)
 
     def statistics(self) -> KVPoolStats:
+        """O(1) from counters, never iterating the cache: safe to call on the event loop while
+        the engine's worker thread changes the pool (a read in the middle of a change may be
+        off by the blocks that change moves, for that one read)."""
         cached = self.cache.idle_blocks()
         used = self.num_blocks - len(self._free) - cached
         per_block = self.bytes_per_token_slot * self.block_size
@@ -151,15 +154,21 @@ class KVPool:
         return out
 
     def incref(self, blocks: list[int]) -> None:
+        held = self.cache.holders
         for b in blocks:
             self.refcount[b] += 1
+            if self.refcount[b] == 2 and held[b]:  # a cached block was idle, a sequence shares it now
+                self.cache.idle -= 1
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference to each block; a block with none left returns to the free list."""
+        held = self.cache.holders
         for b in blocks:
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
                 self._free.append(b)
+            elif self.refcount[b] == 1 and held[b]:  # only the cache holds it now: idle
+                self.cache.idle += 1
             elif self.refcount[b] < 0:
                 raise RuntimeError(f"KV block {b} released more often than taken")
 

@@ -11,5 +11,6 @@ from tinyloop.policy.admission import (
     AdmissionStatistics as AdmissionStatistics,
     Decision as Decision,
     PredictorStatistics as PredictorStatistics,
+    least_loops as least_loops,
 )
 from tinyloop.policy.queue import PriorityQueue as PriorityQueue, QueueStatistics as QueueStatistics

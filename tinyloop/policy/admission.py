@@ -25,11 +25,13 @@ known, the SLO bounds the predicted completion instead of the wait alone::
 
     wait + k * max_tokens * ema_ms_per_loop_token <= slo_ms
 
-and the request runs at the largest such ``k <= loops``. ``ema_ms_per_loop_token`` is the EMA of
+and the request runs at the largest such ``k <= loops``, never below what the request itself
+needs (:func:`least_loops`: a speculative request's ``draft_loops``, its exit rule's
+``min_loops``) nor below ``min_loops``. ``ema_ms_per_loop_token`` is the EMA of
 ``service_ms / (loops * tokens)`` over finished requests: service time taken as linear in loops
 and in generated tokens (prefill folded in), ``max_tokens`` as the worst case. If no ``k >=
-min_loops`` fits, or the wait alone exceeds the SLO, the request is rejected. Without a per-loop
-EMA yet, downgrade mode falls back to the plain wait-only rule.
+min_loops`` (or the request's own floor) fits, or the wait alone exceeds the SLO, the request
+is rejected. Without a per-loop EMA yet, downgrade mode falls back to the plain wait-only rule.
 """
 
 from __future__ import annotations
@@ -39,9 +41,24 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from tinyloop.errors import AdmissionRejected, QueueFullError, SchedulerShutdown
+from tinyloop.requests import GenerationRequest
 from tinyloop.settings import Settings
 
-__all__ = ["Admission", "AdmissionPredictor", "AdmissionStatistics", "Decision", "PredictorStatistics"]
+__all__ = ["Admission", "AdmissionPredictor", "AdmissionStatistics", "Decision", "PredictorStatistics",
+           "least_loops"]
+
+
+def least_loops(req: GenerationRequest) -> int:
+    """The fewest loops ``req`` stays valid at, so a downgrade goes no lower: a speculative
+    request drafts at ``draft_loops <= loops``, and an adaptive exit rule never exits before its
+    ``min_loops``. (A cache window only bounds loops from above: fewer loops keep a speculative
+    request's ``cache_window >= loops``.)"""
+    floor = 1
+    if (spec := req.speculation) is not None:
+        floor = max(floor, spec[0])
+    if req.exit is not None and req.exit.kind != "none":
+        floor = max(floor, req.exit.min_loops)
+    return floor
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +187,12 @@ class Admission:
                    predictor=predictor)
 
     def check(self, *, queue_depth: int, in_flight: int, slots: int, slo_ms: float | None,
-              shutting_down: bool, loops: int | None = None, max_tokens: int | None = None) -> Decision:
+              shutting_down: bool, loops: int | None = None, max_tokens: int | None = None,
+              least_loops: int = 1) -> Decision:
         """Admit a request or raise why not.
+
+        ``least_loops`` is the fewest loops the request itself can run at (see
+        :func:`least_loops`): a downgrade picks no fewer.
 
         ``slo_ms`` None means the policy's ``default_slo_ms``; with neither, only shutdown and
         queue depth can refuse. Raises ``SchedulerShutdown`` when ``shutting_down``,
@@ -192,7 +213,7 @@ class Admission:
         if self.downgrade and loops is not None and max_tokens is not None:
             per_loop = self.predictor.predict_service_ms(1, max_tokens)
         if per_loop is not None and wait is not None and slo is not None and loops is not None:
-            return self._downgrade(wait, slo, loops, per_loop)
+            return self._downgrade(wait, slo, loops, per_loop, least_loops)
         return self._admit(Decision(admit=True, loops=loops, predicted_wait_ms=wait))
 
     def statistics(self) -> AdmissionStatistics:
@@ -210,9 +231,9 @@ class Admission:
                 f"downgraded={s.downgraded} rejected(full={s.rejected_queue_full}, "
                 f"slo={s.rejected_slo}, shutdown={s.rejected_shutdown}) {self.predictor!r}>")
 
-    def _downgrade(self, wait: float, slo: float, loops: int, per_loop: float) -> Decision:
+    def _downgrade(self, wait: float, slo: float, loops: int, per_loop: float, least: int) -> Decision:
         # per_loop: predicted own service per loop at this request's max_tokens.
-        floor = min(self.min_loops, loops)  # never raise a request's loops to meet the floor
+        floor = min(max(self.min_loops, least), loops)  # never raise a request's loops to meet the floor
         budget = slo - wait
         k = loops if per_loop == 0 else min(loops, math.floor(budget / per_loop))
         while k > floor and wait + k * per_loop > slo:  # guard against float rounding in floor()
