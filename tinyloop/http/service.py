@@ -212,7 +212,18 @@ def _all_or_none(streams: Sequence[RequestStream]) -> Iterator[None]:
 
 async def start_all(rt: Runtime, reqs: Sequence[GenerationRequest], priority: int,
                     slo_ms: float | None) -> list[RequestStream]:
-    """Admit every request (all or none: a refusal cancels the ones already admitted)."""
+    """Admit every request (all or none: a refusal cancels the ones already admitted).
+
+    The choices are admitted one by one and each must find the queue below
+    ``max_queue_depth``; the engine's slots drain the queue only as fast as the dispatcher
+    runs, so more choices than the queue holds are admitted together only by luck of timing on
+    an idle server, and never on a busy one. Such an ``n`` is the request's fault (400 naming
+    ``n``), not an overload to retry (503 with ``Retry-After``)."""
+    depth = rt.settings.max_queue_depth
+    if len(reqs) > depth:
+        raise ApiError(400, f"n={len(reqs)} choices can never be admitted together: this server "
+                       f"queues at most {depth} requests (--max-queue-depth)", param="n",
+                       code="invalid_value")
     streams: list[RequestStream] = []
     with _all_or_none(streams):
         for req in reqs:
