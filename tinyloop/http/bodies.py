@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from tinyloop.http.errors import ApiError, from_validation
 from tinyloop.settings import Settings
 
-__all__ = ["INLINE_BYTES", "INLINE_CHARS", "TEXT_THREADS", "decode_body", "off_loop", "text_limiter"]
+__all__ = ["INLINE_BYTES", "INLINE_CHARS", "TEXT_THREADS", "check_limits", "decode_body", "off_loop", "text_limiter"]
 
 T = TypeVar("T")
 

@@ -215,13 +215,14 @@ async def start_all(rt: Runtime, reqs: Sequence[GenerationRequest], priority: in
     """Admit every request (all or none: a refusal cancels the ones already admitted).
 
     The choices are admitted one by one and each must find the queue below
-    ``max_queue_depth``; the engine's slots drain the queue only as fast as the dispatcher
-    runs, so more choices than the queue holds are admitted together only by luck of timing on
-    an idle server, and never on a busy one. Such an ``n`` is the request's fault (400 naming
-    ``n``), not an overload to retry (503 with ``Retry-After``)."""
+    ``max_queue_depth``; the engine's free slots drain the queue only as fast as the dispatcher
+    runs. So more than ``max_queue_depth + max_batch_size`` choices are never admitted, and
+    more than ``max_queue_depth`` only by luck of timing on an idle server (never while every
+    slot is busy). Such an ``n`` is the request's fault (400 naming ``n``, checked before
+    anything is admitted), not an overload to retry (503 with ``Retry-After``)."""
     depth = rt.settings.max_queue_depth
     if len(reqs) > depth:
-        raise ApiError(400, f"n={len(reqs)} choices can never be admitted together: this server "
+        raise ApiError(400, f"n={len(reqs)} choices cannot all be queued together: this server "
                        f"queues at most {depth} requests (--max-queue-depth)", param="n",
                        code="invalid_value")
     streams: list[RequestStream] = []
