@@ -36,6 +36,11 @@ MAX_DRAFT_AHEAD = 64
 MAX_K_BRANCHES = 16
 DEFAULT_NUM_BEAMS = 4
 MAX_NUM_BEAMS = 16
+# A penalty p scales a seen token's logit by up to max(p, 1/p): within these bounds a logit of
+# any size a model produces (|x| < 3e36) stays finite, so softmax never sees inf - inf = NaN.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
+MAX_STOP_CHARS = 256  # per stop string: matching costs O(len**2) per generated token
 
 
 class RequestState(enum.Enum):
@@ -103,8 +108,10 @@ class SamplingParams:
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k must be an integer >= 0", "top_k")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
-        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty must be > 0", "repetition_penalty")
+        _check(_finite(self.repetition_penalty)
+               and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]",
+               "repetition_penalty")
         _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
                "presence_penalty must be in [-2, 2]", "presence_penalty")
         _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
@@ -113,6 +120,8 @@ class SamplingParams:
                "seed must be a 64-bit integer", "seed")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty", "stop")
         _check(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        _check(all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+               f"stop strings must be at most {MAX_STOP_CHARS} characters", "stop")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")
         _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,

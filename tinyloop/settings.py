@@ -68,6 +68,10 @@ class Settings:
     api_key: str | None = _opt(None, "TINYLOOP_API_KEY", "require 'Authorization: Bearer KEY' (all but /healthz)")
     cors_origins: str | None = _opt(None, "TINYLOOP_CORS_ORIGINS", "comma-separated origins allowed by CORS")
     max_body_bytes: int = _opt(4 * 2**20, "TINYLOOP_MAX_BODY_BYTES", "largest request body accepted (413 past it)")
+    max_prompt_chars: int = _opt(1_000_000, "TINYLOOP_MAX_PROMPT_CHARS",
+                                 "characters of prompt text (all messages together) a request may carry "
+                                 "(413 past it)")
+    max_messages: int = _opt(4096, "TINYLOOP_MAX_MESSAGES", "chat messages a request may carry (413 past it)")
     graceful_timeout: float = _opt(30.0, "TINYLOOP_GRACEFUL_TIMEOUT", "seconds in-flight requests get on shutdown")
     commit: str | None = _opt(None, "TINYLOOP_COMMIT", "commit string reported in LM Studio's runtime.commit")
 
@@ -77,6 +81,8 @@ class Settings:
                      "max_draft_nodes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if min(self.max_prompt_chars, self.max_messages) < 1:
+            raise ConfigError("max_prompt_chars and max_messages must be >= 1")
         if not 0 <= self.port <= 65535:
             raise ConfigError("port must be in 0..65535")
         if self.priority_aging_ms < 0 or self.graceful_timeout < 0 or self.kv_aging_ms < 0:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncGenerator
+from functools import partial
 from typing import Any
 
-from quart import Blueprint, Response, jsonify
+from quart import Blueprint, Response, current_app, jsonify
 
 from tinyloop.actors.stream import RequestStream
+from tinyloop.http.bodies import off_loop
 from tinyloop.http.errors import ApiError
 from tinyloop.http.formats import draft_stats
 from tinyloop.http.schemas import (
@@ -56,7 +58,7 @@ async def _generate(body: GenerateBase, mode: str, **fields: Any) -> Response:
     """Run one native generation (plain, beam or speculative): JSON, or SSE when ``stream``
     (a beam search streams all its tokens in one burst, once it ends)."""
     s = served()
-    tokens = s.model.encode_prompt(body.prompt if body.prompt is not None else body.prompt_tokens or [],
+    tokens = await s.model.encode_prompt(body.prompt if body.prompt is not None else body.prompt_tokens or [],
                                    "prompt" if body.prompt is not None else "prompt_tokens")
     s.model.check_context(tokens, "prompt" if body.prompt is not None else "prompt_tokens")
     reqs = make_requests(body, s.model, tokens, body.max_tokens, 1, seed=body.sample_seed,
@@ -133,10 +135,12 @@ async def tokenize() -> Response:
     body: TokenizeRequest = await parse_body(TokenizeRequest)
     s.model.check_name(body.model)
     if body.messages is not None:
-        tokens = s.model.encode_chat(body.messages)
+        tokens = await s.model.encode_chat(body.messages)
     else:
-        tokens = s.model.tokenizer.encode(body.prompt or "")
-    return jsonify({"tokens": tokens, "count": len(tokens), "max_model_len": s.model.max_seq_len})
+        prompt = body.prompt or ""
+        tokens = await off_loop(s.model.tokenizer.encode, prompt, size=len(prompt))
+    return await json_response({"tokens": tokens, "count": len(tokens),
+                                "max_model_len": s.model.max_seq_len}, size=len(tokens))
 
 
 @blueprint.post("/detokenize")
@@ -144,8 +148,17 @@ async def detokenize() -> Response:
     s = served()
     body: DetokenizeRequest = await parse_body(DetokenizeRequest)
     s.model.check_name(body.model)
-    bad = [t for t in body.tokens if t >= s.model.vocab_size]
-    if bad:
-        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary ({s.model.vocab_size})",
+    bad = await off_loop(s.model.outside_vocabulary, body.tokens, size=len(body.tokens))
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary ({s.model.vocab_size})",
                        param="tokens", code="invalid_value")
-    return jsonify({"text": s.model.tokenizer.decode(body.tokens, skip_special=False)})
+    text = await off_loop(partial(s.model.tokenizer.decode, skip_special=False), body.tokens,
+                          size=len(body.tokens))
+    return await json_response({"text": text}, size=len(text))
+
+
+async def json_response(data: dict[str, Any], size: int) -> Response:
+    """``data`` as a JSON response, serialised in a worker thread when it holds a long list or
+    text (``size`` items or characters)."""
+    response: Response = await off_loop(current_app.json.response, data, size=size)
+    return response

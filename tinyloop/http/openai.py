@@ -69,7 +69,7 @@ async def chat_completions(*, lmstudio: bool) -> Response:
     s = served()
     body: ChatCompletionRequest = await parse_body(ChatCompletionRequest)
     s.model.check_name(body.model)
-    tokens = s.model.encode_chat(body.messages)
+    tokens = await s.model.encode_chat(body.messages)
     s.model.check_context(tokens, "messages")
     max_tokens = body.max_completion_tokens or body.max_tokens
     reqs = make_requests(body, s.model, tokens, max_tokens, body.n, seed=body.seed,
@@ -145,7 +145,7 @@ async def completions(*, lmstudio: bool) -> Response:
     s = served()
     body: CompletionRequest = await parse_body(CompletionRequest)
     s.model.check_name(body.model)
-    tokens = s.model.encode_prompt(body.prompt)
+    tokens = await s.model.encode_prompt(body.prompt)
     s.model.check_context(tokens, "prompt")
     want_lp = body.logprobs is not None
     reqs = make_requests(body, s.model, tokens, body.max_tokens, body.n, seed=body.seed,

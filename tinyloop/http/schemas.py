@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tinyloop.requests import MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MIN_REPETITION_PENALTY
+
 __all__ = [
     "FieldError", "Knobs", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions",
     "GenerateBase", "GenerateRequest", "SpeculativeRequest", "TreeSpeculativeRequest", "TokenizeRequest",
@@ -18,6 +20,7 @@ __all__ = [
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class FieldError(ValueError):
@@ -50,7 +53,7 @@ class Knobs(Strict):
     slo_ms: Float | None = Field(None, gt=0, description="reject with 503 if the queue wait would exceed it")
     top_k: int = Field(0, ge=0)
     min_p: Float = Field(0.0, ge=0, le=1)
-    repetition_penalty: Float = Field(1.0, gt=0, le=10)
+    repetition_penalty: Float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     ignore_eos: bool = False
     exit: ExitSpec | None = Field(None, description="adaptive exit rule (default: the model's)")
@@ -81,8 +84,8 @@ class Sampling(Knobs):
     @model_validator(mode="after")
     def _stop_strings(self) -> Sampling:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stops) > 16 or any(not s for s in stops):
-            raise FieldError("stop", "at most 16 non-empty strings")
+        if len(stops) > 16 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise FieldError("stop", f"at most 16 non-empty strings of at most {MAX_STOP_CHARS} characters")
         return self
 
     def stop_list(self) -> tuple[str, ...]:
@@ -161,7 +164,7 @@ class GenerateBase(Knobs):
     presence_penalty: Float = Field(0.0, ge=-2, le=2)
     frequency_penalty: Float = Field(0.0, ge=-2, le=2)
     sample_seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=16)
+    stop: list[StopString] | None = Field(None, max_length=16)
     stream: bool = False
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=20)

@@ -20,6 +20,7 @@ from tinyloop.actors.runtime import Runtime
 from tinyloop.actors.stream import RequestStream
 from tinyloop.errors import ConfigError, PromptTooLongError, RequestError
 from tinyloop.model.config import ExitRule
+from tinyloop.http.bodies import decode_body, off_loop
 from tinyloop.http.errors import ApiError, from_exception
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, SamplingParams
 from tinyloop.settings import Settings
@@ -65,23 +66,33 @@ class ServedModel:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model",
                            code="model_not_found")
 
-    def encode_chat(self, messages: Sequence[Any]) -> list[int]:
-        text = self.tokenizer.render_chat([{"role": m.role, "content": m.text()} for m in messages],
-                                          template=self.chat_template)
-        return self.tokenizer.encode(text)
+    async def encode_chat(self, messages: Sequence[Any]) -> list[int]:
+        """The chat rendered with the template and tokenised (in a worker thread when long)."""
+        turns = [{"role": m.role, "content": m.text()} for m in messages]
+        size = sum(len(t["content"]) for t in turns) + 16 * len(turns)
+        return await off_loop(self._encode_chat, turns, size=size)
 
-    def encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    def _encode_chat(self, turns: list[dict[str, str]]) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.render_chat(turns, template=self.chat_template))
+
+    async def encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """Text tokenised, or token ids checked against the vocabulary (in a worker thread when
+        long)."""
         if isinstance(prompt, str):
-            tokens = self.tokenizer.encode(prompt)
+            tokens = await off_loop(self.tokenizer.encode, prompt, size=len(prompt))
         else:
             tokens = list(prompt)
-            bad = [t for t in tokens if t >= self.vocab_size]
-            if bad:
-                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary ({self.vocab_size})",
+            bad = await off_loop(self.outside_vocabulary, tokens, size=len(tokens))
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is outside the vocabulary ({self.vocab_size})",
                                param=param, code="invalid_value")
         if not tokens:
             raise ApiError(400, "the prompt is empty", param=param, code="invalid_value")
         return tokens
+
+    def outside_vocabulary(self, tokens: Sequence[int]) -> int | None:
+        """The first token id that is not in the vocabulary, or None."""
+        return next((t for t in tokens if t >= self.vocab_size), None)
 
     def check_context(self, tokens: Sequence[int], param: str) -> None:
         """A prompt that leaves no room for one generated token is the prompt's fault (400 naming
@@ -127,23 +138,12 @@ def served() -> Served:
 
 
 async def parse_body(model: type[Any]) -> Any:
-    """The JSON body validated against ``model`` (400 naming the field otherwise)."""
-    from pydantic import ValidationError
-
-    from tinyloop.http.errors import from_validation
-
+    """The JSON body validated against ``model`` (400 naming the field otherwise; 413 past the
+    text limits); a big body is decoded in a worker thread."""
     raw = await request.get_data()
     g.body_read = True  # the whole body arrived: the connection can be kept alive
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
+    state: Served | None = current_app.extensions.get("tinyloop")
+    return await decode_body(raw, model, state.settings if state is not None else Settings())
 
 
 def sampling_from(body: Any, *, seed: int | None, stop: tuple[str, ...], logprobs: bool,
@@ -213,7 +213,19 @@ def _all_or_none(streams: Sequence[RequestStream]) -> Iterator[None]:
 async def start_all(rt: Runtime, reqs: Sequence[GenerationRequest], priority: int,
                     slo_ms: float | None, *, streaming: bool) -> list[RequestStream]:
     """Admit every request (all or none: a refusal cancels the ones already admitted);
-    ``streaming`` is the body's ``stream``: only streamed requests count in ``first_token_ms``."""
+    ``streaming`` is the body's ``stream``: only streamed requests count in ``first_token_ms``.
+
+    The choices are admitted one by one and each must find the queue below
+    ``max_queue_depth``; the engine's free slots drain the queue only as fast as the dispatcher
+    runs. So more than ``max_queue_depth + max_batch_size`` choices are never admitted, and
+    more than ``max_queue_depth`` only by luck of timing on an idle server (never while every
+    slot is busy). Such an ``n`` is the request's fault (400 naming ``n``, checked before
+    anything is admitted), not an overload to retry (503 with ``Retry-After``)."""
+    depth = rt.settings.max_queue_depth
+    if len(reqs) > depth:
+        raise ApiError(400, f"n={len(reqs)} choices cannot all be queued together: this server "
+                       f"queues at most {depth} requests (--max-queue-depth)", param="n",
+                       code="invalid_value")
     streams: list[RequestStream] = []
     with _all_or_none(streams):
         for req in reqs:
