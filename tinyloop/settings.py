@@ -74,6 +74,11 @@ class Settings:
     max_messages: int = _opt(4096, "TINYLOOP_MAX_MESSAGES", "chat messages a request may carry (413 past it)")
     graceful_timeout: float = _opt(30.0, "TINYLOOP_GRACEFUL_TIMEOUT", "seconds in-flight requests get on shutdown")
     commit: str | None = _opt(None, "TINYLOOP_COMMIT", "commit string reported in LM Studio's runtime.commit")
+    keep_alive_timeout: float = _opt(30.0, "TINYLOOP_KEEP_ALIVE_TIMEOUT",
+                                     "seconds an idle keep-alive connection stays open")
+    allowed_hosts: str | None = _opt(None, "TINYLOOP_ALLOWED_HOSTS",
+                                     "comma-separated Host names accepted besides localhost names "
+                                     "and the bound address (* accepts any)")
 
     def __post_init__(self) -> None:
         for name in ("max_seq_len", "kv_block_size", "prefill_chunk", "max_batch_size",
@@ -91,6 +96,8 @@ class Settings:
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.keep_alive_timeout <= 0:
+            raise ConfigError("keep_alive_timeout must be > 0")
         _ = self.kv_mode  # ConfigError for an impossible combination (fp16 qkv without h-mode)
 
     @staticmethod

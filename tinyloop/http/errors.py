@@ -22,7 +22,8 @@ __all__ = ["ApiError", "error_response", "error_body", "from_exception", "from_v
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 501: "not_implemented_error",
-          503: "overloaded_error"}
+          503: "overloaded_error",
+          403: "permission_error", 415: "invalid_request_error"}
 
 
 class ApiError(Exception):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import hypercorn.trio
@@ -19,6 +20,8 @@ from quart_trio import QuartTrio
 
 from tinyloop.actors.runtime import Runtime, open_runtime
 from tinyloop.engine.engine import Engine
+from tinyloop.http.connection import install_protocol_errors
+from tinyloop.http.drain import DRAIN_KEY, Drain
 from tinyloop.http.factory import attach, create_app
 from tinyloop.http.service import ServedModel
 from tinyloop.settings import Settings
@@ -44,7 +47,7 @@ def hypercorn_config(settings: Settings) -> Config:
     config.graceful_timeout = settings.graceful_timeout
     config.accesslog = None
     config.errorlog = "-"
-    config.keep_alive_timeout = 30
+    config.keep_alive_timeout = settings.keep_alive_timeout
     return config
 
 
@@ -71,11 +74,13 @@ async def serve_http(rt: Runtime, model: ServedModel, settings: Settings, *,
     """Serve an already running runtime over HTTP until a signal or ``shutdown_trigger``."""
     stop = trio.Event()
     app = create_app(rt, model, settings)
+    install_protocol_errors()
+    begin = partial(_begin_shutdown, rt, stop, app.extensions[DRAIN_KEY], settings.graceful_timeout)
     async with trio.open_nursery() as nursery:
         if handle_signals:
-            nursery.start_soon(_on_signal, rt, stop)
+            nursery.start_soon(_on_signal, begin)
         if shutdown_trigger is not None:
-            nursery.start_soon(_on_trigger, shutdown_trigger, rt, stop)
+            nursery.start_soon(_on_trigger, shutdown_trigger, begin)
         binds = await nursery.start(_run_hypercorn, app, hypercorn_config(settings), stop, nursery)
         task_status.started(binds)
 
@@ -86,27 +91,29 @@ async def _run_hypercorn(app: QuartTrio, config: Config, stop: trio.Event, nurse
     nursery.cancel_scope.cancel()
 
 
-def _begin_shutdown(rt: Runtime, stop: trio.Event) -> None:
+def _begin_shutdown(rt: Runtime, stop: trio.Event, drain: Drain, graceful_timeout: float) -> None:
     rt.refuse_new_requests()
+    drain.begin(graceful_timeout)  # streams still open near the deadline end in-band
     stop.set()
 
 
-async def _on_signal(rt: Runtime, stop: trio.Event) -> None:
+async def _on_signal(begin: Callable[[], None]) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
-            _begin_shutdown(rt, stop)
+            begin()
             return
 
 
-async def _on_trigger(trigger: Callable[[], Awaitable[None]], rt: Runtime, stop: trio.Event) -> None:
+async def _on_trigger(trigger: Callable[[], Awaitable[None]], begin: Callable[[], None]) -> None:
     await trigger()
-    _begin_shutdown(rt, stop)
+    begin()
 
 
 def lazy_app() -> QuartTrio:
     """An app for ``hypercorn 'tinyloop.http:app'``: the model loads when serving starts."""
     settings = Settings.from_env()
     app = create_app(None, None, settings)
+    install_protocol_errors()
     scope: dict[str, Any] = {}
 
     async def run_runtime(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -265,21 +265,38 @@ def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def sse_guard(events: AsyncGenerator[bytes, None],
-                    streams: Sequence[RequestStream]) -> AsyncIterator[bytes]:
+def sse_guard(events: AsyncGenerator[bytes, None],
+              streams: Sequence[RequestStream]) -> AsyncIterator[bytes]:
     """Wrap an SSE body: a failure after streaming began becomes an error event then [DONE];
-    a client that goes away cancels every stream."""
-    try:
-        # closed here when the client goes away mid-stream (not left to the GC, where Trio
-        # warns about an unfinished async generator)
-        async with aclosing(events):
-            async for chunk in events:
-                yield chunk
-    except Exception as exc:  # the stream already started: report in-band
-        err = from_exception(exc)
-        yield sse({"error": {"message": err.message, "type": "server_error" if err.status >= 500
-                             else "invalid_request_error", "param": err.param, "code": err.code}})
-        yield DONE
-    finally:
-        for s in streams:
-            s.cancel()
+    a client that goes away cancels every stream; a graceful shutdown about to cut the stream
+    (the app's ``Drain``) ends it the same way, with a ``shutting down`` error. Call it in the
+    request context: the body runs after that context ended."""
+    from tinyloop.errors import SchedulerShutdown
+    from tinyloop.http.drain import DRAIN_KEY, Drain
+
+    drain: Drain = current_app.extensions.get(DRAIN_KEY) or Drain()
+
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            # closed here when the client goes away mid-stream (not left to the GC, where Trio
+            # warns about an unfinished async generator)
+            async with aclosing(events):
+                while True:
+                    with drain.watch() as cut:  # no yield inside the scope
+                        chunk = await anext(events, None)
+                    if cut.cancelled_caught:
+                        raise SchedulerShutdown("shutting down: the server's graceful timeout "
+                                                "ends this stream")
+                    if chunk is None:
+                        return
+                    yield chunk
+        except Exception as exc:  # the stream already started: report in-band
+            err = from_exception(exc)
+            yield sse({"error": {"message": err.message, "type": "server_error" if err.status >= 500
+                                 else "invalid_request_error", "param": err.param, "code": err.code}})
+            yield DONE
+        finally:
+            for s in streams:
+                s.cancel()
+
+    return guarded()
