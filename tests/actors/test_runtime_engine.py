@@ -183,3 +183,52 @@ async def test_blocks_a_registered_prefix_pins_are_never_taken() -> None:
             got, _ = await stream_all(rt, reqs)
             assert engine.kv_statistics().blocks_used == need
     assert got == alone
+
+
+async def test_registering_a_prefix_prefills_a_chunk_per_step_beside_running_streams() -> None:
+    """A 240-token prefix registered in chunks of 16 while a stream decodes: the stream keeps
+    getting tokens between the chunks (the whole prefill in one call would stall it), and the
+    registered prefix then serves a request with the same output as without it."""
+    reference = make_engine()
+    engine = Engine(reference.model, default_tokenizer(), max_seq_len=256, block_size=8, prefill_chunk=16)
+    stream_req = GenerationRequest(prompt_tokens=(5, 6, 7), max_tokens=200, loops=1,
+                                   sampling=SamplingParams(temperature=0, ignore_eos=True))
+    prefix = list(range(300, 540))
+    later = GenerationRequest(prompt_tokens=(*prefix, 9, 9), max_tokens=6, loops=4,
+                              sampling=SamplingParams(temperature=0))
+    during: list[int] = []
+    registering = False
+    with trio.fail_after(120):
+        async with tinyloop.open_runtime(engine, tinyloop.Settings(max_batch_size=4)) as rt:
+            async with trio.open_nursery() as nursery:
+                async def stream() -> None:
+                    async with rt.submit_stream(stream_req) as s:
+                        async for chunk in s:
+                            if registering:
+                                during.append(chunk.index)
+                nursery.start_soon(stream)
+                while engine.prefilled_tokens < 3:
+                    await trio.sleep(0.001)
+                registering = True
+                await rt.register_prefix(prefix, loops=4)
+                registering = False
+            assert rt.statistics().prefix_pool_size == 1
+            result = await rt.submit(later)
+    assert len(during) >= 240 // 16 - 1  # a token of the stream beside (nearly) every chunk
+    assert result.tokens == reference.generate(later).tokens
+    assert result.prompt_tokens == len(prefix) + 2
+
+
+async def test_a_prefix_that_can_never_fit_is_refused() -> None:
+    engine = Engine(make_engine().model, default_tokenizer(), max_seq_len=256, block_size=8,
+                    kv_cache_mb=64 * 2048 / 2**20)  # 64 blocks; 240 tokens at 4 loops need 300
+    with trio.fail_after(30):
+        async with tinyloop.open_runtime(engine, tinyloop.Settings()) as rt:
+            try:
+                await rt.register_prefix(list(range(300, 540)), loops=4)
+            except tinyloop.RequestError as exc:
+                assert "KV" in str(exc)
+            else:
+                raise AssertionError("a prefix larger than the pool was registered")
+            assert rt.statistics().prefix_pool_size == 0
+            assert engine.kv_statistics().blocks_used == 0

@@ -108,8 +108,11 @@ class Engine:
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_block = self.kv_mode.slot_bytes(c, elem) * block_size  # the budget is in bytes
         if kv_cache_mb is None:
-            # Room for 8 full-length sequences at the default loops, capped by the budget.
-            need = 8 * self.kv_mode.bytes_per_token(c, c.default_loops, None, elem) * self.max_seq_len
+            # Room for 8 full-length sequences at the default loops, and for one at the most
+            # loops (a larger request is refused, Engine.validate), capped by the budget.
+            per_token = max(8 * self.kv_mode.bytes_per_token(c, c.default_loops, None, elem),
+                            self.kv_mode.bytes_per_token(c, c.max_loops, None, elem))
+            need = per_token * self.max_seq_len
             budget = min(need, DEFAULT_KV_BUDGET_MB * 2**20)
         else:
             budget = int(kv_cache_mb * 2**20)
