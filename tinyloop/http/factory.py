@@ -42,7 +42,7 @@ def create_app(runtime: Runtime | None, model: ServedModel | None = None,
     app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60, MAX_CONTENT_LENGTH=settings.max_body_bytes,
                       JSON_SORT_KEYS=False, PROVIDE_AUTOMATIC_OPTIONS=True)
     app.json.sort_keys = False  # type: ignore[attr-defined]
-    app.asgi_app = ConnectionGuard(app.asgi_app)  # type: ignore[method-assign]
+    app.asgi_app = ConnectionGuard(app.asgi_app)  # type: ignore[method-assign,assignment]
     app.extensions[DRAIN_KEY] = Drain()
     if runtime is not None and model is not None:
         attach(app, runtime, model, settings)

@@ -5,7 +5,7 @@ plus the draft counts), tokenizer."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from functools import partial
 from typing import Any
 
@@ -160,5 +160,6 @@ async def detokenize() -> Response:
 async def json_response(data: dict[str, Any], size: int) -> Response:
     """``data`` as a JSON response, serialised in a worker thread when it holds a long list or
     text (``size`` items or characters)."""
-    response: Response = await off_loop(current_app.json.response, data, size=size)
+    build: Callable[..., Response] = current_app.json.response  # type: ignore[assignment]
+    response: Response = await off_loop(build, data, size=size)
     return response

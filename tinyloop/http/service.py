@@ -140,7 +140,7 @@ def served() -> Served:
 async def parse_body(model: type[Any]) -> Any:
     """The JSON body validated against ``model`` (400 naming the field otherwise; 413 past the
     text limits); a big body is decoded in a worker thread."""
-    raw = await request.get_data()
+    raw: bytes = await request.get_data(as_text=False)  # type: ignore[assignment]
     g.body_read = True  # the whole body arrived: the connection can be kept alive
     state: Served | None = current_app.extensions.get("tinyloop")
     return await decode_body(raw, model, state.settings if state is not None else Settings())

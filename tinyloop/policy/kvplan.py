@@ -27,7 +27,7 @@ starts (admission refused what can never fit).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["KVPlanner", "Running", "Waiting"]
@@ -37,7 +37,7 @@ __all__ = ["KVPlanner", "Running", "Waiting"]
 class Running:
     """A running sequence as the planner sees it."""
 
-    key: Hashable
+    key: int
     order: int  # start order: higher started later (is younger)
     next_blocks: int  # blocks its next step may take beyond what it holds
     outstanding: int = 0  # reserved kinds: blocks of the worst case not held yet
@@ -49,7 +49,7 @@ class Running:
 class Waiting:
     """A dispatched entry that has not started (or a preempted one to resume)."""
 
-    key: Hashable
+    key: int
     blocks: int  # blocks it needs to start
     since: float  # when it began waiting, in seconds (any clock, the caller's)
 
@@ -60,7 +60,7 @@ class KVPlanner:
 
     aging_s: float = 2.0
 
-    def preempt(self, running: Sequence[Running], available: int) -> Hashable | None:
+    def preempt(self, running: Sequence[Running], available: int) -> int | None:
         """The youngest preemptible sequence when the running ones' next steps do not fit in
         ``available``, else None. The caller preempts it, measures ``available`` again (a
         block shared with another sequence is not freed) and asks again."""
@@ -70,10 +70,10 @@ class KVPlanner:
         return max(victims, key=lambda r: r.order).key if victims else None
 
     def admit(self, waiting: Sequence[Waiting], running: Sequence[Running], available: int,
-              now: float) -> list[Hashable]:
+              now: float) -> list[int]:
         """The waiting entries to start now, in the order to start them."""
         room = available - sum(r.next_blocks + r.outstanding + r.headroom for r in running)
-        started: list[Hashable] = []
+        started: list[int] = []
         anyone = bool(running)
         for entry in waiting:
             if entry.blocks <= room or not anyone:
