@@ -170,3 +170,24 @@ def test_a_step_drafts_at_most_max_draft_nodes(monkeypatch: pytest.MonkeyPatch) 
     plain = [eng.generate(GenerationRequest(prompt_tokens=r.prompt_tokens, max_tokens=30, loops=4,
                                             sampling=r.sampling)).tokens for r in (wide, chain)]
     assert [s.output for s in seqs] == plain
+
+
+def test_beam_bookkeeping_that_raises_fails_its_search_alone(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    searches = [req([5 + i, 6, 7], max_tokens=8, mode="beam", num_beams=3, sampling=greedy) for i in range(2)]
+    poison = req([90, 91, 92], max_tokens=8, mode="beam", num_beams=3, sampling=greedy)
+    extend = engine.beam_search._extend
+
+    def failing_extend(seq: Sequence, logits: torch.Tensor) -> Any:
+        if seq.request.request_id == poison.request_id and seq.beam is not None and seq.beam.live \
+                and len(seq.beam.live[0].tokens) >= 2:
+            raise KeyError("beam lost its parent")
+        return extend(seq, logits)
+    monkeypatch.setattr(engine.beam_search, "_extend", failing_extend)
+    seqs = run_batch(engine, [*GOOD[:2], *searches, poison])
+    monkeypatch.undo()
+    solo = [engine.generate(r).tokens for r in [*GOOD[:2], *searches]]
+    assert isinstance(seqs[-1].error, EngineError) and "parent" in str(seqs[-1].error)
+    assert all(s.error is None for s in seqs[:-1])
+    assert finish(engine, seqs)[:-1] == solo

@@ -134,14 +134,16 @@ class BeamSearch:
         row = 0
         for s in ok:
             n = len(self._state(s).live)
-            events.extend(self._extend(s, logits[row:row + n]))
+            try:
+                events.extend(self._extend(s, logits[row:row + n]))
+            except Exception as exc:  # this search's bookkeeping: it fails alone
+                self.fail(s, exc)
             row += n
         return events
 
     def fail(self, seq: Sequence, exc: BaseException) -> None:
         release(seq)
-        seq.error = exc
-        seq.finish("error", "error")
+        seq.fail(exc)
 
     # -- one extension -------------------------------------------------------------------------
     @staticmethod
