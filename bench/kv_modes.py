@@ -4,7 +4,7 @@
 
 1. Bytes per token at the ~100M preset (``base100m``, default loops, cache_window 1, 2, loops),
    measured on an allocated pool that holds exactly one 2k-token sequence (the formula of
-   ``tinyloop.model.kvmode`` is checked against it), the cut against full fp16, and how many
+   ``tinyloop.vocabulary`` is checked against it), the cut against full fp16, and how many
    2k-token sequences fit in a 1 GiB KV budget.
 2. Fidelity on the ``small`` preset (random init): the full-precision (float32, full mode) greedy
    continuation of ``--tokens`` tokens is fed to each mode (teacher forcing) and its top-1 is
@@ -29,7 +29,7 @@ import torch
 from tinyloop.engine.engine import Engine
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
-from tinyloop.model.kvmode import KVMode
+from tinyloop.vocabulary import KVMode
 from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.requests import GenerationRequest, SamplingParams
 from tinyloop.tokenizer import default_tokenizer

@@ -10,8 +10,9 @@ import pytest
 
 from tinyloop.cli import main
 from tinyloop.model.artifact import load_artifact
-from tinyloop.model.config import ExitRule, ModelConfig, kv_bytes_per_token
-from tinyloop.model.kvmode import KV_MODES, KVMode
+from tinyloop.model.config import ModelConfig, kv_bytes_per_token
+from tinyloop.vocabulary import ExitRule
+from tinyloop.vocabulary import KV_MODES, KVMode
 from tinyloop.model.presets import PRESETS, param_count
 
 

@@ -1,40 +1,94 @@
-"""TinyLoop: an inference runtime and HTTP server for looped (recurrent-depth) transformers."""
+"""TinyLoop: an inference runtime and HTTP server for looped (recurrent-depth) transformers.
+
+Every public name is listed in ``__all__`` and imported on first use (PEP 562), so importing a
+light part of the package (``tinyloop.errors``, ``tinyloop.policy``) loads neither torch nor
+trio.
+"""
 
 from __future__ import annotations
 
-from tinyloop.actors.runtime import (
-    Runtime as Runtime,
-    RuntimeStatistics as RuntimeStatistics,
-    open_runtime as open_runtime,
-)
-from tinyloop.actors.stream import RequestStream as RequestStream
-from tinyloop.engine.engine import Engine as Engine
-from tinyloop.errors import (
-    AdmissionRejected as AdmissionRejected,
-    ArtifactError as ArtifactError,
-    ConfigError as ConfigError,
-    EngineBroken as EngineBroken,
-    EngineError as EngineError,
-    KVCacheExhausted as KVCacheExhausted,
-    PromptTooLongError as PromptTooLongError,
-    QueueFullError as QueueFullError,
-    RequestError as RequestError,
-    SchedulerError as SchedulerError,
-    SchedulerShutdown as SchedulerShutdown,
-    TinyLoopError as TinyLoopError,
-    TokenizerError as TokenizerError,
-)
-from tinyloop.model.artifact import load_artifact as load_artifact, save_artifact as save_artifact
-from tinyloop.model.config import ExitRule as ExitRule, ModelConfig as ModelConfig
-from tinyloop.requests import (
-    GenerationChunk as GenerationChunk,
-    GenerationRequest as GenerationRequest,
-    GenerationResult as GenerationResult,
-    RequestState as RequestState,
-    SamplingParams as SamplingParams,
-    TokenLogprob as TokenLogprob,
-)
-from tinyloop.settings import Settings as Settings
-from tinyloop.tokenizer import Tokenizer as Tokenizer
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "Runtime": "tinyloop.actors.runtime",
+    "RuntimeStatistics": "tinyloop.actors.runtime",
+    "open_runtime": "tinyloop.actors.runtime",
+    "RequestStream": "tinyloop.actors.stream",
+    "EnginePort": "tinyloop.actors.port",
+    "Engine": "tinyloop.engine.engine",
+    "load_artifact": "tinyloop.model.artifact",
+    "save_artifact": "tinyloop.model.artifact",
+    "ModelConfig": "tinyloop.model.config",
+    "ExitRule": "tinyloop.vocabulary",
+    "KVMode": "tinyloop.vocabulary",
+    "GenerationChunk": "tinyloop.requests",
+    "GenerationRequest": "tinyloop.requests",
+    "GenerationResult": "tinyloop.requests",
+    "RequestState": "tinyloop.requests",
+    "SamplingParams": "tinyloop.requests",
+    "TokenLogprob": "tinyloop.requests",
+    "Settings": "tinyloop.settings",
+    "Tokenizer": "tinyloop.tokenizer",
+    **{name: "tinyloop.errors" for name in (
+        "AdmissionRejected", "ArtifactError", "ConfigError", "EngineBroken", "EngineError",
+        "KVCacheExhausted", "PromptTooLongError", "QueueFullError", "RequestError", "SchedulerError",
+        "SchedulerShutdown", "TinyLoopError", "TokenizerError")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tinyloop' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from tinyloop.actors.port import EnginePort as EnginePort
+    from tinyloop.actors.runtime import (
+        Runtime as Runtime,
+        RuntimeStatistics as RuntimeStatistics,
+        open_runtime as open_runtime,
+    )
+    from tinyloop.actors.stream import RequestStream as RequestStream
+    from tinyloop.engine.engine import Engine as Engine
+    from tinyloop.errors import (
+        AdmissionRejected as AdmissionRejected,
+        ArtifactError as ArtifactError,
+        ConfigError as ConfigError,
+        EngineBroken as EngineBroken,
+        EngineError as EngineError,
+        KVCacheExhausted as KVCacheExhausted,
+        PromptTooLongError as PromptTooLongError,
+        QueueFullError as QueueFullError,
+        RequestError as RequestError,
+        SchedulerError as SchedulerError,
+        SchedulerShutdown as SchedulerShutdown,
+        TinyLoopError as TinyLoopError,
+        TokenizerError as TokenizerError,
+    )
+    from tinyloop.model.artifact import load_artifact as load_artifact, save_artifact as save_artifact
+    from tinyloop.model.config import ModelConfig as ModelConfig
+    from tinyloop.requests import (
+        GenerationChunk as GenerationChunk,
+        GenerationRequest as GenerationRequest,
+        GenerationResult as GenerationResult,
+        RequestState as RequestState,
+        SamplingParams as SamplingParams,
+        TokenLogprob as TokenLogprob,
+    )
+    from tinyloop.settings import Settings as Settings
+    from tinyloop.tokenizer import Tokenizer as Tokenizer
+    from tinyloop.vocabulary import ExitRule as ExitRule, KVMode as KVMode

@@ -18,8 +18,9 @@ import torch
 
 from tinyloop.errors import ConfigError, TinyLoopError
 from tinyloop.model.artifact import inspect_artifact, save_artifact
-from tinyloop.model.config import ModelConfig, kv_slots_per_token
-from tinyloop.model.kvmode import KV_MODES, KVMode
+from tinyloop.model.config import ModelConfig
+from tinyloop.vocabulary import kv_slots_per_token
+from tinyloop.vocabulary import KV_MODES, KVMode
 from tinyloop.model.presets import PRESETS, init_model, param_count
 from tinyloop.tokenizer import Tokenizer, default_tokenizer, gpt2_tokenizer
 
@@ -273,7 +274,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from tinyloop.http.serve import serve
+    from tinyloop.server import serve
     from tinyloop.settings import Settings
 
     overrides = {f.name: getattr(args, f.name) for f in Settings.fields()}

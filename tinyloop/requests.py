@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tinyloop.errors import RequestError
-from tinyloop.model.config import ExitRule
+from tinyloop.vocabulary import ExitRule
 
 __all__ = [
     "SamplingParams",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from tinyloop.errors import ConfigError
-from tinyloop.model.kvmode import KVMode
+from tinyloop.vocabulary import KVMode
 
 __all__ = ["Settings", "BUNDLED_MODEL"]
 

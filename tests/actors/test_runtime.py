@@ -24,7 +24,7 @@ from tinyloop import (
     RequestError, RequestState, RequestStream, Runtime, SchedulerShutdown, Settings, TinyLoopError,
     open_runtime,
 )
-from tinyloop.model.config import ExitRule
+from tinyloop.vocabulary import ExitRule
 from tinyloop.testing import FakeEngine
 
 CEILING_S = 60  # virtual seconds

@@ -6,7 +6,7 @@ import pytest
 
 from tinyloop.engine.engine import Engine
 from tinyloop.errors import RequestError
-from tinyloop.model.config import ExitRule
+from tinyloop.vocabulary import ExitRule
 from tinyloop.requests import GenerationChunk, GenerationRequest, SamplingParams
 from tests.engine.test_engine import make_engine
 

@@ -11,12 +11,13 @@ import torch
 
 from tinyloop.engine.engine import Engine
 from tinyloop.errors import ConfigError
-from tinyloop.http.serve import load_engine
+from tinyloop.server import load_engine
 from tinyloop.http.service import ServedModel
-from tinyloop.model.config import ExitRule, ModelConfig
+from tinyloop.model.config import ModelConfig
+from tinyloop.vocabulary import ExitRule
 from tinyloop.model.context import PagedContext
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
-from tinyloop.model.kvmode import KV_MODES, KVMode
+from tinyloop.vocabulary import KV_MODES, KVMode
 from tinyloop.model.kvstore import dequantize_int4, quantize_int4
 from tinyloop.model.looped import LoopedLM, RowSpec
 from tinyloop.model.presets import PRESETS, init_model

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyloop.model.config import ExitRule, ModelConfig
+from tinyloop.model.config import ModelConfig
+from tinyloop.vocabulary import ExitRule
 from tinyloop.model.context import FullContext, PagedContext
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
 from tinyloop.model.looped import LoopedLM, RowSpec

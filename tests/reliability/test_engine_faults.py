@@ -17,7 +17,7 @@ import trio
 from tests.http.conftest import LiveServer, running_server, tiny_engine
 from tests.reliability.conftest import assert_drained, counter, sse_events
 from tinyloop.engine.engine import Engine
-from tinyloop.engine.port import ThreadedEngine, engine_errors
+from tinyloop.actors.port import ThreadedEngine, engine_errors
 from tinyloop.engine.sequence import Sequence as Seq, TokenEvent
 from tinyloop.errors import EngineBroken
 from tinyloop.http.service import ServedModel

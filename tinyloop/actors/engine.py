@@ -36,8 +36,8 @@ from typing import Any
 import trio
 
 from tinyloop.actors.ticket import Failure, Final, Ticket
-from tinyloop.engine.port import EnginePort, engine_errors
-from tinyloop.engine.prefix_pool import PrefixPool
+from tinyloop.actors.port import EnginePort, engine_errors
+from tinyloop.policy.prefix_pool import PrefixPool
 from tinyloop.errors import EngineBroken, EngineError, SchedulerShutdown, TinyLoopError
 from tinyloop.messages import (
     Dispatch, Event, Finished, FirstToken, Observe, Preempted, PrefixLookup, RegisterPrefix, SlotFreed,

@@ -16,13 +16,14 @@ queue inbox and the event stream are unbounded but carry at most a few messages 
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
@@ -32,9 +33,8 @@ from tinyloop.actors.engine import Health
 from tinyloop.actors.queue import Backlog
 from tinyloop.actors.stream import RequestStream
 from tinyloop.actors.ticket import Failure, Ticket
-from tinyloop.engine.engine import Engine
-from tinyloop.engine.port import EnginePort, ThreadedEngine
-from tinyloop.engine.prefix_pool import PrefixPool
+from tinyloop.actors.port import EnginePort, ThreadedEngine
+from tinyloop.policy.prefix_pool import PrefixPool
 from tinyloop.errors import SchedulerShutdown
 from tinyloop.messages import Admit, Cancel, Event, Observe, RegisterPrefix
 from tinyloop.metrics import Metrics
@@ -42,6 +42,9 @@ from tinyloop.policy.admission import Admission
 from tinyloop.policy.queue import PriorityQueue
 from tinyloop.requests import GenerationRequest, GenerationResult, RequestState
 from tinyloop.settings import Settings
+
+if TYPE_CHECKING:
+    from tinyloop.engine.engine import Engine
 
 __all__ = ["Runtime", "RuntimeStatistics", "open_runtime"]
 
@@ -268,7 +271,8 @@ async def open_runtime(engine: Engine | EnginePort, settings: Settings | None = 
     ``engine`` is a loaded ``Engine`` (its model work then runs in a worker thread) or anything
     implementing ``EnginePort``, such as ``tinyloop.testing.FakeEngine``.
     """
-    port: EnginePort = ThreadedEngine(engine) if isinstance(engine, Engine) else engine
+    # A blocking engine (``Engine``: ``step`` is a plain method) runs in a worker thread.
+    port = cast(EnginePort, engine) if inspect.iscoroutinefunction(engine.step) else ThreadedEngine(cast("Engine", engine))
     async with trio.open_nursery() as nursery:
         # The actors get a nursery of their own: shutdown() cancels it, and with it no more
         # than the actors. Yielding inside the nursery that runs them would put the caller's

@@ -40,7 +40,7 @@ from tinyloop.model.config import ModelConfig
 from tinyloop.model.blockcache import block_keys
 from tinyloop.model.context import PagedContext
 from tinyloop.model.kvcache import KVDemand, KVPool, KVPoolStats, SeqKV, slot_count
-from tinyloop.model.kvmode import KVMode
+from tinyloop.vocabulary import KVMode
 from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult
 from tinyloop.tokenizer import Tokenizer

@@ -16,7 +16,7 @@ from tinyloop.http.service import ServedModel as ServedModel
 
 
 class _LazyApp:
-    """The ASGI app ``tinyloop.http:app``: ``serve.lazy_app()``, built on the first ASGI call (the
+    """The ASGI app ``tinyloop.http:app``: ``tinyloop.server.lazy_app()``, built on the first ASGI call (the
     lifespan startup), so importing this package reads no variable and builds nothing.
 
     It must be a real name in this module: hypercorn resolves ``module:name`` with
@@ -29,7 +29,7 @@ class _LazyApp:
     def get(self) -> QuartTrio:
         """The app (built now if it was not yet)."""
         if self._app is None:
-            from tinyloop.http.serve import lazy_app
+            from tinyloop.server import lazy_app
 
             self._app = lazy_app()
         return self._app

@@ -1,4 +1,6 @@
-"""Serving: the runtime and hypercorn's trio worker in one nursery, with graceful shutdown.
+"""Serving HTTP: a running runtime behind hypercorn's trio worker, with graceful shutdown.
+
+(Loading the model and starting the runtime is the composition root's job: ``tinyloop.server``.)
 
 SIGTERM or SIGINT (or ``shutdown_trigger``) first makes the runtime refuse new requests (503),
 then stops hypercorn accepting connections; in-flight requests and streams get
@@ -10,35 +12,20 @@ from __future__ import annotations
 import signal
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
 
 import hypercorn.trio
-import torch
 import trio
 from hypercorn.config import Config
 from quart_trio import QuartTrio
 
-from tinyloop.actors.runtime import Runtime, open_runtime
-from tinyloop.engine.engine import Engine
+from tinyloop.actors.runtime import Runtime
 from tinyloop.http.connection import install_protocol_errors
 from tinyloop.http.drain import DRAIN_KEY, Drain
-from tinyloop.http.factory import attach, create_app
+from tinyloop.http.factory import create_app
 from tinyloop.http.service import ServedModel
 from tinyloop.settings import Settings
 
-__all__ = ["serve", "serve_http", "load_engine", "lazy_app", "hypercorn_config"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_engine(settings: Settings) -> Engine:
-    """The engine the settings describe (the bundled demo model when no path is set), with the
-    KV cache mode of the KV flags."""
-    return Engine.load(settings.resolve_model_path(), max_seq_len=settings.max_seq_len,
-                       device=settings.device, dtype=_DTYPES.get(settings.dtype or "", None),
-                       kv_cache_mb=settings.kv_cache_mb, block_size=settings.kv_block_size,
-                       prefill_chunk=settings.prefill_chunk, kv_mode=settings.kv_mode,
-                       prefix_caching=settings.prefix_caching, max_draft_nodes=settings.max_draft_nodes)
+__all__ = ["serve_http", "hypercorn_config"]
 
 
 def hypercorn_config(settings: Settings) -> Config:
@@ -49,22 +36,6 @@ def hypercorn_config(settings: Settings) -> Config:
     config.errorlog = "-"
     config.keep_alive_timeout = settings.keep_alive_timeout
     return config
-
-
-async def serve(settings: Settings, *, engine: Engine | None = None,
-                shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
-                handle_signals: bool = True,
-                task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Load the model, start the runtime and serve HTTP until a signal or ``shutdown_trigger``.
-
-    Reports the bound addresses (``http://host:port``) through ``task_status``.
-    """
-    if engine is None:
-        engine = await trio.to_thread.run_sync(load_engine, settings)
-    model = ServedModel.from_engine(engine, settings)
-    async with open_runtime(engine, settings) as rt:
-        await serve_http(rt, model, settings, shutdown_trigger=shutdown_trigger,
-                         handle_signals=handle_signals, task_status=task_status)
 
 
 async def serve_http(rt: Runtime, model: ServedModel, settings: Settings, *,
@@ -107,34 +78,3 @@ async def _on_signal(begin: Callable[[], None]) -> None:
 async def _on_trigger(trigger: Callable[[], Awaitable[None]], begin: Callable[[], None]) -> None:
     await trigger()
     begin()
-
-
-def lazy_app() -> QuartTrio:
-    """An app for ``hypercorn 'tinyloop.http:app'``: the model loads when serving starts."""
-    settings = Settings.from_env()
-    app = create_app(None, None, settings)
-    install_protocol_errors()
-    scope: dict[str, Any] = {}
-
-    async def run_runtime(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        engine = await trio.to_thread.run_sync(load_engine, settings)
-        with trio.CancelScope() as cancel:
-            scope["cancel"] = cancel
-            async with open_runtime(engine, settings) as rt:
-                attach(app, rt, ServedModel.from_engine(engine, settings), settings)
-                task_status.started()
-                await trio.sleep_forever()
-
-    @app.before_serving
-    async def startup() -> None:
-        await app.nursery.start(run_runtime)
-
-    @app.after_serving
-    async def shutdown() -> None:
-        app.extensions.pop("tinyloop", None)
-        if "cancel" in scope:
-            scope["cancel"].cancel()
-
-    return app
-
-

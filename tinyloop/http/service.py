@@ -19,7 +19,7 @@ from quart import current_app, g, request
 from tinyloop.actors.runtime import Runtime
 from tinyloop.actors.stream import RequestStream
 from tinyloop.errors import ConfigError, PromptTooLongError, RequestError
-from tinyloop.model.config import ExitRule
+from tinyloop.vocabulary import ExitRule
 from tinyloop.http.bodies import decode_body, off_loop
 from tinyloop.http.errors import ApiError, from_exception
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, SamplingParams

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tinyloop.errors import ConfigError
+from tinyloop.vocabulary import ExitRule, kv_slots_per_token
 
-__all__ = ["ExitRule", "ModelConfig", "kv_slots_per_token", "kv_bytes_per_token"]
+__all__ = ["ModelConfig", "kv_bytes_per_token"]
 
 BlockStyle = Literal["pre_ln", "peri_ln", "sandwich"]
 Injection = Literal["concat_linear", "none"]
 StateInit = Literal["zeros", "randn", "embed"]
 LoopNorm = Literal["final_only", "every_loop"]
-ExitKind = Literal["none", "gate", "latent_diff", "kl"]
 RopeStyle = Literal["half", "interleaved"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -29,31 +29,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "loop_norm": ("final_only", "every_loop"),
     "rope_style": ("half", "interleaved"),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class ExitRule:
-    """When a token may stop looping early.
-
-    ``gate``: Ouro's rule, exit at the first loop whose cumulative exit probability reaches
-    ``threshold``. ``latent_diff``: exit when ``||s_r - s_{r-1}|| / ||s_r|| < threshold``.
-    ``kl``: exit when KL(p_r || p_{r-1}) of successive output distributions < threshold.
-    Never before ``min_loops``.
-    """
-
-    kind: ExitKind = "none"
-    threshold: float = 0.0
-    min_loops: int = 1
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("none", "gate", "latent_diff", "kl"):
-            raise ConfigError(f"exit.kind must be one of none, gate, latent_diff, kl; got {self.kind!r}")
-        if self.kind != "none" and not self.threshold > 0:
-            raise ConfigError(f"exit.threshold must be > 0 for exit.kind={self.kind!r}")
-        if self.kind == "gate" and self.threshold > 1:
-            raise ConfigError("exit.threshold must be in (0, 1] for the gate rule")
-        if self.min_loops < 1:
-            raise ConfigError("exit.min_loops must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,14 +144,6 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"model config is not valid JSON: {exc}") from exc
         return cls.from_dict(data)
-
-
-def kv_slots_per_token(config: ModelConfig, loops: int, cache_window: int | None = None) -> int:
-    """KV slots (layer applications that keep K and V) per token: DESIGN.md's formula."""
-    window = loops if cache_window is None else cache_window
-    if window < 1:
-        raise ConfigError("cache_window must be >= 1")
-    return config.n_prelude + config.n_coda + config.n_core * min(window, loops)
 
 
 def kv_bytes_per_token(config: ModelConfig, loops: int, cache_window: int | None = None,

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from tinyloop.errors import KVCacheExhausted
-from tinyloop.model.config import ModelConfig, kv_slots_per_token
+from tinyloop.model.config import ModelConfig
+from tinyloop.vocabulary import kv_slots_per_token
 from tinyloop.model.blockcache import BlockCache
-from tinyloop.model.kvmode import KVMode
+from tinyloop.vocabulary import KVMode
 from tinyloop.model.kvstore import KVStore
 
 __all__ = ["KVDemand", "KVPool", "KVPoolStats", "SeqKV", "slot_count"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tinyloop.model.config import ModelConfig
-from tinyloop.model.kvmode import KVMode
+from tinyloop.vocabulary import KVMode
 
 __all__ = ["KVStore", "PlainBuffer", "Int4Buffer", "quantize_int4", "dequantize_int4",
            "recompute_dtype"]

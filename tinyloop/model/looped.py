@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyloop.model.config import ExitRule, ModelConfig
+from tinyloop.model.config import ModelConfig
+from tinyloop.vocabulary import ExitRule
 from tinyloop.model.layers import AttentionContext, Block, RMSNorm, Rope
 
 __all__ = ["LoopedLM", "RowSpec", "ForwardOutput"]

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tinyloop.model.config import ExitRule, ModelConfig
+from tinyloop.model.config import ModelConfig
+from tinyloop.vocabulary import ExitRule
 from tinyloop.model.layers import Attention, MLP, Rope
 from tinyloop.model.looped import LoopedLM
 

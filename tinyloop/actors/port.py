@@ -5,6 +5,8 @@
 foreign errors at that boundary: out-of-memory and any other failure of a step become
 ``EngineError`` (the requests of that step fail, the engine stays usable). The pure-Trio
 ``tinyloop.testing.FakeEngine`` implements the same port.
+
+Nothing here imports torch or the model: the actors and the HTTP layer load without them.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-import torch
+import sys
+from typing import TYPE_CHECKING
+
 import trio
 
-from tinyloop.engine.engine import Engine
-from tinyloop.engine.sequence import Sequence as Seq, TokenEvent
 from tinyloop.errors import EngineError, TinyLoopError
-from tinyloop.model.kvcache import KVDemand, KVPoolStats
 from tinyloop.requests import GenerationRequest
+
+if TYPE_CHECKING:
+    from tinyloop.engine.engine import Engine
+    from tinyloop.engine.sequence import Sequence as Seq, TokenEvent
+    from tinyloop.model.kvcache import KVDemand, KVPoolStats
 
 __all__ = ["EnginePort", "ThreadedEngine", "engine_errors"]
 
@@ -81,6 +87,13 @@ class EnginePort(Protocol):
         ...
 
 
+def _out_of_memory() -> tuple[type[BaseException], ...]:
+    """``MemoryError``, and torch's out-of-memory error once torch is loaded (an engine that
+    raises it has loaded torch; nothing else needs it imported)."""
+    torch = sys.modules.get("torch")
+    return (MemoryError,) if torch is None else (MemoryError, torch.OutOfMemoryError)
+
+
 @contextmanager
 def engine_errors() -> Iterator[None]:
     """Map foreign failures of model work to EngineError (TinyLoop errors pass through)."""
@@ -88,7 +101,7 @@ def engine_errors() -> Iterator[None]:
         yield
     except TinyLoopError:
         raise
-    except (torch.OutOfMemoryError, MemoryError) as exc:
+    except _out_of_memory() as exc:
         raise EngineError(f"out of memory: {exc}") from exc
     except Exception as exc:
         raise EngineError(f"{type(exc).__name__}: {exc}") from exc

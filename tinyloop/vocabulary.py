@@ -1,4 +1,9 @@
-"""KV cache modes: what the paged pool stores per token and slot, and what that costs.
+"""The vocabulary every layer shares: exit rules, KV cache modes and the KV slot count.
+
+No torch and no trio here: requests, settings, policy and the CLI use these without loading the
+model. ``tinyloop.model`` builds on them.
+
+KV cache modes: what the paged pool stores per token and slot, and what that costs.
 
     mode                   stores per token and slot                    bytes per token and slot
     full                   K and V (E_kv = 2 * kv_heads * head_dim values)  E_kv * b
@@ -16,19 +21,73 @@ straddles two heads. Bytes per token = bytes per token and slot * ``kv_slots_per
 h-mode pays for the bytes it saves with compute: every attention call re-projects the stored h
 of every key it reads (``h @ [W_k; W_v]``, + k bias, + RoPE). It stores less than full mode only
 when ``hidden < 2 * kv_heads * head_dim``: with GQA (few kv heads) it stores *more*.
-
-No torch here: settings and the CLI use this table without loading torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import gcd
+from typing import Literal, Protocol
 
 from tinyloop.errors import ConfigError
-from tinyloop.model.config import ModelConfig, kv_slots_per_token
 
-__all__ = ["KVMode", "KV_MODES", "INT4_GROUP_SIZES"]
+__all__ = ["ExitKind", "ExitRule", "INT4_GROUP_SIZES", "KVMode", "KV_MODES", "LayerShape",
+           "kv_slots_per_token"]
+
+ExitKind = Literal["none", "gate", "latent_diff", "kl"]
+
+
+class LayerShape(Protocol):
+    """The part of a model config the KV arithmetic reads (``ModelConfig`` has it)."""
+
+    @property
+    def n_prelude(self) -> int: ...
+    @property
+    def n_core(self) -> int: ...
+    @property
+    def n_coda(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ExitRule:
+    """When a token may stop looping early.
+
+    ``gate``: Ouro's rule, exit at the first loop whose cumulative exit probability reaches
+    ``threshold``. ``latent_diff``: exit when ``||s_r - s_{r-1}|| / ||s_r|| < threshold``.
+    ``kl``: exit when KL(p_r || p_{r-1}) of successive output distributions < threshold.
+    Never before ``min_loops``.
+    """
+
+    kind: ExitKind = "none"
+    threshold: float = 0.0
+    min_loops: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("none", "gate", "latent_diff", "kl"):
+            raise ConfigError(f"exit.kind must be one of none, gate, latent_diff, kl; got {self.kind!r}")
+        if self.kind != "none" and not self.threshold > 0:
+            raise ConfigError(f"exit.threshold must be > 0 for exit.kind={self.kind!r}")
+        if self.kind == "gate" and self.threshold > 1:
+            raise ConfigError("exit.threshold must be in (0, 1] for the gate rule")
+        if self.min_loops < 1:
+            raise ConfigError("exit.min_loops must be >= 1")
+
+
+
+def kv_slots_per_token(config: LayerShape, loops: int, cache_window: int | None = None) -> int:
+    """KV slots (layer applications that keep K and V) per token: DESIGN.md's formula."""
+    window = loops if cache_window is None else cache_window
+    if window < 1:
+        raise ConfigError("cache_window must be >= 1")
+    return config.n_prelude + config.n_coda + config.n_core * min(window, loops)
+
+
 
 INT4_GROUP_SIZES = (32, 64)
 INT4_META_BYTES = 4  # per group: an fp16 scale and an fp16 minimum
@@ -91,7 +150,7 @@ class KVMode:
         """The int4 group for vectors of ``width`` values: ``gcd(group_size, width)``."""
         return gcd(self.group_size, width)
 
-    def slot_bytes(self, config: ModelConfig, elem_bytes: int) -> int:
+    def slot_bytes(self, config: LayerShape, elem_bytes: int) -> int:
         """Bytes per token and slot (the table above); ``elem_bytes`` of the model dtype."""
         if self.h_mode:
             width, count = config.hidden, 1
@@ -104,7 +163,7 @@ class KVMode:
             return count * (width // 2 + INT4_META_BYTES * (width // self.group(width)))
         return count * width * elem_bytes
 
-    def bytes_per_token(self, config: ModelConfig, loops: int, cache_window: int | None = None,
+    def bytes_per_token(self, config: LayerShape, loops: int, cache_window: int | None = None,
                         elem_bytes: int = 2) -> int:
         """``slot_bytes * (n_prelude + n_coda + n_core * min(W, loops))``."""
         return self.slot_bytes(config, elem_bytes) * kv_slots_per_token(config, loops, cache_window)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tinyloop.engine.prefix_pool import PrefixPool
+from tinyloop.policy.prefix_pool import PrefixPool
 
 
 def test_find_returns_the_longest_matching_prefix_at_the_same_loops_and_window() -> None:
