@@ -77,7 +77,7 @@ def stdlib_dir() -> Path:
 
 def source_files(root: Path) -> list[str]:
     """Relative paths of the ``.py`` files under ``root``, sorted, skipping ``SKIP_DIRS``."""
-    found = []
+    found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         rel = Path(dirpath).relative_to(root)
@@ -119,7 +119,8 @@ def _operands(rng: np.random.Generator, n: int, max_digits: int) -> np.ndarray:
 
 
 def _pair_key(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return a.astype(np.int64) * 10 ** MAX_DIGITS + b.astype(np.int64)
+    key: np.ndarray = a.astype(np.int64) * 10 ** MAX_DIGITS + b.astype(np.int64)
+    return key
 
 
 def held_out_problems(seed: int, n: int, max_digits: int = 5) -> np.ndarray:

@@ -25,7 +25,8 @@ def _logits(model: LoopedLM, tokens: torch.Tensor, loops: int, last_only: bool) 
     bsz, n_tok = tokens.shape
     ctx = FullContext(model.rope, bsz, n_tok)
     specs = [RowSpec(loops=loops, window=loops) for _ in range(bsz)]
-    return model(tokens, ctx, specs, last_only=last_only).logits
+    logits: torch.Tensor = model(tokens, ctx, specs, last_only=last_only).logits
+    return logits
 
 
 @torch.no_grad()

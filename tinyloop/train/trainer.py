@@ -135,7 +135,7 @@ class Trainer:
         if not torch.isfinite(loss):  # leave the weights (and the last checkpoint) intact
             return float(loss.detach()), loops
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip))
         self.optimizer.step()
         self.step += 1
