@@ -131,6 +131,48 @@ async def test_every_client_error_is_an_openai_error_object_naming_the_field() -
     assert text.status_code == 200 and text.json()["choices"][0]["text"]
 
 
+LIMIT_CASES = [  # (path, body, the field to blame): every model limit, on every kind of route
+    (CHAT, {"messages": MESSAGES, "loops": 16, "max_completion_tokens": 200}, "max_completion_tokens"),
+    (CHAT, {"messages": MESSAGES, "loops": 16, "max_tokens": 200}, "max_tokens"),
+    (CHAT, {"messages": MESSAGES, "exit": {"kind": "gate", "threshold": 0.5}}, "exit"),
+    (CHAT, {"messages": MESSAGES, "loops": 2, "exit": {"kind": "kl", "threshold": 0.1, "min_loops": 3}},
+     "exit"),
+    (TEXT, {"prompt": "hi", "loops": 17}, "loops"),
+    (TEXT, {"prompt": "hi", "cache_window": 1, "speculation": {"draft_loops": 1}}, "cache_window"),
+    (TEXT, {"prompt": "hi", "loops": 2, "speculation": {"draft_loops": 3}}, "draft_loops"),
+    (TEXT, {"prompt": "hi", "exit": {"kind": "kl", "threshold": 0.1}, "speculation": {}}, "mode"),
+    ("/api/v0/completions", {"prompt": [1, 10**6]}, "prompt"),
+    ("/generate", {"prompt_tokens": [1, 10**6]}, "prompt_tokens"),
+    ("/generate", {"prompt": "hi", "max_tokens": 250, "loops": 16}, "max_tokens"),
+    ("/generate/speculative", {"prompt": "hi", "verify_loops": 17}, "verify_loops"),
+    ("/generate/speculative", {"prompt": "hi", "loops": 17}, "loops"),
+    ("/generate/tree_speculative", {"prompt": "hi", "max_tokens": 250, "verify_loops": 16}, "max_tokens"),
+]
+
+
+async def test_a_model_limit_is_a_400_naming_the_field_the_client_set() -> None:
+    """The limits (loops, context, vocabulary, exit, speculation, the KV pool) are checked once,
+    before anything is queued; the error names the body's field (``max_completion_tokens`` when
+    that is the one given, ``prompt_tokens``, ``verify_loops``)."""
+    from tests.http.conftest import tiny_engine
+
+    with trio.fail_after(30):
+        # a 1 MB KV pool: 200 tokens fit at 4 loops, not at 16
+        async with running_server(engine=tiny_engine(kv_cache_mb=1)) as srv, \
+                httpx.AsyncClient(base_url=srv.url) as client:
+            problems = []
+            for path, body, param in LIMIT_CASES:
+                resp = await client.post(path, json=body)
+                error = resp.json().get("error") or {}
+                if resp.status_code != 400 or error.get("param") != param:
+                    problems.append(f"{path} {body}: {resp.status_code} {resp.text}, expected {param}")
+            assert srv.runtime.statistics().dispatched == 0
+            fits = await client.post(CHAT, json={"messages": MESSAGES, "max_completion_tokens": 200,
+                                                 "ignore_eos": True})
+    assert not problems, "\n".join(problems)
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 200
+
+
 def post_then_reuse(url: str, refused: list[tuple[str, bytes, dict[str, str]]],
                     then: list[tuple[str, str, dict[str, Any]]]) -> list[httpx.Response]:
     """Requests on one pooled connection, in a worker thread: httpx's async client under Trio

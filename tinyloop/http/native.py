@@ -18,7 +18,7 @@ from tinyloop.http.formats import draft_stats
 from tinyloop.http.schemas import (
     DetokenizeRequest, GenerateBase, GenerateRequest, SpeculativeRequest, TokenizeRequest, TreeSpeculativeRequest,
 )
-from tinyloop.http.service import DONE, collect, make_requests, new_id, parse_body, served, sse, sse_guard, start_all
+from tinyloop.http.service import DONE, collect, make_requests, new_id, parse_body, served, sse, sse_response, start_all
 from tinyloop.requests import GenerationResult
 
 __all__ = ["blueprint"]
@@ -54,23 +54,21 @@ async def generate() -> Response:
     return await _generate(body, "generate")
 
 
-async def _generate(body: GenerateBase, mode: str, **fields: Any) -> Response:
+async def _generate(body: GenerateBase, mode: str, rename: dict[str, str] | None = None,
+                    **fields: Any) -> Response:
     """Run one native generation (plain, beam or speculative): JSON, or SSE when ``stream``
     (a beam search streams all its tokens in one burst, once it ends)."""
     s = served()
-    tokens = await s.model.encode_prompt(body.prompt if body.prompt is not None else body.prompt_tokens or [],
-                                   "prompt" if body.prompt is not None else "prompt_tokens")
-    s.model.check_context(tokens, "prompt" if body.prompt is not None else "prompt_tokens")
-    reqs = make_requests(body, s.model, tokens, body.max_tokens, 1, seed=body.sample_seed,
-                         stop=tuple(body.stop or ()), logprobs=body.logprobs or body.top_logprobs > 0,
-                         top_logprobs=body.top_logprobs, mode=mode, **fields)
+    text = body.prompt is not None
+    tokens = await s.model.encode_prompt(body.prompt if body.prompt is not None else body.prompt_tokens or [])
+    reqs = make_requests(body, s.model, tokens, prompt_param="prompt" if text else "prompt_tokens",
+                         max_tokens=body.max_tokens, seed=body.sample_seed, stop=tuple(body.stop or ()),
+                         logprobs=body.logprobs or body.top_logprobs > 0,
+                         top_logprobs=body.top_logprobs, mode=mode, rename=rename, **fields)
     streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms, streaming=body.stream)
     rid = new_id("gen")
     if body.stream:
-        response = Response(sse_guard(_events(rid, streams[0]), streams),
-                            content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        response.timeout = None
-        return response
+        return sse_response(_events(rid, streams[0]), streams)
     return jsonify(result_json(rid, (await collect(streams))[0]))
 
 
@@ -93,40 +91,26 @@ async def _events(rid: str, stream: RequestStream) -> AsyncGenerator[bytes, None
 async def speculative() -> Response:
     """Chain self-speculative decoding: the /generate result plus the draft counts."""
     body: SpeculativeRequest = await parse_body(SpeculativeRequest)
-    body = _verify_loops(body)
-    return await _generate(body, "speculative", draft_loops=body.draft_loops,
-                           draft_ahead=body.draft_ahead)
+    return await _speculate(body, "speculative")
 
 
 @blueprint.post("/generate/tree_speculative")
 async def tree_speculative() -> Response:
     """Tree self-speculative decoding (``K_branches`` first-level candidates)."""
     body: TreeSpeculativeRequest = await parse_body(TreeSpeculativeRequest)
-    body = _verify_loops(body)
-    return await _generate(body, "tree", draft_loops=body.draft_loops,
-                           draft_ahead=body.draft_ahead, k_branches=body.K_branches)
+    return await _speculate(body, "tree", k_branches=body.K_branches)
 
 
-def _verify_loops(body: SpeculativeRequest) -> Any:
-    """``verify_loops`` is the request's loops (``loops`` is its alias); the draft's loops and the
-    cache window are checked against it before anything is queued."""
+async def _speculate(body: SpeculativeRequest, mode: str, **fields: Any) -> Response:
+    """``verify_loops`` is the request's loops (``loops`` is its alias): a limit on them names
+    the one the client gave."""
     if body.verify_loops is not None and body.loops is not None and body.verify_loops != body.loops:
         raise ApiError(400, "verify_loops and loops disagree (give one of them)", param="verify_loops",
                        code="invalid_value")
-    loops = body.verify_loops or body.loops
-    s = served()
-    if loops is not None and loops > s.model.max_loops:
-        raise ApiError(400, f"verify_loops must be <= {s.model.max_loops} for this model",
-                       param="verify_loops" if body.verify_loops is not None else "loops",
-                       code="invalid_value")
-    effective = loops or s.model.default_loops
-    if body.draft_loops > effective:
-        raise ApiError(400, f"draft_loops ({body.draft_loops}) must be <= the verifier's loops "
-                       f"({effective})", param="draft_loops", code="invalid_value")
-    if body.cache_window is not None and body.cache_window < effective:
-        raise ApiError(400, "speculative decoding needs the full cache (cache_window >= loops)",
-                       param="cache_window", code="invalid_value")
-    return body.model_copy(update={"loops": loops})
+    given = "verify_loops" if body.verify_loops is not None else "loops"
+    body = body.model_copy(update={"loops": body.verify_loops or body.loops})
+    return await _generate(body, mode, {"loops": given}, draft_loops=body.draft_loops,
+                           draft_ahead=body.draft_ahead, **fields)
 
 
 @blueprint.post("/tokenize")
@@ -148,9 +132,9 @@ async def detokenize() -> Response:
     s = served()
     body: DetokenizeRequest = await parse_body(DetokenizeRequest)
     s.model.check_name(body.model)
-    bad = await off_loop(s.model.outside_vocabulary, body.tokens, size=len(body.tokens))
+    bad = await off_loop(s.model.limits.outside_vocabulary, body.tokens, size=len(body.tokens))
     if bad is not None:
-        raise ApiError(400, f"token id {bad} is outside the vocabulary ({s.model.vocab_size})",
+        raise ApiError(400, f"token id {bad} is outside the vocabulary ({s.model.limits.vocab_size})",
                        param="tokens", code="invalid_value")
     text = await off_loop(partial(s.model.tokenizer.decode, skip_special=False), body.tokens,
                           size=len(body.tokens))

@@ -1,14 +1,18 @@
 """OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
 
-The handlers take a ``lmstudio`` flag: LM Studio's ``/api/v0`` routes are the same objects plus
-``stats``, ``model_info`` and ``runtime`` (on the final chunk when streaming).
+Chat and text completions are one pipeline (parse, tokenise, check, admit, then JSON or SSE)
+over a ``Flavour`` that says how the prompt is built and how a choice looks. ``install`` adds the
+four routes to a blueprint: here under ``/v1``; LM Studio's ``/api/v0`` routes are the same with
+``lmstudio=True`` (its model card, and ``stats``, ``model_info`` and ``runtime`` on each
+response, on the final chunk when streaming).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from quart import Blueprint, Response, jsonify
@@ -17,14 +21,51 @@ from tinyloop.actors.stream import RequestStream
 from tinyloop.http.formats import chat_logprobs, completion_logprobs, lmstudio_extras, model_card, usage
 from tinyloop.http.schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from tinyloop.http.service import (
-    DONE, Served, collect, interleave, make_requests, new_id, parse_body, served, sse, sse_guard,
-    start_all,
+    DONE, ServedModel, collect, interleave, make_requests, new_id, parse_body, served, sse, sse_response, start_all,
 )
-from tinyloop.requests import GenerationChunk, GenerationResult
+from tinyloop.requests import GenerationResult, TokenLogprob
+from tinyloop.tokenizer import Tokenizer
 
-__all__ = ["blueprint", "chat_completions", "completions"]
+__all__ = ["CHAT", "TEXT", "Flavour", "blueprint", "complete", "install"]
 
-blueprint = Blueprint("openai", __name__, url_prefix="/v1")
+
+@dataclass(frozen=True, slots=True)
+class Flavour:
+    """What chat and text completions do differently; the pipeline (``complete``) is shared."""
+
+    schema: type[ChatCompletionRequest | CompletionRequest]
+    id_prefix: str  # of the response id
+    object: str  # of the response
+    chunk_object: str  # of each streamed chunk
+    prompt_param: str  # the field a prompt error names
+    tokens: Callable[[ServedModel, Any], Awaitable[list[int]]]  # the body's prompt, tokenised
+    max_tokens: Callable[[Any], tuple[int | None, str]]  # the limit (None, -1: to the context end), its field
+    logprobs: Callable[[Any], tuple[bool, int]]  # whether logprobs are asked, how many alternatives
+    render_logprobs: Callable[[Tokenizer, list[TokenLogprob] | None, int], dict[str, Any] | None]
+    message: Callable[[str], dict[str, Any]]  # a whole choice's content
+    delta: Callable[[str | None], dict[str, Any]]  # a streamed choice's new text (None: the last chunk)
+    opening: dict[str, Any] | None = None  # each choice's first streamed chunk, before any token
+
+
+CHAT = Flavour(
+    ChatCompletionRequest, "chatcmpl", "chat.completion", "chat.completion.chunk", "messages",
+    tokens=lambda model, body: model.encode_chat(body.messages),
+    max_tokens=lambda body: (body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
+    else (body.max_tokens, "max_tokens"),
+    logprobs=lambda body: (body.logprobs, body.top_logprobs or 0),
+    render_logprobs=lambda tok, lps, offset: chat_logprobs(tok, lps),
+    message=lambda text: {"message": {"role": "assistant", "content": text}},
+    delta=lambda text: {"delta": {} if text is None else {"content": text}},
+    opening={"delta": {"role": "assistant", "content": ""}})
+
+TEXT = Flavour(
+    CompletionRequest, "cmpl", "text_completion", "text_completion", "prompt",
+    tokens=lambda model, body: model.encode_prompt(body.prompt),
+    max_tokens=lambda body: (body.max_tokens, "max_tokens"),
+    logprobs=lambda body: (body.logprobs is not None, body.logprobs or 0),
+    render_logprobs=completion_logprobs,
+    message=lambda text: {"text": text},
+    delta=lambda text: {"text": text or ""})
 
 
 def speculation(body: Sampling) -> dict[str, Any]:
@@ -36,166 +77,98 @@ def speculation(body: Sampling) -> dict[str, Any]:
             "draft_ahead": spec.draft_ahead, "k_branches": spec.branches if spec.branches > 1 else None}
 
 
-@blueprint.get("/models")
-async def list_models() -> Response:
-    return jsonify({"object": "list", "data": [model_card(served().model, lmstudio=False)]})
+def choice(index: int, content: dict[str, Any], logprobs: Any, finish: str | None) -> dict[str, Any]:
+    return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish}
 
 
-@blueprint.get("/models/<path:name>")
-async def get_model(name: str) -> Response:
-    model = served().model
-    model.check_name(name)
-    return jsonify(model_card(model, lmstudio=False))
+Extras = Callable[[GenerationResult], dict[str, Any]]
 
 
-@blueprint.post("/chat/completions")
-async def chat_route() -> Response:
-    return await chat_completions(lmstudio=False)
-
-
-@blueprint.post("/completions")
-async def completions_route() -> Response:
-    return await completions(lmstudio=False)
-
-
-def _stream_response(body: AsyncGenerator[bytes, None], streams: list[RequestStream]) -> Response:
-    response = Response(sse_guard(body, streams), content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    response.timeout = None
-    return response
-
-
-async def chat_completions(*, lmstudio: bool) -> Response:
+async def complete(flavour: Flavour, *, lmstudio: bool) -> Response:
+    """One chat or text completion: JSON, or SSE when ``stream``."""
     s = served()
-    body: ChatCompletionRequest = await parse_body(ChatCompletionRequest)
+    body = await parse_body(flavour.schema)
     s.model.check_name(body.model)
-    tokens = await s.model.encode_chat(body.messages)
-    s.model.check_context(tokens, "messages")
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    reqs = make_requests(body, s.model, tokens, max_tokens, body.n, seed=body.seed,
-                         stop=body.stop_list(), logprobs=body.logprobs,
-                         top_logprobs=body.top_logprobs or 0,
-                         max_tokens_param="max_completion_tokens" if body.max_completion_tokens
-                         else "max_tokens", **speculation(body))
-    context_limited = max_tokens in (None, -1)
+    tokens = await flavour.tokens(s.model, body)
+    max_tokens, max_tokens_param = flavour.max_tokens(body)
+    want_lp, top_lp = flavour.logprobs(body)
+    reqs = make_requests(body, s.model, tokens, prompt_param=flavour.prompt_param, max_tokens=max_tokens,
+                         max_tokens_param=max_tokens_param, n=body.n, seed=body.seed,
+                         stop=body.stop_list(), logprobs=want_lp, top_logprobs=top_lp,
+                         **speculation(body))
     streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms, streaming=body.stream)
-    rid, created = new_id("chatcmpl"), int(time.time())
-    head = {"id": rid, "created": created, "model": s.model.id}
+    head = {"id": new_id(flavour.id_prefix), "created": int(time.time()), "model": s.model.id}
+    context_limited = max_tokens in (None, -1)
+
+    def extras(result: GenerationResult) -> dict[str, Any]:
+        return lmstudio_extras(s.model, result, s.settings.commit, context_limited) if lmstudio else {}
+
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream_response(_chat_events(s, streams, head, include_usage, lmstudio, context_limited),
-                                streams)
+        events = _events(flavour, s.model.tokenizer, streams, head, include_usage, extras)
+        return sse_response(events, streams, {"X-Accel-Buffering": "no"})
     results = await collect(streams)
-    choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
-                "logprobs": chat_logprobs(s.model.tokenizer, r.logprobs) if body.logprobs else None,
-                "finish_reason": r.finish_reason} for i, r in enumerate(results)]
-    out: dict[str, Any] = {**head, "object": "chat.completion", "system_fingerprint": None,
-                           "choices": choices, "usage": usage(results)}
-    if lmstudio:
-        out.update(lmstudio_extras(s.model, results[0], s.settings.commit, context_limited))
-    return jsonify(out)
+    tok = s.model.tokenizer
+    choices = [choice(i, flavour.message(r.text), flavour.render_logprobs(tok, r.logprobs, 0) if want_lp
+                      else None, r.finish_reason) for i, r in enumerate(results)]
+    return jsonify({**head, "object": flavour.object, "system_fingerprint": None, "choices": choices,
+                    "usage": usage(results), **extras(results[0])})
 
 
-async def _choice_events(streams: list[RequestStream],
-                         token: Callable[[int, GenerationChunk], bytes | None],
-                         end: Callable[[int, GenerationResult], bytes]) -> AsyncGenerator[bytes, None]:
-    """The SSE body of every choice, interleaved as they decode: ``token`` renders a chunk of
-    choice ``i`` (None: nothing to send), ``end`` its final event. What piled up for a slow
-    connection goes out in one write."""
+async def _events(flavour: Flavour, tok: Tokenizer, streams: list[RequestStream], head: dict[str, Any],
+                  include_usage: bool, extras: Extras) -> AsyncGenerator[bytes, None]:
+    """The SSE body: every choice's chunks, interleaved as they decode (what piled up for a slow
+    connection goes out in one write), then the usage chunk when asked for, then [DONE]."""
+    base = {**head, "object": flavour.chunk_object, "system_fingerprint": None}
+
+    def chunk(index: int, content: dict[str, Any], logprobs: Any = None, finish: str | None = None,
+              **extra: Any) -> bytes:
+        return sse({**base, "choices": [choice(index, content, logprobs, finish)], "usage": None, **extra})
+
+    if flavour.opening is not None:
+        yield b"".join(chunk(i, flavour.opening) for i in range(len(streams)))
+    offsets = [0] * len(streams)  # text so far, per choice (text logprobs' offsets)
     async with aclosing(interleave(streams)) as turns:
         async for i, burst in turns:
-            events = [e for c in burst if (e := token(i, c)) is not None]
-            if not burst:
+            events = []
+            for c in burst:
+                lp = None if c.logprob is None else flavour.render_logprobs(tok, [c.logprob], offsets[i])
+                offsets[i] += len(c.text)
+                if c.text or lp is not None:
+                    events.append(chunk(i, flavour.delta(c.text), lp))
+            if not burst:  # choice i ended
                 result = streams[i].result
                 assert result is not None
-                events.append(end(i, result))
+                events.append(chunk(i, flavour.delta(None), None, result.finish_reason, **extras(result)))
             if events:
                 yield b"".join(events)
-
-
-async def _chat_events(s: Served, streams: list[RequestStream], head: dict[str, Any],
-                       include_usage: bool, lmstudio: bool,
-                       context_limited: bool) -> AsyncGenerator[bytes, None]:
-    base = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
-
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None,
-              logprobs: Any = None, **extra: Any) -> bytes:
-        return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish}], "usage": None, **extra})
-
-    def token(i: int, c: GenerationChunk) -> bytes | None:
-        lp = None if c.logprob is None else chat_logprobs(s.model.tokenizer, [c.logprob])
-        return chunk(i, {"content": c.text}, logprobs=lp) if c.text or lp is not None else None
-
-    def end(i: int, result: GenerationResult) -> bytes:
-        extra = lmstudio_extras(s.model, result, s.settings.commit, context_limited) if lmstudio else {}
-        return chunk(i, {}, result.finish_reason, **extra)
-
-    yield b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(len(streams)))
-    async with aclosing(_choice_events(streams, token, end)) as events:
-        async for event in events:
-            yield event
-    results = [st.result for st in streams if st.result is not None]  # all ended
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(results)})
+        yield sse({**base, "choices": [], "usage": usage([st.result for st in streams if st.result is not None])})
     yield DONE
 
 
-async def completions(*, lmstudio: bool) -> Response:
-    s = served()
-    body: CompletionRequest = await parse_body(CompletionRequest)
-    s.model.check_name(body.model)
-    tokens = await s.model.encode_prompt(body.prompt)
-    s.model.check_context(tokens, "prompt")
-    want_lp = body.logprobs is not None
-    reqs = make_requests(body, s.model, tokens, body.max_tokens, body.n, seed=body.seed,
-                         stop=body.stop_list(), logprobs=want_lp, top_logprobs=body.logprobs or 0,
-                         **speculation(body))
-    context_limited = body.max_tokens in (None, -1)
-    streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms, streaming=body.stream)
-    head = {"id": new_id("cmpl"), "created": int(time.time()), "model": s.model.id}
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream_response(
-            _completion_events(s, streams, head, include_usage, lmstudio, context_limited), streams)
-    results = await collect(streams)
-    choices = [{"index": i, "text": r.text,
-                "logprobs": completion_logprobs(s.model.tokenizer, r.logprobs) if want_lp else None,
-                "finish_reason": r.finish_reason} for i, r in enumerate(results)]
-    out: dict[str, Any] = {**head, "object": "text_completion", "system_fingerprint": None,
-                           "choices": choices, "usage": usage(results)}
-    if lmstudio:
-        out.update(lmstudio_extras(s.model, results[0], s.settings.commit, context_limited))
-    return jsonify(out)
+def install(bp: Blueprint, *, lmstudio: bool) -> Blueprint:
+    """Add the model and completion routes to ``bp`` (LM Studio's shapes with ``lmstudio``)."""
+
+    async def list_models() -> Response:
+        return jsonify({"object": "list", "data": [model_card(served().model, lmstudio=lmstudio)]})
+
+    async def get_model(name: str) -> Response:
+        model = served().model
+        model.check_name(name)
+        return jsonify(model_card(model, lmstudio=lmstudio))
+
+    async def chat_completions() -> Response:
+        return await complete(CHAT, lmstudio=lmstudio)
+
+    async def completions() -> Response:
+        return await complete(TEXT, lmstudio=lmstudio)
+
+    bp.add_url_rule("/models", view_func=list_models, methods=["GET"])
+    bp.add_url_rule("/models/<path:name>", view_func=get_model, methods=["GET"])
+    bp.add_url_rule("/chat/completions", view_func=chat_completions, methods=["POST"])
+    bp.add_url_rule("/completions", view_func=completions, methods=["POST"])
+    return bp
 
 
-async def _completion_events(s: Served, streams: list[RequestStream], head: dict[str, Any],
-                             include_usage: bool, lmstudio: bool,
-                             context_limited: bool) -> AsyncGenerator[bytes, None]:
-    base = {**head, "object": "text_completion", "system_fingerprint": None}
-
-    def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None,
-              **extra: Any) -> bytes:
-        return sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                         "finish_reason": finish}], "usage": None, **extra})
-
-    offsets = [0] * len(streams)
-
-    def token(i: int, c: GenerationChunk) -> bytes | None:
-        lp = None
-        if c.logprob is not None:
-            lp = completion_logprobs(s.model.tokenizer, [c.logprob], offsets[i])
-        offsets[i] += len(c.text)
-        return chunk(i, c.text, logprobs=lp) if c.text or lp is not None else None
-
-    def end(i: int, result: GenerationResult) -> bytes:
-        extra = lmstudio_extras(s.model, result, s.settings.commit, context_limited) if lmstudio else {}
-        return chunk(i, "", result.finish_reason, **extra)
-
-    async with aclosing(_choice_events(streams, token, end)) as events:
-        async for event in events:
-            yield event
-    results = [st.result for st in streams if st.result is not None]  # all ended
-    if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(results)})
-    yield DONE
+blueprint = install(Blueprint("openai", __name__, url_prefix="/v1"), lmstudio=False)

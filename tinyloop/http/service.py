@@ -9,32 +9,48 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from quart import current_app, g, request
+from quart import Response, current_app, g, request
 
 from tinyloop.actors.runtime import Runtime
 from tinyloop.actors.stream import RequestStream
-from tinyloop.errors import ConfigError, PromptTooLongError, RequestError
-from tinyloop.vocabulary import ExitRule
+from tinyloop.errors import ConfigError, RequestError
 from tinyloop.http.bodies import decode_body, off_loop
 from tinyloop.http.errors import ApiError, from_exception
+from tinyloop.limits import KVLimits, ModelLimits
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, SamplingParams
 from tinyloop.settings import Settings
 from tinyloop.tokenizer import Tokenizer
+from tinyloop.vocabulary import ExitRule
 
-__all__ = ["ServedModel", "Served", "served", "sse", "DONE", "new_id", "start_all", "parse_body",
-           "interleave"]
+__all__ = [
+    "DONE",
+    "Served",
+    "ServedModel",
+    "collect",
+    "interleave",
+    "make_requests",
+    "new_id",
+    "parse_body",
+    "served",
+    "sse",
+    "sse_response",
+    "start_all",
+]
 
 DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What clients see of the model: its id, tokenizer, limits and a description."""
+    """What clients see of the model: its id, tokenizer, limits and a description.
+
+    ``limits`` (built from the numbers, the model's exit rule and its KV pool) checks every
+    generation request once, before anything is queued."""
 
     id: str
     tokenizer: Tokenizer
@@ -47,19 +63,29 @@ class ServedModel:
     quant: str = "float32"
     kv_cache_mode: str = "full"
     created: int = field(default_factory=lambda: int(time.time()))
+    exit: ExitRule = field(default_factory=ExitRule)  # the model's own rule (gate: it has a gate)
+    kv: KVLimits | None = None  # the KV pool (None: the KV worst case is left to the engine)
+    limits: ModelLimits = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "limits", ModelLimits(
+            max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, default_loops=self.default_loops,
+            max_loops=self.max_loops, exit=self.exit, kv=self.kv))
 
     @classmethod
     def from_engine(cls, engine: Any, settings: Settings, name: str | None = None) -> ServedModel:
         """Describe a loaded ``Engine`` (its KV mode, or the settings' for an engine without one)."""
         cfg = engine.config
+        limits = ModelLimits.from_engine(engine)
         kv_mode = getattr(engine, "kv_mode", None)
         style = "ouro" if cfg.injection == "none" else "huginn"
         return cls(id=name or settings.served_model_name or engine.name, tokenizer=engine.tokenizer,
-                   chat_template=engine.chat_template, max_seq_len=engine.max_seq_len,
-                   default_loops=cfg.default_loops, max_loops=cfg.max_loops,
-                   vocab_size=cfg.vocab_size, arch=f"tinyloop-{style}",
+                   chat_template=engine.chat_template, max_seq_len=limits.max_seq_len,
+                   default_loops=limits.default_loops, max_loops=limits.max_loops,
+                   vocab_size=limits.vocab_size, arch=f"tinyloop-{style}",
                    quant=str(engine.dtype).removeprefix("torch."),
-                   kv_cache_mode=settings.kv_cache_mode if kv_mode is None else kv_mode.name)
+                   kv_cache_mode=settings.kv_cache_mode if kv_mode is None else kv_mode.name,
+                   exit=limits.exit, kv=limits.kv)
 
     def check_name(self, name: str | None) -> None:
         if name is not None and name != self.id:
@@ -75,50 +101,12 @@ class ServedModel:
     def _encode_chat(self, turns: list[dict[str, str]]) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.render_chat(turns, template=self.chat_template))
 
-    async def encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        """Text tokenised, or token ids checked against the vocabulary (in a worker thread when
-        long)."""
+    async def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Text tokenised (in a worker thread when long), or the token ids as given (the
+        vocabulary is one of the limits, checked with the others)."""
         if isinstance(prompt, str):
-            tokens = await off_loop(self.tokenizer.encode, prompt, size=len(prompt))
-        else:
-            tokens = list(prompt)
-            bad = await off_loop(self.outside_vocabulary, tokens, size=len(tokens))
-            if bad is not None:
-                raise ApiError(400, f"token id {bad} is outside the vocabulary ({self.vocab_size})",
-                               param=param, code="invalid_value")
-        if not tokens:
-            raise ApiError(400, "the prompt is empty", param=param, code="invalid_value")
-        return tokens
-
-    def outside_vocabulary(self, tokens: Sequence[int]) -> int | None:
-        """The first token id that is not in the vocabulary, or None."""
-        return next((t for t in tokens if t >= self.vocab_size), None)
-
-    def check_context(self, tokens: Sequence[int], param: str) -> None:
-        """A prompt that leaves no room for one generated token is the prompt's fault (400 naming
-        ``param``), whatever ``max_tokens`` says."""
-        if len(tokens) >= self.max_seq_len:
-            raise ApiError(400, f"the prompt is {len(tokens)} tokens; this model's context is "
-                           f"{self.max_seq_len} tokens, prompt and completion together",
-                           param=param, code="context_length_exceeded")
-
-    def max_tokens(self, prompt_len: int, asked: int | None, param: str = "max_tokens") -> int:
-        """``asked`` checked against the context; None or -1 means up to the context's end.
-        ``param`` is the field the client set (``max_tokens`` or ``max_completion_tokens``)."""
-        if asked is None or asked == -1:
-            asked = self.max_seq_len - prompt_len
-            if asked < 1:
-                raise from_exception(PromptTooLongError(prompt_len, 1, self.max_seq_len))
-        if prompt_len + asked > self.max_seq_len:
-            err = from_exception(PromptTooLongError(prompt_len, asked, self.max_seq_len))
-            err.param = param
-            raise err
-        return asked
-
-    def check_loops(self, loops: int | None) -> None:
-        if loops is not None and loops > self.max_loops:
-            raise ApiError(400, f"loops must be <= {self.max_loops} for this model", param="loops",
-                           code="invalid_value")
+            return await off_loop(self.tokenizer.encode, prompt, size=len(prompt))
+        return list(prompt)
 
 
 @dataclass(frozen=True)
@@ -148,15 +136,12 @@ async def parse_body(model: type[Any]) -> Any:
 
 def sampling_from(body: Any, *, seed: int | None, stop: tuple[str, ...], logprobs: bool,
                   top_logprobs: int) -> SamplingParams:
-    try:
-        return SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, seed=seed, stop=stop,
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            logprobs=logprobs, top_logprobs=top_logprobs)
-    except RequestError as exc:
-        raise from_exception(exc) from None
+    return SamplingParams(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, seed=seed, stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+        logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 def exit_rule(body: Any) -> ExitRule | None:
@@ -174,27 +159,47 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def make_requests(body: Any, model: ServedModel, tokens: list[int], max_tokens: int | None,
-                  n: int, *, seed: int | None, stop: tuple[str, ...], logprobs: bool,
-                  top_logprobs: int, mode: str = "generate",
-                  max_tokens_param: str = "max_tokens", **fields: Any) -> list[GenerationRequest]:
-    """One request per choice; choice ``i`` samples with ``seed + i`` so choices differ.
-    ``fields`` are further ``GenerationRequest`` fields (a mode's own: draft loops, beams)."""
-    model.check_loops(body.loops)
-    limit = model.max_tokens(len(tokens), max_tokens, max_tokens_param)
+def make_requests(body: Any, model: ServedModel, tokens: list[int], *, prompt_param: str,
+                  max_tokens: int | None, max_tokens_param: str = "max_tokens", n: int = 1,
+                  seed: int | None, stop: tuple[str, ...], logprobs: bool, top_logprobs: int,
+                  mode: str = "generate", rename: Mapping[str, str] | None = None,
+                  **fields: Any) -> list[GenerationRequest]:
+    """One request per choice, checked against the model's limits (a 400 naming the field the
+    client set: ``prompt_param`` for the prompt, ``max_tokens_param`` for ``max_tokens``,
+    ``rename`` for the rest); choice ``i`` samples with ``seed + i`` so choices differ.
+    ``max_tokens`` None or -1 means up to the context's end. ``fields`` are further
+    ``GenerationRequest`` fields (a mode's own: draft loops, beams)."""
+    if not tokens:
+        raise ApiError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
+    room = model.limits.max_seq_len - len(tokens)
+    if room < 1:  # the prompt's fault, whatever max_tokens says
+        raise ApiError(400, f"the prompt is {len(tokens)} tokens; this model's context is "
+                       f"{model.limits.max_seq_len} tokens, prompt and completion together",
+                       param=prompt_param, code="context_length_exceeded")
+    limit = room if max_tokens is None or max_tokens == -1 else max_tokens
     out = []
-    for i in range(n):
-        choice_seed = None if seed is None else (seed + i) % 2**63
-        sampling = sampling_from(body, seed=choice_seed, stop=stop, logprobs=logprobs,
-                                 top_logprobs=top_logprobs)
-        try:
+    with _blaming({"prompt": prompt_param, "max_tokens": max_tokens_param, **(rename or {})}):
+        for i in range(n):
+            choice_seed = None if seed is None else (seed + i) % 2**63
+            sampling = sampling_from(body, seed=choice_seed, stop=stop, logprobs=logprobs,
+                                     top_logprobs=top_logprobs)
             out.append(GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=limit, mode=mode,
                                          loops=body.loops, cache_window=body.cache_window,
                                          warm_start=body.warm_start, sampling=sampling,
                                          exit=exit_rule(body), **fields))
-        except RequestError as exc:
-            raise from_exception(exc) from None
+        model.limits.check(out[0])  # the choices differ only in their seeds
     return out
+
+
+@contextmanager
+def _blaming(rename: Mapping[str, str]) -> Iterator[None]:
+    """A ``RequestError`` becomes its 400, naming the body's field for the request's."""
+    try:
+        yield
+    except RequestError as exc:
+        err = from_exception(exc)
+        err.param = rename.get(err.param, err.param) if err.param is not None else None
+        raise err from None
 
 
 @contextmanager
@@ -263,6 +268,15 @@ async def interleave(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[i
 
 def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_response(events: AsyncGenerator[bytes, None], streams: Sequence[RequestStream],
+                 headers: Mapping[str, str] | None = None) -> Response:
+    """An SSE response over ``events`` (guarded by ``sse_guard``), with no response timeout."""
+    response = Response(sse_guard(events, streams), content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", **(headers or {})})
+    response.timeout = None
+    return response
 
 
 def sse_guard(events: AsyncGenerator[bytes, None],
