@@ -1,9 +1,11 @@
-"""The frozen messages actors exchange (no dicts between actors).
+"""The frozen messages actors exchange (no dicts between actors), and each channel's union.
 
-Control flow::
+Control flow (the top row is the pipeline: closing a channel there ends the actor it feeds,
+which then closes its own outbox; the bottom rows are feedback, read beside the pipeline)::
 
     Runtime ──Admit──▶ admission ──Enqueue──▶ queue ──Ready──▶ dispatcher ──Dispatch──▶ engine
-       └──Cancel───────────────────────────────▶ queue ◀──Pull── dispatcher ◀──SlotFreed── engine
+    Runtime ──RegisterPrefix─────────────────────────────────────────────────────────▶ engine
+    Runtime ──Cancel──▶ queue ◀──Pull── dispatcher ◀──SlotFreed── engine
     engine ──Observe──▶ admission            every actor ──Event──▶ metrics
 """
 
@@ -24,6 +26,7 @@ __all__ = [
     "Admit", "AdmitReply", "Observe", "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
     "RegisterPrefix", "Event", "Admitted", "Rejected", "Started", "FirstToken", "Finished",
     "StepDone", "PoolDispatched", "PrefixLookup", "Preempted",
+    "QueueFeedback", "EngineInbox",
 ]
 
 
@@ -56,10 +59,9 @@ class Enqueue:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
-    """Take a queued ticket out; ``error`` (if any) is what its caller is told."""
+    """The caller cancelled a queued ticket (``Ticket.cancel``): take it out of the queue now."""
 
     ticket: Ticket
-    error: BaseException | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,3 +155,8 @@ class Preempted:
 
 Event = (Admitted | Rejected | Started | FirstToken | Finished | StepDone | PoolDispatched | PrefixLookup
          | Preempted)
+
+
+# -- what each channel carries -----------------------------------------------------------------
+QueueFeedback = Cancel | Pull  # beside the queue's Enqueue inbox
+EngineInbox = Dispatch | RegisterPrefix

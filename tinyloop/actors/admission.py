@@ -1,10 +1,17 @@
 """The admission actor: answers each ``Admit`` at once with a decision or a refusal.
 
 It owns the ``Admission`` policy (queue cap, SLO with an EMA predictor, downgrade) and feeds the
-predictor from the engine's ``Observe`` messages. Admitted tickets go to the queue actor.
+predictor from the engine's ``Observe`` messages, read before each decision. Its view of the load
+comes from the snapshots the other actors publish (``Sources``), never from their state: queued
+is the queue's heap plus the tickets admission sent that the queue has not taken in yet (so a
+burst of submissions cannot overshoot ``max_queue_depth``); busy slots and the slot count are the
+dispatcher's; ``broken`` is the engine's. Admitted tickets go to the queue actor.
 
-Cancellation: cancelled with its nursery; a caller waiting on a reply then sees its reply
-channel closed. Errors in the policy are refusals delivered to the caller, never raised here.
+Shutdown: the runtime closes the Admit inbox (``refuse_new_requests``); a caller still trying to
+send then gets ``ClosedResourceError`` (SchedulerShutdown to it), and admission closes its outbox
+to the queue. Cancellation: cancelled with its nursery; every reply channel it took is closed on
+the way out, so a caller waiting on one sees ``EndOfChannel``. Errors in the policy are
+refusals delivered to the caller, never raised here.
 """
 
 from __future__ import annotations
@@ -12,57 +19,70 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from tinyloop.errors import SchedulerError, SchedulerShutdown
 from tinyloop.messages import Admit, AdmitReply, Admitted, Enqueue, Event, Observe, Rejected
-from tinyloop.actors.queue import Backlog
-from tinyloop.policy.admission import Admission, least_loops
+from tinyloop.policy.admission import Admission, Decision, least_loops
+from tinyloop.settings import Settings
 
-__all__ = ["run", "Load"]
+if TYPE_CHECKING:
+    from tinyloop.actors.dispatcher import DispatcherStatistics
+    from tinyloop.actors.engine import EngineStatistics
+    from tinyloop.actors.queue import QueueStatistics
+
+__all__ = ["run", "Sources"]
 
 
 @dataclass(frozen=True, slots=True)
-class Load:
-    """What admission needs to know about the rest of the runtime right now."""
+class Sources:
+    """Where admission reads the other actors' published snapshots."""
 
-    queue_depth: int
-    in_flight: int
-    slots: int
-    shutting_down: bool
-    broken: str | None
+    queue: Callable[[], QueueStatistics]
+    dispatcher: Callable[[], DispatcherStatistics]
+    engine: Callable[[], EngineStatistics]
 
 
-async def run(*, inbox: trio.MemoryReceiveChannel[Admit | Observe],
-              outbox: trio.MemorySendChannel[Enqueue], events: trio.MemorySendChannel[Event],
-              policy: Admission, load: Callable[[], Load], backlog: Backlog, default_loops: int,
+async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: trio.MemorySendChannel[Enqueue],
+              settings: Settings, observations: trio.MemoryReceiveChannel[Observe],
+              events: trio.MemorySendChannel[Event], sources: Sources, default_loops: int,
               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    async with inbox, outbox, events:
+    policy = Admission.from_settings(settings)
+    sent = 0  # Enqueue messages sent to the queue, ever
+    async with inbox, outbox, events, observations:
         task_status.started()
         async for msg in inbox:
-            match msg:
-                case Observe(service_ms=ms, loops=loops, tokens=tokens):
-                    policy.predictor.observe(ms, loops=loops, tokens=tokens)
-                case Admit(ticket=ticket, reply=reply):
-                    now = load()
+            with msg.reply:
+                while True:  # the predictor learns from every request finished so far
                     try:
-                        if now.broken is not None:
-                            raise SchedulerShutdown(f"the engine is broken: {now.broken}")
-                        req = ticket.request
-                        decision = policy.check(
-                            queue_depth=now.queue_depth, in_flight=now.in_flight, slots=now.slots,
-                            slo_ms=ticket.slo_ms, shutting_down=now.shutting_down,
-                            loops=req.loops or default_loops, max_tokens=req.max_tokens,
-                            least_loops=least_loops(req))
-                    except SchedulerError as exc:
-                        if not isinstance(exc, SchedulerShutdown):  # the seeds count queue-full and SLO only
-                            events.send_nowait(Rejected(type(exc).__name__))
-                        reply.send_nowait(AdmitReply(None, exc))
-                        continue
-                    if decision.downgraded and decision.loops is not None:
-                        ticket.request = dataclasses.replace(req, loops=decision.loops)
-                    backlog.in_transit += 1
-                    await outbox.send(Enqueue(ticket))
-                    events.send_nowait(Admitted())
-                    reply.send_nowait(AdmitReply(decision, None))
+                        seen = observations.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    policy.predictor.observe(seen.service_ms, loops=seen.loops, tokens=seen.tokens)
+                try:
+                    decision = _decide(policy, msg, sources, sent, default_loops)
+                except SchedulerError as exc:
+                    if not isinstance(exc, SchedulerShutdown):  # the seeds count queue-full and SLO only
+                        events.send_nowait(Rejected(type(exc).__name__))
+                    msg.reply.send_nowait(AdmitReply(None, exc))
+                    continue
+                ticket = msg.ticket
+                if decision.downgraded and decision.loops is not None:
+                    ticket.request = dataclasses.replace(ticket.request, loops=decision.loops)
+                sent += 1
+                await outbox.send(Enqueue(ticket))
+                events.send_nowait(Admitted())
+                msg.reply.send_nowait(AdmitReply(decision, None))
+
+
+def _decide(policy: Admission, msg: Admit, sources: Sources, sent: int, default_loops: int) -> Decision:
+    engine, queue, dispatcher = sources.engine(), sources.queue(), sources.dispatcher()
+    if engine.broken is not None:
+        raise SchedulerShutdown(f"the engine is broken: {engine.broken}")
+    req = msg.ticket.request
+    return policy.check(
+        queue_depth=queue.queued + sent - queue.taken_in, in_flight=dispatcher.slots_used,
+        slots=dispatcher.slots, slo_ms=msg.ticket.slo_ms, shutting_down=False,
+        loops=req.loops or default_loops, max_tokens=req.max_tokens, least_loops=least_loops(req))

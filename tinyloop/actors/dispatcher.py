@@ -3,39 +3,60 @@
 It starts with ``max_batch_size`` free slots, asks the queue for one ticket per free slot
 (``Pull``), and gets a request's slots back with its ``SlotFreed`` from the engine. A beam search
 takes one slot per beam (``weight``), so one wide search cannot crowd a full batch of others
-into the engine beside it. Every request dispatched
-while the prefix pool has entries goes through the pool, whatever its mode; the
+into the engine beside it. Every request dispatched while the prefix pool has entries (the
+engine's ``EngineStatistics.prefix_pool_size``) goes through the pool, whatever its mode; the
 ``tinyloop_prefix_pool_hits_total`` counter keeps the seeds' rule and counts only the ``generate``
 ones (whether or not a prefix then matches).
 
-Cancellation: cancelled with its nursery. A ticket cancelled by its caller before it reached
-the engine is retired here and its slot pulled again.
+It owns the slot count and publishes ``DispatcherStatistics``; ``dispatched`` (ever) is half of
+the runtime's one in-flight count (the engine's ``retired`` is the other half).
+
+Shutdown: when the queue closes the Ready inbox and nothing waits for slots, the dispatcher
+closes its outbox to the engine. Cancellation: cancelled with its nursery. A ticket cancelled by
+its caller before it reached the engine is retired here and its slot pulled again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
 
+from tinyloop.actors.mailbox import UpstreamClosed, merged
 from tinyloop.actors.ticket import Ticket
 from tinyloop.messages import Dispatch, Event, Finished, PoolDispatched, Pull, Ready, SlotFreed
 from tinyloop.requests import RequestState
+from tinyloop.settings import Settings
 
-__all__ = ["run", "DispatcherState"]
+__all__ = ["run", "weight", "DispatcherStatistics", "DispatcherState"]
 
 
-@dataclass(slots=True)
-class DispatcherState:
-    """Slots and in-flight count (in slots: a beam search takes one per beam), shared read-only
-    with the runtime's statistics."""
-
+@dataclass(frozen=True, slots=True)
+class DispatcherStatistics:
     slots: int
-    in_flight: int = 0
-    dispatched: int = 0
-    via_pool: int = 0
+    slots_used: int  # by requests dispatched whose SlotFreed has not come back (beams weigh more)
+    dispatched: int  # requests sent to the engine, ever
+    via_pool: int
+
+
+class DispatcherState:
+    """The dispatcher's state (written by the actor only; read through ``statistics()``)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.slots_used = 0
+        self.dispatched = 0
+        self.via_pool = 0
+        self.asked = 0  # Pulls sent and not answered yet
+        self.held: deque[Ticket] = deque()  # pulled, waiting for their slots (a wide beam search)
+
+    def statistics(self) -> DispatcherStatistics:
+        return DispatcherStatistics(self.slots, self.slots_used, self.dispatched, self.via_pool)
+
+    def __repr__(self) -> str:
+        return f"<DispatcherState {self.slots_used}/{self.slots} held={len(self.held)}>"
 
 
 def weight(ticket: Ticket) -> int:
@@ -46,26 +67,29 @@ def weight(ticket: Ticket) -> int:
     return beam[0] if beam is not None else 1
 
 
-async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed],
-              outbox: trio.MemorySendChannel[Dispatch], pulls: trio.MemorySendChannel[Pull],
-              events: trio.MemorySendChannel[Event], state: DispatcherState,
+async def run(*, inbox: trio.MemoryReceiveChannel[Ready], outbox: trio.MemorySendChannel[Dispatch],
+              settings: Settings, feedback: trio.MemoryReceiveChannel[SlotFreed],
+              pulls: trio.MemorySendChannel[Pull], events: trio.MemorySendChannel[Event],
               pool_size: Callable[[], int],
-              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    asked = 0  # Pulls sent and not answered yet
-    held: deque[Ticket] = deque()  # pulled, waiting for their slots (a wide beam search)
+              task_status: trio.TaskStatus[DispatcherState] = trio.TASK_STATUS_IGNORED) -> None:
+    """``pool_size`` reads the engine actor's published prefix pool size."""
+    state = DispatcherState(settings.max_batch_size)
+    held = state.held
 
     def top_up() -> None:
-        nonlocal asked
-        while not held and state.in_flight + asked < state.slots:
-            pulls.send_nowait(Pull())
-            asked += 1
+        while not held and state.slots_used + state.asked < state.slots:
+            try:
+                pulls.send_nowait(Pull())
+            except trio.BrokenResourceError:
+                return  # the queue has finished: nothing more to pull
+            state.asked += 1
 
     async def dispatch_held() -> None:
         # A beam search wider than the free slots waits for them (runs alone if wider than
         # all of them), and what was pulled after it waits behind it.
-        while held and (state.in_flight == 0 or state.in_flight + weight(held[0]) <= state.slots):
+        while held and (state.slots_used == 0 or state.slots_used + weight(held[0]) <= state.slots):
             ticket = held.popleft()
-            if ticket.cancelled:
+            if ticket.gone:
                 ticket.terminate(RequestState.CANCELLED)
                 events.send_nowait(Finished(RequestState.CANCELLED,
                                             ticket.ms_since(ticket.submitted_at) or 0.0, None, None))
@@ -75,19 +99,24 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed],
                 state.via_pool += 1
                 events.send_nowait(PoolDispatched())
             ticket.state = RequestState.DISPATCHED
-            state.in_flight += weight(ticket)
+            state.slots_used += weight(ticket)
             state.dispatched += 1
             await outbox.send(Dispatch(ticket, via_pool))
 
-    async with inbox, outbox, pulls, events:
+    upstream_open = True
+    async with outbox, pulls, events, merged(inbox, feedback) as mailbox:
         top_up()
-        task_status.started()
-        async for msg in inbox:
+        task_status.started(state)
+        async for msg in mailbox:
             match msg:
                 case SlotFreed(ticket=ticket):
-                    state.in_flight -= weight(ticket)
+                    state.slots_used -= weight(ticket)
                 case Ready(ticket=ticket):
-                    asked -= 1
+                    state.asked -= 1
                     held.append(ticket)
+                case UpstreamClosed():
+                    upstream_open = False
             await dispatch_held()
+            if not upstream_open and not held:
+                break
             top_up()

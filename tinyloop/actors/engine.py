@@ -22,38 +22,66 @@ fails its request only: the engine isolates it (``Engine.step``). A step that ra
 ``EngineError`` fails the requests of that step; ``EngineBroken`` also marks the runtime
 unhealthy, and every later dispatch fails at once.
 
-Cancellation: cancelled with its nursery; a step already running in the worker thread finishes
-first (threads are not interruptible). Sequences still active are freed on the way out.
+State. The actor owns its waiting and running entries, the prefix pool and ``Health``, and
+publishes ``EngineStatistics``: ``retired`` (requests it retired, ever: with the dispatcher's
+``dispatched`` it gives the runtime's one in-flight count), ``decoding`` (requests whose sequence
+exists, running or preempted), the pool's size, the KV pool and ``broken``. A request's
+``dispatched_at`` and ``first_token_at`` live in its entry here; the ``GenerationResult`` it
+delivers is stamped with the runtime's clock (trio's): ``wall_ms`` from submission to the end,
+``time_to_first_token_ms`` from submission to the first token, the same figures the metrics
+observe. It reads a ticket's caller-side ``cancelled`` flag and writes only what the ticket
+module gives the holder (``state`` DECODING and terminal, the chunks).
+
+Shutdown: when its inbox ends (the dispatcher and the runtime closed their ends) the actor runs
+what it holds to the end, then returns, closing its event and feedback channels (which ends the
+metrics actor). Cancellation: cancelled with its nursery; a step already running in the worker
+thread finishes first (threads are not interruptible). Whatever it still holds is retired (its
+caller told ``SchedulerShutdown`` unless it gave a reason) and freed on the way out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from tinyloop.actors.ticket import Failure, Final, Ticket
 from tinyloop.actors.port import EnginePort, engine_errors
-from tinyloop.policy.prefix_pool import PrefixPool
+from tinyloop.actors.ticket import Failure, Final, Ticket
 from tinyloop.errors import EngineBroken, EngineError, SchedulerShutdown, TinyLoopError
 from tinyloop.messages import (
-    Dispatch, Event, Finished, FirstToken, Observe, Preempted, PrefixLookup, RegisterPrefix, SlotFreed,
-    Started, StepDone,
+    Dispatch, EngineInbox, Event, Finished, FirstToken, Observe, Preempted, PrefixLookup, RegisterPrefix,
+    SlotFreed, Started, StepDone,
 )
 from tinyloop.policy.kvplan import KVPlanner, Running, Waiting
+from tinyloop.policy.prefix_pool import PrefixPool
 from tinyloop.requests import GenerationResult, RequestState
+from tinyloop.settings import Settings
 
-__all__ = ["run", "Health"]
+if TYPE_CHECKING:
+    from tinyloop.model.kvcache import KVPoolStats
+
+__all__ = ["run", "Health", "EngineState", "EngineStatistics"]
 
 
 @dataclass(slots=True)
 class Health:
-    """Why the engine is unusable, or None while it is fine."""
+    """Why the engine is unusable, or None while it is fine. Written by the engine actor (a
+    step raised ``EngineBroken``); ``Runtime.health`` hands it out for tests and operators."""
 
     broken: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    retired: int  # requests retired after their dispatch, ever
+    decoding: int  # requests whose sequence exists (running or preempted)
+    prefix_pool_size: int
+    kv: KVPoolStats | None
+    broken: str | None
 
 
 @dataclass(eq=False, slots=True)
@@ -70,10 +98,12 @@ class _Entry:
     order: int = 0  # dispatch order: a higher one is younger (preempted first)
     since: float = 0.0  # when it began waiting (trio time)
     started: bool = False  # has run before (a Started event was sent)
+    dispatched_at: float | None = None  # when the engine started it (trio time)
+    first_token_at: float | None = None
 
 
 @dataclass(eq=False)
-class _Loop:
+class EngineState:
     """The actor's state: waiting and active entries, and the channels it reports on."""
 
     engine: EnginePort
@@ -86,16 +116,28 @@ class _Loop:
     active: dict[int, _Entry] = field(default_factory=dict)  # id(seq) -> entry
     waiting: deque[_Entry] = field(default_factory=deque)  # dispatched, not running
     counter: itertools.count[int] = field(default_factory=itertools.count)
-    outgoing: list[SlotFreed | Observe] = field(default_factory=list)  # sent by flush()
+    retired: int = 0
 
-    async def flush(self) -> None:
-        """Send what retiring produced (the dispatcher's slots, the predictor's samples)."""
-        while self.outgoing:
-            msg = self.outgoing.pop(0)
+    def statistics(self) -> EngineStatistics:
+        held = itertools.chain(self.active.values(), self.waiting)
+        decoding = sum(1 for e in held if e.ticket is not None and e.seq is not None)
+        return EngineStatistics(self.retired, decoding, self.pool.size(), self.engine.kv_statistics(),
+                                self.health.broken)
+
+    def __repr__(self) -> str:
+        return f"<EngineActor active={len(self.active)} waiting={len(self.waiting)} retired={self.retired}>"
+
+    def feed_back(self, msg: SlotFreed | Observe) -> None:
+        """Tell the dispatcher (its slots) or admission (its predictor); both read these beside
+        their pipeline inbox, unbounded, so this never blocks. Once they have stopped nobody
+        needs to know."""
+        try:
             if isinstance(msg, SlotFreed):
-                await self.freed.send(msg)
+                self.freed.send_nowait(msg)
             else:
-                await self.observe.send(msg)
+                self.observe.send_nowait(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: Dispatch | RegisterPrefix) -> None:
@@ -164,13 +206,13 @@ class _Loop:
         ticket = entry.ticket
         assert ticket is not None
         if entry.seq is not None:  # a preempted sequence runs again
-            if ticket.cancelled or self.health.broken is not None:
+            if ticket.gone or self.health.broken is not None:
                 self.active[id(entry.seq)] = entry  # reap() retires it
                 return
             self.engine.resume(entry.seq)
             self.active[id(entry.seq)] = entry
             return
-        if ticket.cancelled:
+        if ticket.gone:
             self.retire(None, ticket, RequestState.CANCELLED)
             return
         if self.health.broken is not None:
@@ -178,7 +220,7 @@ class _Loop:
                         EngineBroken(f"the engine is broken: {self.health.broken}"))
             return
         now = trio.current_time()
-        ticket.dispatched_at = now
+        entry.dispatched_at = now
         req = ticket.request
         self.events.send_nowait(Started((now - ticket.submitted_at) * 1000, len(req.prompt_tokens)))
         try:
@@ -191,7 +233,7 @@ class _Loop:
             with engine_errors():
                 seq = self.engine.start(req, prefix)
         except TinyLoopError as exc:
-            self.retire(None, ticket, RequestState.ERROR, exc)
+            self.retire(None, ticket, RequestState.ERROR, exc, entry)
             return
         self.events.send_nowait(PrefixLookup(len(req.prompt_tokens), seq.cached_tokens))
         ticket.state = RequestState.DECODING
@@ -212,7 +254,6 @@ class _Loop:
         self.reap()
         self.plan()
         self.reap()  # prefixes that needed no prefill, entries started cancelled
-        await self.flush()
         if not self.active:
             return
         seqs = [e.seq for e in self.active.values()]
@@ -224,23 +265,22 @@ class _Loop:
                 self.health.broken = str(exc)
             for entry in list(self.active.values()):
                 self._retire_entry(entry, RequestState.ERROR, exc)
-            await self.flush()
             return
         self.events.send_nowait(StepDone(len(seqs), len(events)))
         for ev in events:
-            ticket = self.active[id(ev.sequence)].ticket
+            entry = self.active[id(ev.sequence)]
+            ticket = entry.ticket
             assert ticket is not None
-            if ticket.first_token_at is None:
-                ticket.first_token_at = trio.current_time()
+            if entry.first_token_at is None:
+                entry.first_token_at = trio.current_time()
                 if ticket.stream:
                     self.events.send_nowait(FirstToken(ticket.ms_since(ticket.submitted_at) or 0.0))
             ticket.deliver(ev.chunk())
         self.reap()
-        await self.flush()
 
     def reap(self) -> None:
         """Retire finished sequences and those whose caller left (waiting or running)."""
-        for entry in [e for e in self.waiting if e.ticket is not None and e.ticket.cancelled]:
+        for entry in [e for e in self.waiting if e.ticket is not None and e.ticket.gone]:
             self.waiting.remove(entry)
             self._retire_entry(entry, RequestState.CANCELLED)
         for entry in list(self.active.values()):
@@ -248,14 +288,14 @@ class _Loop:
             if ticket is None:
                 if seq.finished or not seq.prefilling:
                     self._finish_prefix(entry)
-            elif ticket.cancelled:
-                self.retire(seq, ticket, RequestState.CANCELLED)
+            elif ticket.gone:
+                self.retire(seq, ticket, RequestState.CANCELLED, None, entry)
             elif seq.finished:
                 if seq.error is not None:
                     err = seq.error if isinstance(seq.error, TinyLoopError) else EngineError(str(seq.error))
-                    self.retire(seq, ticket, RequestState.ERROR, err)
+                    self.retire(seq, ticket, RequestState.ERROR, err, entry)
                 else:
-                    self.retire(seq, ticket, RequestState.DONE)
+                    self.retire(seq, ticket, RequestState.DONE, None, entry)
 
     def _finish_prefix(self, entry: _Entry) -> None:
         seq, msg = entry.seq, entry.prefix
@@ -277,43 +317,45 @@ class _Loop:
             _reply(entry.prefix, error or SchedulerShutdown("the runtime stopped"))
             return
         assert entry.ticket is not None
-        self.retire(entry.seq, entry.ticket, state, error)
+        self.retire(entry.seq, entry.ticket, state, error, entry)
 
     def retire(self, seq: Any, ticket: Ticket, state: RequestState,
-               error: BaseException | None = None) -> None:
+               error: BaseException | None = None, entry: _Entry | None = None) -> None:
         result: GenerationResult | None = None
         if seq is not None:
             self.active.pop(id(seq), None)
             if state is RequestState.DONE:
                 result = seq.result()
             self.engine.free(seq)
-        dispatch_ms = ticket.ms_since(ticket.dispatched_at)
+        self.retired += 1
+        now = trio.current_time()
+        wall_ms = (now - ticket.submitted_at) * 1000
+        dispatched_at = None if entry is None else entry.dispatched_at
+        dispatch_ms = None if dispatched_at is None else (now - dispatched_at) * 1000
         if result is not None:
+            assert entry is not None
+            result = _on_runtime_clock(result, ticket.submitted_at, entry.first_token_at, wall_ms)
             ticket.terminate(state, Final(result))
-            self.outgoing.append(Observe(dispatch_ms or 0.0, result.loops_used or 1,
-                                         max(result.completion_tokens, 1)))
+            self.feed_back(Observe(dispatch_ms or 0.0, result.loops_used or 1, max(result.completion_tokens, 1)))
         else:
+            if error is None and state is RequestState.CANCELLED and not ticket.cancelled:
+                error = SchedulerShutdown("the runtime stopped while this request ran")  # close()
             ticket.terminate(state, Failure(error) if error is not None else None)
-        self.events.send_nowait(Finished(state, ticket.ms_since(ticket.submitted_at) or 0.0,
-                                         dispatch_ms, result))
-        self.outgoing.append(SlotFreed(ticket))
+        self.events.send_nowait(Finished(state, wall_ms, dispatch_ms, result))
+        self.feed_back(SlotFreed(ticket))
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Retire everything still held (the actor is stopping): sequences are freed."""
         for entry in list(self.waiting) + list(self.active.values()):
-            ticket = entry.ticket
-            if ticket is None:
-                continue
-            ticket.cancelled = True
-            if ticket.cancel_error is None:  # the runtime stopped under a caller still reading
-                ticket.cancel_error = SchedulerShutdown("the runtime stopped while this request ran")
-        self.reap()
-        for entry in list(self.waiting) + list(self.active.values()):  # prefix registrations
             self._retire_entry(entry, RequestState.CANCELLED)
         self.waiting.clear()
-        try:
-            await self.flush()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the dispatcher or admission stopped first: nobody counts slots any more
+
+
+def _on_runtime_clock(result: GenerationResult, submitted_at: float, first_token_at: float | None,
+                      wall_ms: float) -> GenerationResult:
+    """The engine's result with the runtime's times: one clock for results and metrics."""
+    ttft = None if first_token_at is None else (first_token_at - submitted_at) * 1000
+    return dataclasses.replace(result, wall_ms=wall_ms, time_to_first_token_ms=ttft)
 
 
 def _reply(msg: RegisterPrefix, error: BaseException | None) -> None:
@@ -323,14 +365,16 @@ def _reply(msg: RegisterPrefix, error: BaseException | None) -> None:
         pass  # the caller went away: the prefix stays registered (or the error is dropped)
 
 
-async def run(*, inbox: trio.MemoryReceiveChannel[Dispatch | RegisterPrefix],
-              freed: trio.MemorySendChannel[SlotFreed], observe: trio.MemorySendChannel[Observe],
-              events: trio.MemorySendChannel[Event], engine: EnginePort, pool: PrefixPool[Any],
-              health: Health, kv_aging_ms: float = 2000.0,
-              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    loop = _Loop(engine, pool, health, freed, observe, events, KVPlanner(kv_aging_ms / 1000))
-    async with inbox, freed, observe, events:
-        task_status.started()
+async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.MemorySendChannel[Event],
+              settings: Settings, engine: EnginePort, freed: trio.MemorySendChannel[SlotFreed],
+              observe: trio.MemorySendChannel[Observe],
+              task_status: trio.TaskStatus[EngineState] = trio.TASK_STATUS_IGNORED) -> None:
+    """Started with ``nursery.start``, which returns the actor's state: read it through its
+    ``statistics()`` (and ``health``), never write it."""
+    pool: PrefixPool[Any] = PrefixPool(settings.prefix_pool_capacity)
+    loop = EngineState(engine, pool, Health(), freed, observe, outbox, KVPlanner(settings.kv_aging_ms / 1000))
+    async with inbox, freed, observe, outbox:
+        task_status.started(loop)
         try:
             closed = False
             while not (closed and not loop.active and not loop.waiting):
@@ -351,7 +395,6 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Dispatch | RegisterPrefix],
                 await loop.step()
                 await trio.lowlevel.checkpoint()
         finally:
-            with trio.CancelScope(shield=True):
-                await loop.close()
+            loop.close()
             for handle in pool.clear():
                 engine.free(handle)

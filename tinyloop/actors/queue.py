@@ -1,10 +1,15 @@
 """The queue actor: a priority heap (FIFO within a priority, with aging) in front of the engine.
 
 It hands the best ticket to the dispatcher for each ``Pull`` (one per free engine slot), so a
-request is chosen at the moment a slot frees up, never earlier. ``Cancel`` removes a queued
-ticket; the queue then retires it as cancelled.
+request is chosen at the moment a slot frees up, never earlier. ``Cancel`` (a caller's nudge,
+``Ticket.cancel``) takes a queued ticket out; the queue then retires it as cancelled.
 
-Cancellation: cancelled with its nursery; tickets still queued are failed by the runtime.
+It owns the heap and publishes ``QueueStatistics``: the queued count, and how many tickets it
+has taken in (admission counts the ones it sent and the queue has not taken in yet as queued).
+
+Shutdown: when admission closes the Enqueue inbox, the queue goes on answering ``Pull`` until
+the heap is empty, then closes its outbox to the dispatcher. Cancellation: cancelled with its
+nursery; the tickets still queued are retired by the runtime once every actor has stopped.
 """
 
 from __future__ import annotations
@@ -13,53 +18,73 @@ from dataclasses import dataclass
 
 import trio
 
-from tinyloop.actors.ticket import Failure, Ticket
-from tinyloop.messages import Cancel, Enqueue, Event, Finished, Pull, Ready
+from tinyloop.actors.mailbox import UpstreamClosed, merged
+from tinyloop.actors.ticket import Ticket
+from tinyloop.messages import Cancel, Enqueue, Event, Finished, Pull, QueueFeedback, Ready
 from tinyloop.policy.queue import PriorityQueue
 from tinyloop.requests import RequestState
+from tinyloop.settings import Settings
 
-__all__ = ["run", "Backlog"]
+__all__ = ["run", "QueueStatistics", "QueueState"]
 
 
-@dataclass(slots=True)
-class Backlog:
-    """Tickets admitted but not yet pushed: admission counts them as queued (no overshoot of
-    ``max_queue_depth`` under a burst of submissions)."""
+@dataclass(frozen=True, slots=True)
+class QueueStatistics:
+    queued: int  # in the heap
+    taken_in: int  # Enqueue messages received, ever
 
-    in_transit: int = 0
+
+class QueueState:
+    """The queue actor's state (written by the actor only; read through ``statistics()``)."""
+
+    def __init__(self, aging_ms: float) -> None:
+        self.heap: PriorityQueue[Ticket] = PriorityQueue(aging_ms)
+        self.taken_in = 0
+        self.pulls = 0  # free engine slots the dispatcher asked to fill
+
+    def statistics(self) -> QueueStatistics:
+        return QueueStatistics(len(self.heap), self.taken_in)
+
+    def __repr__(self) -> str:
+        return f"<QueueState queued={len(self.heap)} pulls={self.pulls}>"
 
 
 def _now_ms() -> float:
     return trio.current_time() * 1000
 
 
-async def run(*, inbox: trio.MemoryReceiveChannel[Enqueue | Cancel | Pull],
-              outbox: trio.MemorySendChannel[Ready], events: trio.MemorySendChannel[Event],
-              queue: PriorityQueue[Ticket], backlog: Backlog,
-              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    pulls = 0  # free engine slots the dispatcher asked to fill
-    async with inbox, outbox, events:
-        task_status.started()
-        async for msg in inbox:
+async def run(*, inbox: trio.MemoryReceiveChannel[Enqueue], outbox: trio.MemorySendChannel[Ready],
+              settings: Settings, feedback: trio.MemoryReceiveChannel[QueueFeedback],
+              events: trio.MemorySendChannel[Event],
+              task_status: trio.TaskStatus[QueueState] = trio.TASK_STATUS_IGNORED) -> None:
+    state = QueueState(settings.priority_aging_ms)
+    heap = state.heap
+    upstream_open = True
+    async with outbox, events, merged(inbox, feedback) as mailbox:
+        task_status.started(state)
+        async for msg in mailbox:
             match msg:
                 case Enqueue(ticket=ticket):
-                    backlog.in_transit -= 1
-                    if ticket.cancelled:  # the caller left while admission forwarded it
+                    state.taken_in += 1
+                    if ticket.gone:  # the caller left while admission forwarded it
                         _retire_cancelled(ticket, events)
                     else:
-                        queue.push(ticket, ticket.priority, _now_ms())
-                case Cancel(ticket=ticket, error=error):
-                    if queue.remove(ticket):
-                        _retire_cancelled(ticket, events, error)
+                        heap.push(ticket, ticket.priority, _now_ms())
+                case Cancel(ticket=ticket):
+                    if heap.remove(ticket):
+                        _retire_cancelled(ticket, events)
                 case Pull():
-                    pulls += 1
-            while pulls and len(queue):
-                pulls -= 1
-                await outbox.send(Ready(queue.pop(_now_ms())))
+                    state.pulls += 1
+                case UpstreamClosed():
+                    upstream_open = False
+            while state.pulls and len(heap):
+                state.pulls -= 1
+                await outbox.send(Ready(heap.pop(_now_ms())))
+            if not upstream_open and not len(heap):
+                break
 
 
-def _retire_cancelled(ticket: Ticket, events: trio.MemorySendChannel[Event],
-                      error: BaseException | None = None) -> None:
-    ticket.terminate(RequestState.CANCELLED, None if error is None else Failure(error))
+def _retire_cancelled(ticket: Ticket, events: trio.MemorySendChannel[Event]) -> None:
+    ticket.terminate(RequestState.CANCELLED)
     wall = ticket.ms_since(ticket.submitted_at) or 0.0
     events.send_nowait(Finished(RequestState.CANCELLED, wall, None, None))

@@ -8,10 +8,28 @@
             async for chunk in stream:
                 ...
 
-Channel buffers are sized so that no actor ever blocks on another inside the cycle
-admission -> queue -> dispatcher -> engine -> (dispatcher, admission): the engine inbox and the
-queue-to-dispatcher path carry at most ``max_batch_size`` messages (one per engine slot); the
-queue inbox and the event stream are unbounded but carry at most a few messages per live request.
+Ownership. Each piece of state has one owner: admission its policy and the count of tickets it
+sent on; the queue its heap; the dispatcher its slots; the engine actor its entries, the prefix
+pool and ``Health``; the metrics actor the counters and histograms; the runtime (this module,
+running in callers' tasks) the lifecycle flag and the registry of tickets for
+``request_state``. Each actor publishes a frozen ``...Statistics`` snapshot that the runtime and
+admission read; nothing else of theirs is read or written from outside. A ticket's fields are
+written by whoever holds it (``ticket.py`` has the table). In flight is one count: the
+dispatcher's ``dispatched`` minus the engine's ``retired``.
+
+Shutdown cascades by closing channels (each actor ends when its pipeline inbox ends and it holds
+nothing, then closes its outbox): ``refuse_new_requests`` closes admission's inbox (and the
+prefix channel to the engine); admission closes the queue's; the queue, once empty, closes the
+dispatcher's; the dispatcher, once nothing waits for a slot, closes the engine's; the engine,
+once what it holds has finished, closes the metrics actor's. ``shutdown`` waits for the last
+actor to return; without ``drain`` it first cancels every request, so each actor's hold empties
+at once. When the runtime is left by an exception or cancellation the actors are cancelled
+instead; once they have all stopped the runtime retires what they left (``_orphans``).
+
+Channel buffers: admission's inbox is 0 (a caller waits for its answer anyway, and closing it
+refuses a caller still sending); the ready and dispatch channels carry at most ``max_batch_size``
+messages (one per engine slot); the enqueue, feedback and event channels are unbounded but carry
+at most a few messages per live request; nobody blocks on a feedback channel.
 """
 
 from __future__ import annotations
@@ -23,23 +41,24 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from functools import partial
+from typing import TYPE_CHECKING, cast
 
 import trio
 
 from tinyloop.actors import admission, dispatcher, engine as engine_actor, metrics as metrics_actor, queue
 from tinyloop.actors.dispatcher import DispatcherState
-from tinyloop.actors.engine import Health
-from tinyloop.actors.queue import Backlog
+from tinyloop.actors.engine import EngineState, Health
+from tinyloop.actors.port import EnginePort, ThreadedEngine
+from tinyloop.actors.queue import QueueState
 from tinyloop.actors.stream import RequestStream
 from tinyloop.actors.ticket import Failure, Ticket
-from tinyloop.actors.port import EnginePort, ThreadedEngine
-from tinyloop.policy.prefix_pool import PrefixPool
 from tinyloop.errors import SchedulerShutdown
-from tinyloop.messages import Admit, Cancel, Event, Observe, RegisterPrefix
+from tinyloop.messages import (
+    Admit, AdmitReply, Cancel, EngineInbox, Enqueue, Event, Observe, QueueFeedback, Ready,
+    RegisterPrefix, SlotFreed,
+)
 from tinyloop.metrics import Metrics
-from tinyloop.policy.admission import Admission
-from tinyloop.policy.queue import PriorityQueue
 from tinyloop.requests import GenerationRequest, GenerationResult, RequestState
 from tinyloop.settings import Settings
 
@@ -69,60 +88,70 @@ class RuntimeStatistics:
 
 
 class Runtime:
-    """The actors of one engine, started in ``nursery``; build it with ``open_runtime``."""
+    """The actors of one engine; build it with ``open_runtime``."""
 
-    def __init__(self, engine: EnginePort, settings: Settings, nursery: trio.Nursery) -> None:
+    _queue: QueueState  # the actors' published state, set once they have started
+    _dispatcher: DispatcherState
+    _engine: EngineState
+
+    def __init__(self, engine: EnginePort, settings: Settings) -> None:
         self.engine = engine
         self.settings = settings
-        self._nursery = nursery
         self.metrics = Metrics()
-        self.health = Health()
-        self._queue: PriorityQueue[Ticket] = PriorityQueue(settings.priority_aging_ms)
-        self._dispatch = DispatcherState(slots=settings.max_batch_size)
-        self._backlog = Backlog()
-        self._pool: PrefixPool[Any] = PrefixPool(settings.prefix_pool_capacity)
-        self._admission = Admission.from_settings(settings)
         self._shutting_down = False
-        self._stopped = False
-        self._admitting = 0  # callers waiting for admission's answer
+        self._stopped = trio.Event()  # every actor has returned
+        self._actors = trio.CancelScope()
         self._tickets: OrderedDict[str, Ticket] = OrderedDict()
         self.started_at = time.time()
+        self._admit_send, self._admit_recv = trio.open_memory_channel[Admit](0)
+        self._prefix_send, self._engine_recv = trio.open_memory_channel[EngineInbox](settings.max_batch_size + 1)
+        self._cancel_send, self._queue_feedback = trio.open_memory_channel[QueueFeedback](math.inf)
 
     def __repr__(self) -> str:
         s = self.statistics()
         return (f"<Runtime queued={s.queue_depth} in_flight={s.in_flight}/{s.slots} "
                 f"{'healthy' if s.healthy else 'broken'}{' shutting-down' if s.shutting_down else ''}>")
 
-    async def _start(self) -> None:
-        slots = self.settings.max_batch_size
+    async def _supervise(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the actors until the last one returns (or they are cancelled), then retire what
+        they left."""
+        try:
+            with self._actors:
+                async with trio.open_nursery() as nursery:
+                    await self._start(nursery)
+                    task_status.started()
+        finally:
+            self._orphans()
+            self._stopped.set()
+
+    async def _start(self, n: trio.Nursery) -> None:
+        slots, settings = self.settings.max_batch_size, self.settings
         events_send, events_recv = trio.open_memory_channel[Event](math.inf)
-        adm_send, adm_recv = trio.open_memory_channel[Admit | Observe](slots)
-        q_send, q_recv = trio.open_memory_channel[Any](math.inf)
-        d_send, d_recv = trio.open_memory_channel[Any](2 * slots)
-        e_send, e_recv = trio.open_memory_channel[Any](slots + 1)
-        self._admit_send, self._queue_send, self._engine_send = adm_send, q_send.clone(), e_send.clone()
-        n = self._nursery
-        await n.start(lambda **kw: metrics_actor.run(inbox=events_recv, metrics=self.metrics, **kw))
-        await n.start(lambda **kw: engine_actor.run(
-            inbox=e_recv, freed=d_send.clone(), observe=adm_send.clone(), events=events_send.clone(),
-            engine=self.engine, pool=self._pool, health=self.health,
-            kv_aging_ms=self.settings.kv_aging_ms, **kw))
-        await n.start(lambda **kw: dispatcher.run(
-            inbox=d_recv, outbox=e_send, pulls=q_send.clone(), events=events_send.clone(),
-            state=self._dispatch, pool_size=self._pool.size, **kw))
-        await n.start(lambda **kw: queue.run(inbox=q_recv, outbox=d_send, events=events_send.clone(),
-                                             queue=self._queue, backlog=self._backlog, **kw))
-        await n.start(lambda **kw: admission.run(
-            inbox=adm_recv, outbox=q_send, events=events_send, policy=self._admission,
-            load=self._load, backlog=self._backlog, default_loops=self.engine.default_loops, **kw))
+        observe_send, observe_recv = trio.open_memory_channel[Observe](math.inf)
+        freed_send, freed_recv = trio.open_memory_channel[SlotFreed](math.inf)
+        enqueue_send, enqueue_recv = trio.open_memory_channel[Enqueue](math.inf)
+        ready_send, ready_recv = trio.open_memory_channel[Ready](slots)
+        dispatch_send = self._prefix_send.clone()  # the dispatcher sends Dispatch on it
+        await n.start(partial(metrics_actor.run, inbox=events_recv, metrics=self.metrics))
+        self._engine = await n.start(partial(
+            engine_actor.run, inbox=self._engine_recv, outbox=events_send.clone(), settings=settings,
+            engine=self.engine, freed=freed_send, observe=observe_send))
+        self._dispatcher = await n.start(partial(
+            dispatcher.run, inbox=ready_recv, outbox=dispatch_send, settings=settings, feedback=freed_recv,
+            pulls=self._cancel_send.clone(), events=events_send.clone(),
+            pool_size=lambda: self._engine.statistics().prefix_pool_size))
+        self._queue = await n.start(partial(
+            queue.run, inbox=enqueue_recv, outbox=ready_send, settings=settings, feedback=self._queue_feedback,
+            events=events_send.clone()))
+        sources = admission.Sources(self._queue.statistics, self._dispatcher.statistics, self._engine.statistics)
+        await n.start(partial(
+            admission.run, inbox=self._admit_recv, outbox=enqueue_send, settings=settings,
+            observations=observe_recv, events=events_send, sources=sources,
+            default_loops=self.engine.default_loops))
         kv_bytes = self.engine.kv_bytes_per_token()
         self.metrics.set_engine_info(max_seq_len=self.engine.max_seq_len,
                                      default_loops=self.engine.default_loops,
                                      up_timestamp_s=self.started_at, kv_bytes_per_token=kv_bytes)
-
-    def _load(self) -> admission.Load:
-        return admission.Load(len(self._queue) + self._backlog.in_transit, self._dispatch.in_flight, self._dispatch.slots,
-                              self._shutting_down, self.health.broken)
 
     # -- submitting ----------------------------------------------------------------------------
     def submit_stream(self, request: GenerationRequest, *, priority: int = 0,
@@ -144,34 +173,44 @@ class Runtime:
         return stream.result
 
     async def _admit(self, ticket: Ticket) -> None:
-        if self._stopped:  # the admission actor is gone: nobody would answer
-            ticket.state = RequestState.CANCELLED  # never queued: nothing to take out of the queue
-            raise SchedulerShutdown("the runtime has stopped")
-        reply_send, reply_recv = trio.open_memory_channel[Any](1)
+        if self._shutting_down:
+            self._refused(ticket)
+            raise SchedulerShutdown("the runtime has stopped" if self._stopped.is_set()
+                                    else "the runtime is shutting down")
+        reply_send, reply_recv = trio.open_memory_channel[AdmitReply](1)
         self._remember(ticket)
-        self._admitting += 1
-        try:
+        try:  # an unbuffered send that did not complete was not received: the ticket is ours
             await self._admit_send.send(Admit(ticket, reply_send))
-            reply = await reply_recv.receive()
-        except trio.BrokenResourceError:
-            ticket.state = RequestState.CANCELLED
-            self._tickets.pop(ticket.request_id, None)
-            raise SchedulerShutdown("the runtime has stopped") from None
-        finally:
-            self._admitting -= 1
+        except BaseException as exc:
+            self._refused(ticket)
+            if isinstance(exc, trio.ClosedResourceError | trio.BrokenResourceError):
+                raise SchedulerShutdown("the runtime is shutting down") from None  # refuse_new_requests
+            raise
+        try:
+            with reply_recv:
+                reply = await reply_recv.receive()
+        except trio.EndOfChannel:  # admission stopped before it forwarded the ticket
+            self._refused(ticket)
+            raise SchedulerShutdown("the runtime is shutting down") from None
         if reply.error is not None:
-            ticket.state = RequestState.CANCELLED
-            self._tickets.pop(ticket.request_id, None)
+            self._refused(ticket)
             raise reply.error
 
+    def _refused(self, ticket: Ticket) -> None:
+        """Admission never took the ticket on: the runtime, still its holder, ends it."""
+        ticket.state = RequestState.CANCELLED
+        ticket.send.close()
+        self._tickets.pop(ticket.request_id, None)
+
     def _cancel(self, ticket: Ticket, error: BaseException | None = None) -> None:
-        """The caller left (or the runtime is closing): retire the ticket at its holder's next step."""
-        if ticket.state.terminal or ticket.cancelled:
+        """The caller left (or the runtime is closing): mark the ticket cancelled; its holder
+        retires it at its next step, and a queued one leaves the queue now. Synchronous."""
+        if not ticket.cancel(error) or ticket.state is not RequestState.QUEUED:
             return
-        ticket.cancelled = True
-        ticket.cancel_error = error
-        if ticket.state is RequestState.QUEUED:
-            self._queue_send.send_nowait(Cancel(ticket, error))
+        try:
+            self._cancel_send.send_nowait(Cancel(ticket))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the queue has stopped: whoever holds the ticket reads the flag
 
     def _remember(self, ticket: Ticket) -> None:
         self._tickets[ticket.request_id] = ticket
@@ -194,32 +233,34 @@ class Runtime:
         if self._shutting_down:
             raise SchedulerShutdown("the runtime is shutting down")
         reply_send, reply_recv = trio.open_memory_channel[BaseException | None](1)
-        await self._engine_send.send(RegisterPrefix(tuple(tokens), loops, cache_window, reply_send))
+        try:
+            await self._prefix_send.send(RegisterPrefix(tuple(tokens), loops, cache_window, reply_send))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise SchedulerShutdown("the runtime is shutting down") from None
         error = await reply_recv.receive()
         if error is not None:
             raise error
 
     # -- observing -----------------------------------------------------------------------------
     def statistics(self) -> RuntimeStatistics:
-        kv = self.engine.kv_statistics()
+        """Read from the snapshots the actors publish."""
+        q, d, e = self._queue.statistics(), self._dispatcher.statistics(), self._engine.statistics()
+        in_flight = d.dispatched - e.retired
         return RuntimeStatistics(
-            queue_depth=len(self._queue), in_flight=self._in_flight(),
-            waiting_for_kv=sum(1 for t in self._tickets.values() if t.state is RequestState.DISPATCHED),
-            slots=self._dispatch.slots, dispatched=self._dispatch.dispatched,
-            prefix_pool_size=self._pool.size(),
-            kv_blocks_used=None if kv is None else kv.blocks_used,
-            kv_blocks_total=None if kv is None else kv.blocks_total,
-            healthy=self.health.broken is None, broken=self.health.broken,
-            shutting_down=self._shutting_down)
+            queue_depth=q.queued, in_flight=in_flight, waiting_for_kv=in_flight - e.decoding,
+            slots=d.slots, dispatched=d.dispatched, prefix_pool_size=e.prefix_pool_size,
+            kv_blocks_used=None if e.kv is None else e.kv.blocks_used,
+            kv_blocks_total=None if e.kv is None else e.kv.blocks_total,
+            healthy=e.broken is None, broken=e.broken, shutting_down=self._shutting_down)
 
-    def _in_flight(self) -> int:
-        """Requests DISPATCHED or DECODING, read from the tickets' own states (never stale)."""
-        running = (RequestState.DISPATCHED, RequestState.DECODING)
-        return sum(1 for t in self._tickets.values() if t.state in running)
+    @property
+    def health(self) -> Health:
+        """The engine actor's ``Health`` (it alone writes it; a test may break it by hand)."""
+        return self._engine.health
 
     @property
     def healthy(self) -> bool:
-        return self.health.broken is None
+        return self._engine.health.broken is None
 
     def metrics_text(self) -> str:
         """The Prometheus exposition of this runtime's registry."""
@@ -231,37 +272,34 @@ class Runtime:
 
     # -- shutdown ------------------------------------------------------------------------------
     def refuse_new_requests(self) -> None:
-        """Start shutting down: from now on admission answers SchedulerShutdown."""
+        """Start shutting down: from now on ``submit`` and ``register_prefix`` raise
+        SchedulerShutdown. Closing admission's inbox starts the cascade (module docstring)."""
         self._shutting_down = True
+        self._admit_send.close()
+        self._prefix_send.close()
 
     async def shutdown(self, drain: bool = True) -> None:
         """Refuse new requests; with ``drain`` let queued and in-flight ones finish, else fail
-        the queued ones with SchedulerShutdown and cancel those in flight."""
-        self._shutting_down = True
+        the queued ones with SchedulerShutdown and cancel those in flight. Returns once every
+        actor has stopped."""
+        self.refuse_new_requests()
         if not drain:
             for ticket in list(self._tickets.values()):
                 self._cancel(ticket, SchedulerShutdown("the runtime shut down before this request ran"))
-        # Every admitted ticket counts, wherever it is: in the queue, in a channel between two
-        # actors (admitted but not yet queued, popped but not yet dispatched), or in the engine;
-        # and every caller still waiting for admission gets its answer before admission stops.
-        while self._admitting or len(self._queue) or self._dispatch.in_flight or any(
-                not t.state.terminal and not t.cancelled for t in self._tickets.values()):
-            await trio.sleep(0.005)
-        self._stop()
+        await self._stopped.wait()
 
     def _close(self) -> None:
-        """Last resort on exit: no caller may wait forever on a ticket."""
-        self._shutting_down = True
+        """Last resort on exit: stop the actors now (they retire what they hold on the way out)."""
+        self.refuse_new_requests()
+        self._actors.cancel()
+
+    def _orphans(self) -> None:
+        """Every actor has stopped, so the runtime holds every ticket again: none may leave its
+        caller waiting (a cancelled runtime leaves tickets in channels and in the queue)."""
         for ticket in self._tickets.values():
             if not ticket.state.terminal:
-                ticket.cancelled = True
-                ticket.terminate(RequestState.CANCELLED, Failure(SchedulerShutdown("the runtime closed")))
-        self._stop()
-
-    def _stop(self) -> None:
-        """Cancel the actors (only them: the caller's code around the runtime goes on)."""
-        self._stopped = True
-        self._nursery.cancel_scope.cancel()
+                ticket.terminate(RequestState.CANCELLED,
+                                 Failure(ticket.cancel_error or SchedulerShutdown("the runtime closed")))
 
 
 @asynccontextmanager
@@ -272,22 +310,17 @@ async def open_runtime(engine: Engine | EnginePort, settings: Settings | None = 
     implementing ``EnginePort``, such as ``tinyloop.testing.FakeEngine``.
     """
     # A blocking engine (``Engine``: ``step`` is a plain method) runs in a worker thread.
-    port = cast(EnginePort, engine) if inspect.iscoroutinefunction(engine.step) else ThreadedEngine(cast("Engine", engine))
+    if inspect.iscoroutinefunction(engine.step):
+        port = cast(EnginePort, engine)
+    else:
+        port = ThreadedEngine(cast("Engine", engine))
+    rt = Runtime(port, settings or Settings())
     async with trio.open_nursery() as nursery:
-        # The actors get a nursery of their own: shutdown() cancels it, and with it no more
-        # than the actors. Yielding inside the nursery that runs them would put the caller's
-        # body under the same cancel scope, and shutdown() would silently cut the body short.
-        actors: trio.Nursery = await nursery.start(_actor_nursery)
-        rt = Runtime(port, settings or Settings(), actors)
+        # The actors run in a task of their own (``_supervise``): the caller's body is not under
+        # their cancel scope, so stopping them never cuts the body short.
+        await nursery.start(rt._supervise)
         try:
-            await rt._start()
             yield rt
             await rt.shutdown(drain=True)
         finally:
             rt._close()
-
-
-async def _actor_nursery(*, task_status: trio.TaskStatus[trio.Nursery] = trio.TASK_STATUS_IGNORED) -> None:
-    async with trio.open_nursery() as nursery:
-        task_status.started(nursery)
-        await trio.sleep_forever()

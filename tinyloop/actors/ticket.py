@@ -1,4 +1,28 @@
-"""A request's record while the runtime holds it: priority, SLO, state, and its result channel."""
+"""A request's record while the runtime holds it: priority, SLO, state, and its result channel.
+
+Who writes what. A ticket travels admission -> queue -> dispatcher -> engine inside messages, and
+only the actor that holds it at the moment writes it (ownership moves with the message):
+
+=====================  ==================================================================
+field                  writer
+=====================  ==================================================================
+``request``            admission, on a downgrade, before it forwards the ticket
+``state`` QUEUED       set at creation (the caller's task)
+DISPATCHED             the dispatcher, as it sends ``Dispatch``
+DECODING               the engine actor, once the engine started the sequence
+terminal               the holder: the runtime (refused at admission), the queue (cancelled
+                       while queued), the dispatcher (cancelled before dispatch), the engine
+                       actor (whatever it held); once every actor has stopped, the runtime
+                       retires what is left (``Runtime._orphans``)
+``cancelled``,         the caller side only (``RequestStream.cancel``, ``Runtime.shutdown``),
+``cancel_error``       through ``cancel()``, once; the holder reads them at its next step
+=====================  ==================================================================
+
+Caller-side cancellation is a flag, not a message, because it must be synchronous (it runs in
+``finally`` and under cancellation, where nothing can be awaited): the caller writes the flag,
+the holder only reads it. A ``Cancel`` message to the queue is only a nudge, so a queued ticket
+leaves the queue at once instead of when it would be popped.
+"""
 
 from __future__ import annotations
 
@@ -30,12 +54,11 @@ Item = GenerationChunk | Final | Failure
 
 @dataclass(eq=False)
 class Ticket:
-    """One admitted (or being admitted) request.
+    """One admitted (or being admitted) request (the module docstring says who writes what).
 
-    The engine side writes chunks and one ``Final``/``Failure`` into ``send``; the caller reads
+    The holder writes chunks and one ``Final``/``Failure`` into ``send``; the caller reads
     ``receive``. The buffer holds every item a request can produce (``max_tokens + 1``), so the
-    engine never blocks on a slow reader. ``cancelled`` is set by the caller when it goes away;
-    whoever holds the ticket then retires it at its next step.
+    engine never blocks on a slow reader.
     """
 
     request: GenerationRequest
@@ -46,9 +69,6 @@ class Ticket:
     state: RequestState = RequestState.QUEUED
     cancelled: bool = False
     cancel_error: BaseException | None = None  # told to the caller when the runtime cancels it
-    dispatched_at: float | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
     send: trio.MemorySendChannel[Item] = field(init=False)
     receive: trio.MemoryReceiveChannel[Item] = field(init=False)
 
@@ -63,19 +83,32 @@ class Ticket:
         return (f"<Ticket {self.request_id[:8]} {self.state.value} priority={self.priority}"
                 f"{' cancelled' if self.cancelled else ''}>")
 
+    # -- the caller side -----------------------------------------------------------------------
+    def cancel(self, error: BaseException | None = None) -> bool:
+        """Mark the ticket cancelled (the caller side only; synchronous). False when it already
+        was, or had already ended: the first reason wins."""
+        if self.state.terminal or self.cancelled:
+            return False
+        self.cancelled, self.cancel_error = True, error
+        return True
+
+    # -- the holder ----------------------------------------------------------------------------
+    @property
+    def gone(self) -> bool:
+        """The caller cancelled, or closed its end (nobody would read what comes next)."""
+        return self.cancelled or self.send.statistics().open_receive_channels == 0
+
     def deliver(self, item: Item) -> bool:
-        """Hand an item to the caller; False when the caller is gone (it counts as cancelled)."""
+        """Hand an item to the caller; False when the caller is gone."""
         try:
             self.send.send_nowait(item)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.cancelled = True
             return False
         return True
 
     def terminate(self, state: RequestState, item: Final | Failure | None = None) -> None:
-        """Enter a terminal state, deliver the last item, close the engine's end."""
+        """Enter a terminal state, deliver the last item, close the holder's end."""
         self.state = state
-        self.finished_at = trio.current_time()
         if item is None and state is RequestState.CANCELLED and self.cancel_error is not None:
             item = Failure(self.cancel_error)
         if item is not None:
