@@ -303,10 +303,10 @@ async def test_a_full_queue_is_503_with_retry_after() -> None:
         async with running_server(settings, engine, FAKE_MODEL) as srv, \
                 async_client(srv) as client, httpx.AsyncClient(base_url=srv.url) as raw, \
                 trio.open_nursery() as nursery:
-            for _ in range(2):  # one running, one queued
-                nursery.start_soon(occupy, raw)
-            while (srv.runtime.statistics().in_flight, srv.runtime.statistics().queue_depth) != (1, 1):
-                await trio.sleep(0.005)
+            for want in ((1, 0), (1, 1)):  # one running, then one queued (one at a time: a
+                nursery.start_soon(occupy, raw)  # request still in transit to the queue counts)
+                while (srv.runtime.statistics().in_flight, srv.runtime.statistics().queue_depth) != want:
+                    await trio.sleep(0.005)
             with pytest.raises(openai.InternalServerError) as full:
                 await client.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=1)
             srv.runtime.refuse_new_requests()
