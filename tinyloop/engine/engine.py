@@ -200,7 +200,7 @@ class Engine(KVAccounting, PrefixEntries):
                 positions: torch.Tensor | None = None) -> PagedContext:
         """Where a forward's rows keep and read their KV: ``n_new`` tokens at ``starts`` in ``kvs``."""
         return PagedContext(self.pool, self.model.rope, kvs, starts, n_new, extra_mask=extra_mask,
-                            positions=positions)
+                            positions=positions, backend=self.model.backend)
 
     def run_model(self, tokens: torch.Tensor, ctx: Any, specs: Seq[RowSpec],
                   last_only: bool = True) -> ForwardOutput:
