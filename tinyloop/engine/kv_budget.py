@@ -7,6 +7,7 @@ actor plans with the ``Engine.kv_*`` methods, which ``KVAccounting`` gives the e
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Protocol
 
 import torch
 
@@ -92,61 +93,63 @@ class KVBudget:
         return stats.blocks_free + stats.blocks_cached
 
 
-class KVAccounting:
-    """The engine's ``kv_*`` planning methods and preemption, over its ``budget``, ``validate``,
-    ``free`` and ``prefix_cache``."""
+class _Engine(Protocol):
+    """What ``KVAccounting`` uses of the engine it is mixed into."""
 
     budget: KVBudget
     pool: KVPool
     config: ModelConfig
     prefix_cache: PrefixCache
 
-    def validate(self, req: GenerationRequest) -> tuple[int, int]:
-        raise NotImplementedError
+    def validate(self, req: GenerationRequest) -> tuple[int, int]: ...
 
-    def free(self, seq: Sequence) -> None:
-        raise NotImplementedError
+    def free(self, seq: Sequence) -> None: ...
 
-    def preempt(self, seq: Sequence) -> None:
+
+class KVAccounting:
+    """The engine's ``kv_*`` planning methods and preemption (``Engine`` mixes them in), over
+    its ``budget``, ``validate``, ``free`` and ``prefix_cache``."""
+
+    def preempt(self: _Engine, seq: Sequence) -> None:
         """Give ``seq``'s KV back now and rebuild it later: its next steps prefill the prompt and
         every output token but the pending one (through the prefix cache where it kept them),
         then decoding goes on where it stopped, with the same tokens as without the pause."""
-        if self.reserves_worst_case(seq.request) or seq.prefill_only:
+        if self.budget.reserves_worst_case(seq.request) or seq.prefill_only:
             raise ValueError(f"{seq!r} cannot be preempted: a recompute would change its KV")
         self.free(seq)
         seq.resumed = bool(seq.output)  # none yet: the prompt's last logits are still to sample
         seq.preemptions += 1
 
-    def resume(self, seq: Sequence) -> None:
+    def resume(self: _Engine, seq: Sequence) -> None:
         """Before a preempted sequence runs again: take what the prefix cache kept of it."""
         self.prefix_cache.attach(seq, None)
 
-    def kv_statistics(self) -> KVPoolStats:
+    def kv_statistics(self: _Engine) -> KVPoolStats:
         return self.pool.statistics()
 
-    def kv_blocks_needed(self, req: GenerationRequest) -> int:
+    def kv_blocks_needed(self: _Engine, req: GenerationRequest) -> int:
         """KV blocks ``req`` holds at most (``KVBudget.worst_blocks``)."""
-        return self._worst_blocks(req, *self.validate(req))
+        return self.budget.worst_blocks(req, *self.validate(req))
 
-    def _worst_blocks(self, req: GenerationRequest, loops: int, window: int) -> int:
+    def _worst_blocks(self: _Engine, req: GenerationRequest, loops: int, window: int) -> int:
         return self.budget.worst_blocks(req, loops, window)
 
-    def reserves_worst_case(self, req: GenerationRequest) -> bool:
+    def reserves_worst_case(self: _Engine, req: GenerationRequest) -> bool:
         return self.budget.reserves_worst_case(req)
 
-    def kv_start_blocks(self, req: GenerationRequest) -> int:
+    def kv_start_blocks(self: _Engine, req: GenerationRequest) -> int:
         return self.budget.start_blocks(req, *self.validate(req))
 
-    def kv_prefix_blocks(self, tokens: Seq[int], loops: int | None = None,
+    def kv_prefix_blocks(self: _Engine, tokens: Seq[int], loops: int | None = None,
                          cache_window: int | None = None) -> int:
         """Blocks a registered prefix of ``tokens`` holds (validated like a request)."""
         return self.budget.prefix_blocks(len(tokens), *self.validate(prefix_request(tokens, loops, cache_window)))
 
-    def kv_demand(self, seq: Sequence) -> KVDemand:
+    def kv_demand(self: _Engine, seq: Sequence) -> KVDemand:
         return self.budget.demand(seq)
 
-    def kv_available(self) -> int:
+    def kv_available(self: _Engine) -> int:
         return self.budget.available()
 
-    def kv_bytes_per_token(self, loops: int | None = None, cache_window: int | None = None) -> int:
+    def kv_bytes_per_token(self: _Engine, loops: int | None = None, cache_window: int | None = None) -> int:
         return self.pool.bytes_per_token(loops or self.config.default_loops, cache_window)

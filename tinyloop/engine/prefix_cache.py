@@ -9,6 +9,7 @@ of a new prompt's blocks, so only the rest is prefilled. ``PrefixEntries``: the 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Protocol
 
 import torch
 
@@ -91,20 +92,25 @@ class PrefixCache:
             self.pool.cache.insert(keys, seq.kv.columns(n_blocks))
 
 
+class _Engine(Protocol):
+    """What ``PrefixEntries`` uses of the engine it is mixed into."""
+
+    def start(self, req: GenerationRequest, prefix: Sequence | None = None) -> Sequence: ...
+
+    def prefill(self, seq: Sequence) -> torch.Tensor: ...
+
+    def free(self, seq: Sequence) -> None: ...
+
+    def start_prefix(self, tokens: Seq[int], loops: int | None = None,
+                     cache_window: int | None = None) -> Sequence: ...
+
+
 class PrefixEntries:
-    """The engine's prefix-pool entries, over its ``start``, ``prefill`` and ``free``."""
-
-    def start(self, req: GenerationRequest, prefix: Sequence | None = None) -> Sequence:
-        raise NotImplementedError
-
-    def prefill(self, seq: Sequence) -> torch.Tensor:
-        raise NotImplementedError
-
-    def free(self, seq: Sequence) -> None:
-        raise NotImplementedError
+    """The engine's prefix-pool entries (``Engine`` mixes them in), over its ``start``,
+    ``prefill`` and ``free``."""
 
     @torch.inference_mode()
-    def prefill_prefix(self, tokens: Seq[int], loops: int | None = None,
+    def prefill_prefix(self: _Engine, tokens: Seq[int], loops: int | None = None,
                        cache_window: int | None = None) -> Sequence:
         """Prefill ``tokens`` once and keep the KV (free it with ``free``): a prefix-pool entry."""
         seq = self.start_prefix(tokens, loops, cache_window)
@@ -115,7 +121,7 @@ class PrefixEntries:
             raise
         return seq
 
-    def start_prefix(self, tokens: Seq[int], loops: int | None = None,
+    def start_prefix(self: _Engine, tokens: Seq[int], loops: int | None = None,
                      cache_window: int | None = None) -> Sequence:
         """A prefix-pool entry to be: ``step`` prefills it a chunk at a time beside the other
         sequences and samples nothing; once it is no longer ``prefilling`` it is ready."""
