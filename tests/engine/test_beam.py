@@ -11,13 +11,19 @@ import trio
 
 import tinyloop
 from tests.engine.test_engine import make_engine, req
-from tinyloop.engine.beam import beam_score
+from tinyloop.engine.beam import BeamState, beam_score
 from tinyloop.engine.engine import Engine
+from tinyloop.engine.sequence import Sequence
 from tinyloop.errors import RequestError
 from tinyloop.model.kvcache import slot_count
 from tinyloop.requests import GenerationRequest, SamplingParams
 
 PROMPT = [5, 6, 7]
+
+
+def search(seq: Sequence) -> BeamState | None:
+    """A beam request's search, once its prompt is prefilled (the sequence's mode state)."""
+    return seq.mode_state if isinstance(seq.mode_state, BeamState) else None
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -100,8 +106,9 @@ def test_beams_share_the_prompt_blocks_and_give_every_block_back(engine: Engine)
         while not seq.finished:
             engine.step([seq])
             peak = max(peak, engine.kv_statistics().blocks_used)
-            if seq.beam is not None and seq.beam.live:
-                assert len(seq.beam.live) <= num_beams
+            state = search(seq)
+            if state is not None and state.live:
+                assert len(state.live) <= num_beams
     finally:
         engine.free(seq)
     assert seq.error is None and len(seq.output) == max_tokens
@@ -144,7 +151,8 @@ def test_free_mid_search_gives_every_beam_back(engine: Engine) -> None:
     seq = engine.start(beam(PROMPT, 4, max_tokens=20, sampling=SamplingParams(temperature=0, ignore_eos=True)))
     for _ in range(4):
         engine.step([seq])
-    assert seq.beam is not None and len(seq.beam.live) > 1 and not seq.finished
+    state = search(seq)
+    assert state is not None and len(state.live) > 1 and not seq.finished
     engine.free(seq)  # a cancelled request
     assert engine.kv_statistics().blocks_used == 0
 
@@ -159,7 +167,8 @@ def test_kv_exhaustion_fails_the_beam_request_alone() -> None:
     while not seq.finished:
         small.step([seq])
     assert seq.finish_reason == "error" and seq.error is not None
-    assert seq.beam is not None and not seq.beam.live  # failed mid-search, its beams freed
+    state = search(seq)
+    assert state is not None and not state.live  # failed mid-search, its beams freed
     small.free(seq)
     small.pool.release(others)
     assert small.kv_statistics().blocks_used == 0

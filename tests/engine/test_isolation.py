@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import pytest
 import torch
 
 from tests.engine.test_engine import make_engine, req
+from tinyloop.engine.beam import BeamState
 from tinyloop.engine.engine import Engine
 from tinyloop.engine.sequence import Sequence
+from tinyloop.engine.speculative import counters
 from tinyloop.errors import EngineBroken, EngineError
 from tinyloop.requests import GenerationRequest, SamplingParams
 
@@ -135,19 +138,19 @@ def test_speculation_bookkeeping_that_raises_fails_its_sequence_alone(
                 sampling=SamplingParams(temperature=0, ignore_eos=True)) for i in range(3)]
     poison = req([90, 91, 92], max_tokens=12, loops=4, mode="speculative", draft_loops=1, draft_ahead=3,
                  sampling=SamplingParams(temperature=0, ignore_eos=True))
-    commit = engine.speculator._commit
+    commit = engine.batch.speculative.speculator._commit
 
     def failing_commit(job: Any, logits: torch.Tensor) -> Any:
         if job.seq.request.request_id == poison.request_id:
             raise IndexError("draft tree out of step with the KV")
         return commit(job, logits)
-    monkeypatch.setattr(engine.speculator, "_commit", failing_commit)
+    monkeypatch.setattr(engine.batch.speculative.speculator, "_commit", failing_commit)
     seqs = run_batch(engine, [*spec, poison])
     monkeypatch.undo()
     solo = [engine.generate(r).tokens for r in spec]
     assert isinstance(seqs[-1].error, EngineError) and "draft tree" in str(seqs[-1].error)
     assert finish(engine, seqs)[:-1] == solo
-    assert all(s.draft_tokens > 0 for s in seqs[:-1])
+    assert all(counters(s).drafted > 0 for s in seqs[:-1])
 
 
 def test_a_step_drafts_at_most_max_draft_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,12 +160,12 @@ def test_a_step_drafts_at_most_max_draft_nodes(monkeypatch: pytest.MonkeyPatch) 
     chain = req([8, 9], max_tokens=30, loops=4, mode="speculative", draft_loops=1, draft_ahead=64,
                 sampling=SamplingParams(temperature=0, ignore_eos=True))
     verified: list[int] = []
-    verify = eng.speculator._verify
+    verify = eng.batch.speculative.speculator._verify
 
     def counting(jobs: Any) -> torch.Tensor:
         verified.append(sum(len(j.tree) - 1 for j in jobs))
         return verify(jobs)
-    monkeypatch.setattr(eng.speculator, "_verify", counting)
+    monkeypatch.setattr(eng.batch.speculative.speculator, "_verify", counting)
     seqs = run_batch(eng, [wide, chain])
     monkeypatch.undo()
     assert verified and max(verified) <= 12  # not 64 * 16 + 64
@@ -177,14 +180,14 @@ def test_beam_bookkeeping_that_raises_fails_its_search_alone(
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     searches = [req([5 + i, 6, 7], max_tokens=8, mode="beam", num_beams=3, sampling=greedy) for i in range(2)]
     poison = req([90, 91, 92], max_tokens=8, mode="beam", num_beams=3, sampling=greedy)
-    extend = engine.beam_search._extend
+    extend = engine.batch.beam.search._extend
 
     def failing_extend(seq: Sequence, logits: torch.Tensor) -> Any:
-        if seq.request.request_id == poison.request_id and seq.beam is not None and seq.beam.live \
-                and len(seq.beam.live[0].tokens) >= 2:
+        if seq.request.request_id == poison.request_id and isinstance(seq.mode_state, BeamState) \
+                and seq.mode_state.live and len(seq.mode_state.live[0].tokens) >= 2:
             raise KeyError("beam lost its parent")
         return extend(seq, logits)
-    monkeypatch.setattr(engine.beam_search, "_extend", failing_extend)
+    monkeypatch.setattr(engine.batch.beam.search, "_extend", failing_extend)
     seqs = run_batch(engine, [*GOOD[:2], *searches, poison])
     monkeypatch.undo()
     solo = [engine.generate(r).tokens for r in [*GOOD[:2], *searches]]

@@ -19,6 +19,7 @@ from tests.engine.test_engine import make_engine, req
 from tinyloop.engine.acceptance import DraftTree
 from tinyloop.engine.engine import Engine
 from tinyloop.engine.sampling import make_generator, target_probs
+from tinyloop.engine.speculative import counters
 from tinyloop.errors import RequestError
 from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.requests import GenerationChunk, GenerationRequest, SamplingParams
@@ -254,7 +255,7 @@ def sample_many(eng: Engine, request: GenerationRequest, n: int) -> tuple[int, C
     """Prefill once, take the greedy first token, then fork ``n`` copies with seeds 0..n-1 and
     run them as one batch: (first token, counts of tokens 2..4, drafted, rejected)."""
     seq = eng.start(request)
-    eng._accept(seq, int(eng.prefill(seq).argmax()), None)
+    eng.accept(seq, int(eng.prefill(seq).argmax()), None)
     kids = []
     for i in range(n):
         kid = eng.fork(seq)
@@ -264,8 +265,8 @@ def sample_many(eng: Engine, request: GenerationRequest, n: int) -> tuple[int, C
     while not all(k.finished for k in kids):
         eng.step([k for k in kids if not k.finished])
     counts = Counter(tuple(k.output[1:]) for k in kids)
-    drafted = sum(k.draft_tokens for k in kids)
-    rejected = sum(k.rejected_draft_tokens for k in kids)
+    drafted = sum(counters(k).drafted for k in kids)
+    rejected = sum(counters(k).rejected for k in kids)
     for k in kids:
         eng.free(k)
     return seq.output[0], counts, drafted, rejected

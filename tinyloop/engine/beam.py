@@ -12,7 +12,7 @@ hypothesis scored ``sum_logprob / len ** length_penalty`` (HF's convention).
 The search stops when no live beam can still beat the worst of the ``num_beams`` best finished
 hypotheses (an exact bound: logprobs are <= 0, so the best a live beam can reach is its current
 sum over the largest length the penalty favours). The best hypothesis is then replayed through
-``Engine._accept`` so stop strings, detokenisation and the result are those of any request, and
+``output.accept_token`` so stop strings, detokenisation and the result are those of any request, and
 all its tokens are emitted as TokenEvents in that one step (a stream gets a single burst).
 
 With ``num_beams == 1`` only the best extension is considered: greedy decoding.
@@ -23,18 +23,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from tinyloop.engine.sequence import Sequence, TokenEvent
-from tinyloop.errors import KVCacheExhausted
-from tinyloop.requests import TokenLogprob
+from tinyloop.engine.modes import Core, Finish
+from tinyloop.engine.output import accept_run
+from tinyloop.engine.sequence import ModeState, Sequence, TokenEvent
+from tinyloop.errors import EngineBroken, KVCacheExhausted
+from tinyloop.requests import GenerationResult, TokenLogprob
 
-if TYPE_CHECKING:
-    from tinyloop.engine.engine import Engine
-
-__all__ = ["Beam", "BeamState", "BeamSearch", "beam_score"]
+__all__ = ["Beam", "BeamDecoding", "BeamState", "BeamSearch", "beam_score"]
 
 
 def beam_score(sum_logprob: float, length: int, length_penalty: float) -> float:
@@ -64,12 +62,20 @@ class Hypothesis:
 
 @dataclass(eq=False)
 class BeamState:
-    """One beam request's search: live beams and the best finished hypotheses, best first."""
+    """One beam request's search (its ``modes.ModeState``): live beams and the best finished
+    hypotheses, best first; ``score`` the returned hypothesis's, once the search ends."""
 
     num_beams: int
     length_penalty: float
     live: list[Beam] = field(default_factory=list)
     done: list[Hypothesis] = field(default_factory=list)
+    score: float | None = None
+
+    def release(self) -> None:
+        self.free()
+
+    def contribute(self, result: GenerationResult) -> GenerationResult:
+        return dataclasses.replace(result, beam_score=self.score)
 
     def blocks(self) -> int:
         return sum(b.seq.kv.num_blocks for b in self.live)
@@ -100,19 +106,61 @@ class BeamState:
         return beam_score(beam.sum_logprob, length, self.length_penalty)
 
 
+class BeamDecoding:
+    """The beam mode's strategy (``modes.Strategy``): a search starts from the prompt's logits
+    and extends its beams after the step's sampling; a search that raises fails alone."""
+
+    def __init__(self, core: Core) -> None:
+        self.search = BeamSearch(core)
+
+    def new_state(self, seq: Sequence) -> ModeState | None:
+        return None  # the search begins once the prompt is prefilled
+
+    def prepare(self, seqs: list[Sequence]) -> list[Sequence]:
+        return seqs  # each live beam reserves its own next position (BeamSearch.step)
+
+    def first(self, seq: Sequence, logits: torch.Tensor) -> list[TokenEvent] | None:
+        return self.search.begin(seq, logits)
+
+    def plan(self, seqs: list[Sequence]) -> tuple[Finish, list[Sequence]]:
+        return (lambda: self._step_isolated(seqs)), []
+
+    def _step_isolated(self, seqs: list[Sequence]) -> list[TokenEvent]:
+        if not seqs:
+            return []
+        try:
+            return self.search.step(seqs)
+        except EngineBroken:
+            raise
+        except Exception as exc:
+            if len(seqs) == 1:
+                self.search.fail(seqs[0], exc)
+                return []
+        events: list[TokenEvent] = []
+        for s in seqs:
+            try:
+                events.extend(self.search.step([s]))
+            except EngineBroken:
+                raise
+            except Exception as exc:
+                self.search.fail(s, exc)
+        return events
+
+
 class BeamSearch:
     """Drives the beam requests of an engine's step (see the module docstring)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, core: Core) -> None:
+        self.engine = core
 
     def begin(self, seq: Sequence, logits: torch.Tensor) -> list[TokenEvent]:
         """The prompt's last logits ``[V]`` are in: start the search from one beam."""
         num_beams, length_penalty = seq.request.beam or (1, 1.0)
-        seq.beam = BeamState(num_beams, length_penalty)
+        state = BeamState(num_beams, length_penalty)
+        seq.mode_state = state
         root = Beam(self._branch(seq), [], [], 0.0)
         root.seq.loops_total = 0
-        seq.beam.live = [root]
+        state.live = [root]
         return self._extend(seq, logits[None])
 
     def step(self, seqs: Seq[Sequence]) -> list[TokenEvent]:
@@ -142,19 +190,20 @@ class BeamSearch:
         return events
 
     def fail(self, seq: Sequence, exc: BaseException) -> None:
-        release(seq)
+        if seq.mode_state is not None:
+            seq.mode_state.release()
         seq.fail(exc)
 
     # -- one extension -------------------------------------------------------------------------
     @staticmethod
     def _state(seq: Sequence) -> BeamState:
-        assert seq.beam is not None, "a beam sequence runs a search once prefilled"
-        return seq.beam
+        assert isinstance(seq.mode_state, BeamState), "a beam sequence runs a search once prefilled"
+        return seq.mode_state
 
     def _branch(self, seq: Sequence) -> Sequence:
         """A private copy of ``seq`` for one beam, sharing its KV blocks copy-on-write."""
         return dataclasses.replace(seq, kv=seq.kv.fork(), output=[], text_parts=[], logprobs=[],
-                                   beam=None)
+                                   mode_state=None)
 
     @torch.inference_mode()
     def _extend(self, seq: Sequence, logits: torch.Tensor) -> list[TokenEvent]:
@@ -188,7 +237,7 @@ class BeamSearch:
         params = seq.request.sampling
         return (len(beam.tokens) + 1 >= seq.request.max_tokens
                 or token in params.stop_token_ids
-                or (token in self.engine.tokenizer.eos_ids and not params.ignore_eos))
+                or (token in self.engine.eos_ids and not params.ignore_eos))
 
     def _advance(self, live: list[Beam], chosen: list[tuple[Beam, int, float]]) -> list[Beam]:
         """The next live beams: fork a beam chosen twice or more, free one chosen by none."""
@@ -214,18 +263,9 @@ class BeamSearch:
         state = self._state(seq)
         state.free()
         best = state.done[0]
-        seq.beam_score = best.score
+        state.score = best.score
         seq.loops_total += best.loops_total
         want = seq.request.sampling.logprobs or seq.request.sampling.top_logprobs > 0
-        events = []
-        for token, lp in zip(best.tokens, best.logprobs):
-            events.append(self.engine._accept(seq, token, TokenLogprob(token, lp) if want else None))
-            if seq.finished:
-                break
-        return events
+        return accept_run(seq, [(token, TokenLogprob(token, lp) if want else None)
+                                for token, lp in zip(best.tokens, best.logprobs)], self.engine.eos_ids)
 
-
-def release(seq: Sequence) -> None:
-    """Free the KV of a beam request's live beams (the request's own KV is ``seq.kv``)."""
-    if seq.beam is not None:
-        seq.beam.free()

@@ -1,56 +1,45 @@
-"""The engine: a loaded looped model, its paged KV pool, and the steps of the engine contract.
-
-Sequence-level, so batching, the prefix pool and speculation share one mechanism:
+"""The engine core: a loaded looped model, its paged KV pool, and the engine contract (DESIGN.md):
 
 - ``start(request) -> Sequence``  validate and set up (no model work, no KV yet)
 - ``prefill_step(seq)``           run the next ``prefill_chunk`` prompt tokens; ``prefill`` all
 - ``decode(seqs) -> logits``      one token for each sequence, one batched call
-- ``step(seqs) -> events``        one iteration: a prefill chunk for new sequences, a decode
-                                  step for the rest, sampling, stop checks, detokenisation; a
-                                  speculative sequence (``mode`` ``speculative`` or ``tree``)
-                                  drafts and verifies instead and may emit several tokens
-                                  (``speculative.py``); a beam sequence (``mode`` ``beam``)
-                                  extends its beams and emits its tokens once done (``beam.py``)
+- ``verify(seqs, tokens)``        score drafted tokens in one forward (speculation)
 - ``fork(seq)`` / ``free(seq)``   share a KV prefix copy-on-write / give the KV back
+- ``step(seqs) -> events``        one iteration over running sequences (``batch.py``): each mode's
+                                  strategy (``plain.py``, ``speculative.py``, ``beam.py``) drives
+                                  its sequences through the methods above (``modes.Core``)
 
-With ``prefix_caching`` (automatic prefix caching, ``model/blockcache.py``) ``free`` keeps a
-sequence's full, computed blocks in the pool's cache and ``start`` reuses the longest cached run
-of a new prompt's blocks, so only the rest is prefilled.
-
-Every method is blocking and runs on the caller's thread: the runtime calls it from a worker
-thread. One engine is driven by one thread at a time.
+Around it: token acceptance (``output.py``), KV accounting and preemption (``kv_budget.py``),
+prefix cache and prefix-pool entries (``prefix_cache.py``), blocking ``generate*`` (``blocking.py``).
+Every method blocks on the caller's thread; one engine is driven by one thread at a time.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Sequence as Seq
 from os import PathLike
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from tinyloop.engine.beam import BeamSearch, release as release_beams
-from tinyloop.engine.sampling import StopMatcher, make_generator, sample_batch
+from tinyloop.engine import blocking
+from tinyloop.engine.batch import Batch
+from tinyloop.engine.kv_budget import KVAccounting, KVBudget, pool_blocks
+from tinyloop.engine.output import accept_token
+from tinyloop.engine.prefix_cache import PrefixCache, PrefixEntries
+from tinyloop.engine.sampling import StopMatcher, make_generator
 from tinyloop.engine.sequence import Sequence, TokenEvent
-from tinyloop.engine.speculative import Emission, Speculator
-from tinyloop.errors import EngineBroken, EngineError, KVCacheExhausted, PromptTooLongError, RequestError
+from tinyloop.errors import PromptTooLongError, RequestError
 from tinyloop.model.config import ModelConfig
-from tinyloop.model.blockcache import block_keys
 from tinyloop.model.context import PagedContext
-from tinyloop.model.kvcache import KVDemand, KVPool, KVPoolStats, SeqKV, slot_count
-from tinyloop.vocabulary import KVMode
+from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
 from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
-from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult
+from tinyloop.requests import GenerationRequest, TokenLogprob
 from tinyloop.tokenizer import Tokenizer
+from tinyloop.vocabulary import KVMode
 
 __all__ = ["Engine"]
 
-_T = TypeVar("_T")
-_log = logging.getLogger(__name__)
-
-DEFAULT_KV_BUDGET_MB = 1024
 DEFAULT_MAX_DRAFT_NODES = 64
 # The randn initial state depends on the token position only (never on the request), so the KV
 # of a prompt prefix is the same for every request: prefix sharing and reproducible greedy
@@ -58,7 +47,7 @@ DEFAULT_MAX_DRAFT_NODES = 64
 NOISE_SEED = 0
 
 
-class Engine:
+class Engine(KVAccounting, PrefixEntries):
     """A looped model ready to serve: model, tokenizer, KV pool and limits."""
 
     def __init__(self, model: LoopedLM, tokenizer: Tokenizer, *, max_seq_len: int | None = None,
@@ -85,11 +74,12 @@ class Engine:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.kv_mode = KVMode.parse(kv_mode)  # full, int4, h-mode, ... (kvmode.py)
-        self.pool = KVPool(self.config, self._num_blocks(kv_cache_mb, block_size), block_size,
-                           dtype=self.dtype, device=self.device, mode=self.kv_mode)
-        self.speculator = Speculator(self)
-        self.beam_search = BeamSearch(self)
-        self.prefix_caching = prefix_caching
+        blocks = pool_blocks(self.config, self.kv_mode, self.dtype, self.max_seq_len, kv_cache_mb, block_size)
+        self.pool = KVPool(self.config, blocks, block_size, dtype=self.dtype, device=self.device,
+                           mode=self.kv_mode)
+        self.budget = KVBudget(self.config, self.pool, self.max_seq_len)
+        self.prefix_cache = PrefixCache(self.pool, self.kv_mode, prefix_caching)
+        self.batch = Batch(self)
         self.prefilled_tokens = 0  # prompt tokens run through the model (cache hits excluded)
 
     @classmethod
@@ -103,95 +93,17 @@ class Engine:
         return cls(art.model, art.tokenizer, max_seq_len=max_seq_len,
                    chat_template=art.chat_template, **options)
 
-    def _num_blocks(self, kv_cache_mb: float | None, block_size: int) -> int:
-        c = self.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_block = self.kv_mode.slot_bytes(c, elem) * block_size  # the budget is in bytes
-        if kv_cache_mb is None:
-            # Room for 8 full-length sequences at the default loops, and for one at the most
-            # loops (a larger request is refused, Engine.validate), capped by the budget.
-            per_token = max(8 * self.kv_mode.bytes_per_token(c, c.default_loops, None, elem),
-                            self.kv_mode.bytes_per_token(c, c.max_loops, None, elem))
-            need = per_token * self.max_seq_len
-            budget = min(need, DEFAULT_KV_BUDGET_MB * 2**20)
-        else:
-            budget = int(kv_cache_mb * 2**20)
-        return max(1, budget // per_block)
+    def __repr__(self) -> str:
+        return f"<Engine {self.name} max_seq_len={self.max_seq_len} {self.pool!r}>"
 
-    # -- introspection -------------------------------------------------------------------------
+    # -- introspection (kv_*, preempt, resume: kv_budget.KVAccounting) ------------------------
     @property
     def default_loops(self) -> int:
         return self.config.default_loops
 
-    def kv_statistics(self) -> KVPoolStats:
-        return self.pool.statistics()
-
-    def kv_blocks_needed(self, req: GenerationRequest) -> int:
-        """KV blocks ``req`` holds at most: every slot's table at its full length (prompt plus
-        ``max_tokens``), times the beams of a beam search. Speculation needs no more: it falls
-        back to plain decoding when blocks are short."""
-        return self._worst_blocks(req, *self.validate(req))
-
-    def _worst_blocks(self, req: GenerationRequest, loops: int, window: int) -> int:
-        length = min(len(req.prompt_tokens) + req.max_tokens, self.max_seq_len)
-        per_slot = -(-length // self.pool.block_size)
-        beams = req.beam[0] if req.beam is not None else 1
-        return slot_count(self.config, loops, window) * per_slot * beams
-
-    def reserves_worst_case(self, req: GenerationRequest) -> bool:
-        """Whether ``req`` sets its worst-case KV aside when it starts instead of growing and
-        being preemptible: a recompute would not reproduce the KV of a warm-start or
-        adaptive-exit sequence (decoding ran each token differently from a prefill), and a beam
-        search's beams are not one sequence."""
-        rule = req.exit or self.config.exit
-        return req.warm_start or rule.kind != "none" or req.mode == "beam"
-
-    def kv_start_blocks(self, req: GenerationRequest) -> int:
-        """Blocks ``req`` needs to start: its worst case when it reserves one, else its prompt
-        and first token (prefix-cache hits may make it less)."""
-        loops, window = self.validate(req)
-        if self.reserves_worst_case(req):
-            return self._worst_blocks(req, loops, window)
-        return slot_count(self.config, loops, window) * -(-(len(req.prompt_tokens) + 1) // self.pool.block_size)
-
-    def kv_demand(self, seq: Sequence) -> KVDemand:
-        """What ``seq`` asks of the pool next (the engine actor's planning input)."""
-        kv = seq.kv
-        target = seq.context_length if seq.prefilling else kv.length + 1
-        slots = kv.n_slots
-        if seq.prefill_only or self.reserves_worst_case(seq.request):
-            worst = self._worst_blocks(seq.request, seq.loops, seq.window)
-            held = kv.num_blocks + (seq.beam.blocks() if seq.beam is not None else 0)
-            return KVDemand(0, max(worst - held, 0), False, 0)
-        return KVDemand(kv.blocks_to_reserve(target), 0, True, slots)
-
-    def kv_available(self) -> int:
-        """Blocks the pool can hand out now: free ones and idle prefix-cache ones."""
-        stats = self.pool.statistics()
-        return stats.blocks_free + stats.blocks_cached
-
-    def preempt(self, seq: Sequence) -> None:
-        """Give ``seq``'s KV back now and rebuild it later: its next steps prefill the prompt and
-        every output token but the pending one (through the prefix cache where it kept them),
-        then decoding goes on where it stopped, with the same tokens as without the pause."""
-        if self.reserves_worst_case(seq.request) or seq.prefill_only:
-            raise ValueError(f"{seq!r} cannot be preempted: a recompute would change its KV")
-        self.free(seq)
-        seq.resumed = bool(seq.output)  # none yet: the prompt's last logits are still to sample
-        seq.preemptions += 1
-
-    def resume(self, seq: Sequence) -> None:
-        """Before a preempted sequence runs again: take what the prefix cache kept of it."""
-        cached = self._cached_blocks(seq)
-        if cached:
-            seq.kv.adopt(cached)
-
-    def kv_bytes_per_token(self, loops: int | None = None, cache_window: int | None = None) -> int:
-        loops = loops or self.config.default_loops
-        return self.pool.bytes_per_token(loops, cache_window)
-
-    def __repr__(self) -> str:
-        return f"<Engine {self.name} max_seq_len={self.max_seq_len} {self.pool!r}>"
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.tokenizer.eos_ids
 
     # -- lifecycle of a sequence ---------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> tuple[int, int]:
@@ -258,89 +170,10 @@ class Engine:
             generator=make_generator(req.sampling.seed), noise_seed=NOISE_SEED,
             detokenizer=self.tokenizer.stream_decoder(),
             stop_matcher=StopMatcher(req.sampling.stop), prompt=list(req.prompt_tokens))
-        # The last prompt token always runs, so the first output token has its logits.
-        pool_hit = 0
-        if prefix is not None:
-            n = len(prefix.prompt)
-            if (prefix.loops, prefix.window) != (loops, window) or seq.prompt[:n] != prefix.prompt:
-                raise ValueError("prefix does not match the request's prompt, loops and window")
-            pool_hit = min(n, len(seq.prompt) - 1)
-        cached = self._cached_blocks(seq)
-        if len(cached) * self.pool.block_size < pool_hit:
-            self.pool.release([b for col in cached for b in col])
-            cached = []
-        if cached:
-            seq.kv.adopt(cached)
-        elif prefix is not None:
-            seq.kv = prefix.kv.fork()
-            seq.kv.truncate(pool_hit)
+        seq.mode_state = self.batch.new_state(seq)
+        self.prefix_cache.attach(seq, prefix)
         seq.cached_tokens = seq.kv.length
         return seq
-
-    def _salt(self, seq: Sequence) -> tuple[object, ...]:
-        """What a block's KV depends on besides its tokens (the hash chain's salt): an adaptive
-        exit rule changes the loops each position ran, and so its KV."""
-        return (seq.loops, seq.window, seq.noise_seed, self.kv_mode.name, repr(seq.request.exit))
-
-    def _cached_blocks(self, seq: Sequence) -> list[list[int]]:
-        """The prefix cache's longest run of full blocks of ``seq``'s prompt (referenced for it);
-        never the block of the last prompt token, which must run to give the first logits."""
-        if not self._cacheable(seq):
-            return []
-        context = seq.context
-        n = (len(context) - 1) // self.pool.block_size
-        return self.pool.cache.lookup(block_keys(context, self.pool.block_size, n, self._salt(seq)))
-
-    def _cacheable(self, seq: Sequence) -> bool:
-        # With W < loops a token reads its predecessors' latest slot when they ran in an earlier
-        # forward but the same loop's when they run in its own: a prefill that starts after
-        # cached blocks would change the output, so only full-cache sequences take part.
-        return self.prefix_caching and seq.window >= seq.loops
-
-    def _cache_blocks(self, seq: Sequence) -> None:
-        """Hand ``seq``'s full blocks of computed, request-independent KV to the prefix cache."""
-        tokens = seq.tokens
-        # Positions < kv.length are verified (speculation truncates its drafts away); a
-        # warm-start request's decoded positions depend on its warm state, not its tokens, and
-        # a beam sequence's output need not be the tokens its KV was decoded from.
-        prompt_only = seq.request.warm_start or seq.request.mode == "beam"
-        n = min(seq.kv.length, len(seq.prompt) if prompt_only else len(tokens))
-        n_blocks = min(n // self.pool.block_size, seq.kv.blocks_per_slot)
-        if n_blocks:
-            keys = block_keys(tokens, self.pool.block_size, n_blocks, self._salt(seq))
-            self.pool.cache.insert(keys, seq.kv.columns(n_blocks))
-
-    @torch.inference_mode()
-    def prefill_prefix(self, tokens: Seq[int], loops: int | None = None,
-                       cache_window: int | None = None) -> Sequence:
-        """Prefill ``tokens`` once and keep the KV (free it with ``free``): a prefix-pool entry."""
-        seq = self.start_prefix(tokens, loops, cache_window)
-        try:
-            self.prefill(seq)
-        except BaseException:
-            self.free(seq)
-            raise
-        return seq
-
-    def start_prefix(self, tokens: Seq[int], loops: int | None = None,
-                     cache_window: int | None = None) -> Sequence:
-        """A prefix-pool entry to be: ``step`` prefills it a chunk at a time beside the other
-        sequences and samples nothing; once it is no longer ``prefilling`` it is ready."""
-        seq = self.start(self._prefix_request(tokens, loops, cache_window))
-        seq.prefill_only = True
-        return seq
-
-    def kv_prefix_blocks(self, tokens: Seq[int], loops: int | None = None,
-                         cache_window: int | None = None) -> int:
-        """Blocks a registered prefix of ``tokens`` holds (validated like a request)."""
-        req = self._prefix_request(tokens, loops, cache_window)
-        loops_, window = self.validate(req)
-        return slot_count(self.config, loops_, window) * -(-len(tokens) // self.pool.block_size)
-
-    @staticmethod
-    def _prefix_request(tokens: Seq[int], loops: int | None, cache_window: int | None) -> GenerationRequest:
-        return GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=1, loops=loops,
-                                 cache_window=cache_window)
 
     def fork(self, seq: Sequence) -> Sequence:
         """A copy of ``seq`` sharing its KV blocks copy-on-write (beam, prefix pool)."""
@@ -357,15 +190,17 @@ class Engine:
     def free(self, seq: Sequence) -> None:
         """Give the sequence's KV blocks back to the pool (its full blocks to the prefix cache,
         when on). Safe to call twice."""
-        release_beams(seq)
-        if self._cacheable(seq):
-            self._cache_blocks(seq)
+        if seq.mode_state is not None:
+            seq.mode_state.release()
+        self.prefix_cache.keep(seq)
         seq.kv.free()
 
     # -- model work ----------------------------------------------------------------------------
-    def _spec(self, seq: Sequence, start: int, warm: bool) -> RowSpec:
-        return RowSpec(loops=seq.loops, window=seq.window, start=start, noise_seed=seq.noise_seed,
-                       warm_state=seq.warm_state if warm else None, exit=seq.request.exit)
+    def context(self, kvs: Seq[SeqKV], starts: Seq[int], n_new: int, extra_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> PagedContext:
+        """Where a forward's rows keep and read their KV: ``n_new`` tokens at ``starts`` in ``kvs``."""
+        return PagedContext(self.pool, self.model.rope, kvs, starts, n_new, extra_mask=extra_mask,
+                            positions=positions, backend=self.model.backend)
 
     def run_model(self, tokens: torch.Tensor, ctx: Any, specs: Seq[RowSpec],
                   last_only: bool = True) -> ForwardOutput:
@@ -381,8 +216,10 @@ class Engine:
         starts = [s.kv.length for s in seqs]
         for s in seqs:
             s.kv.reserve(s.kv.length + n_new)
-        ctx = PagedContext(self.pool, self.model.rope, [s.kv for s in seqs], starts, n_new)
-        specs = [self._spec(s, st, warm) for s, st in zip(seqs, starts)]
+        ctx = self.context([s.kv for s in seqs], starts, n_new)
+        specs = [RowSpec(loops=s.loops, window=s.window, start=st, noise_seed=s.noise_seed,
+                         warm_state=s.warm_state if warm else None, exit=s.request.exit)
+                 for s, st in zip(seqs, starts)]
         out = self.run_model(tokens.to(self.device), ctx, specs)
         for row, (s, used) in enumerate(zip(seqs, out.loops_used)):
             s.kv.length += n_new
@@ -424,224 +261,32 @@ class Engine:
             s.pending = None
         return out.logits[:, -1]
 
-    # -- one iteration -------------------------------------------------------------------------
-    def step(self, seqs: Seq[Sequence]) -> list[TokenEvent]:
-        """One iteration over ``seqs``: a prefill chunk for each prefilling sequence, one batched
-        decode for the others, then sampling.
-
-        Failures stay with their sequence: one that cannot get KV blocks, whose prefill, sampling
-        (a NaN row), stop check, detokenisation, speculation or beam bookkeeping raises finishes
-        with ``seq.error`` and the others go on. When a batched forward raises, its sequences are
-        retried one by one in the same step and only those that fail alone fail.
-        ``EngineBroken`` is the exception: the engine cannot run anything, so it propagates.
-        """
-        events: list[TokenEvent] = []
-        ready: list[tuple[Sequence, torch.Tensor]] = []
-        decoding = [s for s in seqs if not s.finished and not s.prefilling]
-        beams = [s for s in decoding if s.request.mode == "beam"]
-        decoding = self._reserve_or_fail([s for s in decoding if s.request.mode != "beam"])
-        for seq in [s for s in seqs if not s.finished and s.prefilling]:
-            logits = self._guard(seq, self.prefill_step, seq)
-            if logits is not None and not seq.prefill_only:
-                ready.append((seq, logits))
-        runs: list[tuple[Sequence, list[Emission]]] = []
-        speculative = [s for s in decoding if s.request.speculation is not None]
-        if speculative:
-            runs, fallback = self._speculate_or_fall_back(speculative)
-            decoding = [s for s in decoding if s.request.speculation is None] + fallback
-        ready.extend(self._decode_isolated(decoding))
-        for seq, logits in [(s, l) for s, l in ready if s.request.mode == "beam"]:
-            events.extend(self._guard(seq, self.beam_search.begin, seq, logits) or [])
-        ready = [(s, l) for s, l in ready if s.request.mode != "beam"]
-        if ready:
-            events.extend(self._sample([s for s, _ in ready], [l for _, l in ready]))
-        if beams:
-            events.extend(self._beam_isolated(beams))
-        for seq, emissions in runs:
-            events.extend(self._guard(seq, self._accept_run, seq, emissions) or [])
-        return events
-
-    def _guard(self, seq: Sequence, fn: Callable[..., _T], *args: Any) -> _T | None:
-        """``fn(*args)``, or None with ``seq`` failed when it raises (EngineBroken propagates)."""
-        try:
-            return fn(*args)
-        except EngineBroken:
-            raise
-        except Exception as exc:
-            self._fail(seq, exc)
-            return None
-
-    def _decode_isolated(self, seqs: list[Sequence]) -> list[tuple[Sequence, torch.Tensor]]:
-        """``decode(seqs)``; when the batched forward raises, each sequence alone."""
-        if not seqs:
-            return []
-        saved = [(s.pending, s.kv.length, s.loops_total, s.last_loops, s.warm_state) for s in seqs]
-        try:
-            return list(zip(seqs, self.decode(seqs)))
-        except EngineBroken:
-            raise
-        except Exception as exc:
-            if len(seqs) == 1:
-                self._fail(seqs[0], exc)
-                return []
-            for s, (pending, length, total, last, warm) in zip(seqs, saved):  # as before the call
-                s.pending, s.kv.length, s.loops_total, s.last_loops, s.warm_state = pending, length, total, last, warm
-        out = []
-        for s in seqs:
-            logits = self._guard(s, self.decode, [s])
-            if logits is not None:
-                out.append((s, logits[0]))
-        return out
-
-    def _speculate_or_fall_back(self, seqs: list[Sequence]) -> tuple[list[tuple[Sequence, list[Emission]]], list[Sequence]]:
-        """Speculate; when a draft or verify forward raises, these sequences decode plainly this
-        step instead (drafts never change the output, and no KV was committed)."""
-        try:
-            return self.speculate(seqs)
-        except EngineBroken:
-            raise
-        except Exception:  # raised before any commit: every KV length is where it was
-            _log.exception("speculation failed; %d sequences decode plainly this step", len(seqs))
-            return [], list(seqs)
-
-    def _beam_isolated(self, seqs: list[Sequence]) -> list[TokenEvent]:
-        try:
-            return self.beam_search.step(seqs)
-        except EngineBroken:
-            raise
-        except Exception as exc:
-            if len(seqs) == 1:
-                self.beam_search.fail(seqs[0], exc)
-                return []
-        events: list[TokenEvent] = []
-        for s in seqs:
-            try:
-                events.extend(self.beam_search.step([s]))
-            except EngineBroken:
-                raise
-            except Exception as exc:
-                self.beam_search.fail(s, exc)
-        return events
-
     @torch.inference_mode()
-    def speculate(self, seqs: Seq[Sequence]) -> tuple[list[tuple[Sequence, list[Emission]]], list[Sequence]]:
-        """Draft and verify for speculative sequences: (each one's tokens to append; those that
-        need a plain decode step this time). See ``speculative.py``."""
-        return self.speculator.run(seqs)
+    def verify(self, seqs: Seq[Sequence], tokens: Seq[Seq[int]], *, mask: torch.Tensor | None = None,
+               positions: Seq[Seq[int]] | None = None) -> torch.Tensor:
+        """Score ``tokens`` (T per sequence: the pending token, then the drafts, stored from
+        ``kv.length`` on, blocks reserved) in one forward; logits ``[B, T, V]`` on the CPU. A tree
+        gives ``mask`` ``[B, T, T]`` and ``positions``; the caller commits what it accepts."""
+        starts = [s.kv.length for s in seqs]
+        pos = None if positions is None else torch.tensor([list(p) for p in positions], dtype=torch.long,
+                                                          device=self.device)  # [B, T]
+        ctx = self.context([s.kv for s in seqs], starts, len(tokens[0]),
+                           extra_mask=None if mask is None else mask.to(self.device), positions=pos)
+        specs = [RowSpec(loops=s.loops, window=s.window, start=st, noise_seed=s.noise_seed,
+                         positions=None if positions is None else positions[b])
+                 for b, (s, st) in enumerate(zip(seqs, starts))]
+        out = self.run_model(torch.tensor([list(t) for t in tokens], dtype=torch.long, device=self.device),
+                             ctx, specs, last_only=False)
+        return out.logits.float().cpu()  # [B, T, V]
 
-    def _accept_run(self, seq: Sequence, emissions: list[Emission]) -> list[TokenEvent]:
-        """Append a verified run of tokens, stopping at the first stop condition."""
-        events = []
-        for token, logprob in emissions:
-            seq.loops_total += seq.loops
-            events.append(self._accept(seq, token, logprob))
-            if seq.finished:
-                break
-        return events
+    # -- one iteration (batch.py), token acceptance (output.py), blocking API (blocking.py) ----
+    def step(self, seqs: Seq[Sequence]) -> list[TokenEvent]:
+        """One iteration over ``seqs`` (``Batch.step``): failures stay with their sequence."""
+        return self.batch.step(seqs)
 
-    def _reserve_or_fail(self, seqs: list[Sequence]) -> list[Sequence]:
-        ok = []
-        for s in seqs:
-            try:
-                s.kv.reserve(s.kv.length + 1)
-            except KVCacheExhausted as exc:
-                self._fail(s, exc)
-            else:
-                ok.append(s)
-        return ok
+    def accept(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> TokenEvent:
+        """Append a chosen token: stop checks, detokenisation, bookkeeping."""
+        return accept_token(seq, token, logprob, self.tokenizer.eos_ids)
 
-    @staticmethod
-    def _fail(seq: Sequence, exc: BaseException) -> None:
-        seq.fail(exc)
-
-    def _sample(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> list[TokenEvent]:
-        """Sample every row and accept its token; a row with NaN or +inf logits, or with no
-        finite one, fails its own sequence only (as does a sampler or stop-check failure)."""
-        logits = torch.stack(rows).float()  # [B, V]
-        bad = (torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
-               | ~torch.isfinite(logits).any(-1)).tolist()  # [B]
-        for seq, b in zip(seqs, bad):
-            if b:
-                self._fail(seq, EngineError("the model produced non-finite logits for this request"))
-        keep = [i for i, b in enumerate(bad) if not b]
-        good = [seqs[i] for i in keep]
-        if not good:
-            return []
-        states = [s.generator.get_state() for s in good]
-        try:
-            results: list[Any] = sample_batch(logits[keep], [s.request.sampling for s in good],
-                                              [s.generator for s in good], [s.prompt for s in good],
-                                              [s.output for s in good])
-        except Exception:  # find the row that raised: every other row samples as it would have
-            for s, state in zip(good, states):
-                s.generator.set_state(state)  # rows before the one that raised drew already
-            results = [self._guard(s, self._sample_one, s, logits[i]) for s, i in zip(good, keep)]
-        events = []
-        for s, r in zip(good, results):
-            if r is not None:
-                event = self._guard(s, self._accept, s, r.token_id, r.logprob)
-                if event is not None:
-                    events.append(event)
-        return events
-
-    @staticmethod
-    def _sample_one(seq: Sequence, row: torch.Tensor) -> Any:
-        return sample_batch(row[None], [seq.request.sampling], [seq.generator], [seq.prompt],
-                            [seq.output])[0]
-
-    def _accept(self, seq: Sequence, token: int, logprob: Any) -> TokenEvent:
-        """Append a sampled token: stop checks, detokenisation, bookkeeping."""
-        params = seq.request.sampling
-        seq.output.append(token)
-        seq.pending = token
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        if seq.first_token_at is None:
-            seq.first_token_at = time.perf_counter()
-        text, stopped = seq.stop_matcher.feed(seq.detokenizer.push(token))
-        if stopped:
-            seq.finish("stop", "stop_string")
-        elif token in self.tokenizer.eos_ids and not params.ignore_eos:
-            seq.finish("stop", "eos")
-        elif token in params.stop_token_ids:
-            seq.finish("stop", "stop_token")
-        elif len(seq.output) >= seq.request.max_tokens:
-            seq.finish("length", "length")
-        if seq.finished and not stopped:
-            tail, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
-            text += tail
-            if stopped:
-                seq.stop_reason = "stop_string"
-                seq.finish_reason = "stop"
-            else:
-                text += seq.stop_matcher.flush()
-        seq.text_parts.append(text)
-        return TokenEvent(seq, token, text, len(seq.output) - 1, logprob,
-                          seq.last_loops, seq.finished)
-
-    # -- blocking conveniences -----------------------------------------------------------------
-    def generate(self, req: GenerationRequest) -> GenerationResult:
-        """Run one request to completion."""
-        return self.generate_many([req])[0]
-
-    def generate_stream(self, req: GenerationRequest, emit: Callable[[GenerationChunk], None]) -> GenerationResult:
-        """Run one request, calling ``emit`` with each chunk as its token is sampled."""
-        return self.generate_many([req], emit=lambda _i, chunk: emit(chunk))[0]
-
-    def generate_many(self, reqs: Seq[GenerationRequest],
-                      emit: Callable[[int, GenerationChunk], None] | None = None) -> list[GenerationResult]:
-        """Run several requests as one continuous batch; results in request order."""
-        seqs = [self.start(r) for r in reqs]
-        index = {id(s): i for i, s in enumerate(seqs)}
-        try:
-            while not all(s.finished for s in seqs):
-                for ev in self.step([s for s in seqs if not s.finished]):
-                    if emit is not None:
-                        emit(index[id(ev.sequence)], ev.chunk())
-            for s in seqs:
-                if s.error is not None:
-                    raise s.error
-        finally:
-            for s in seqs:
-                self.free(s)
-        return [s.result() for s in seqs]
+    # run requests to completion on this thread
+    generate, generate_stream, generate_many = blocking.generate, blocking.generate_stream, blocking.generate_many

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -21,10 +21,24 @@ from tinyloop.requests import (
 )
 from tinyloop.tokenizer import StreamingDetokenizer
 
-if TYPE_CHECKING:
-    from tinyloop.engine.beam import BeamState
+__all__ = ["ModeState", "Sequence", "TokenEvent"]
 
-__all__ = ["Sequence", "TokenEvent"]
+
+class ModeState(Protocol):
+    """What a decoding mode keeps on a sequence (speculation counters, a beam search): owned by
+    the mode's strategy; the sequence only asks it these three things."""
+
+    def blocks(self) -> int:
+        """KV blocks held beyond ``seq.kv`` (a beam search's live beams)."""
+        ...
+
+    def release(self) -> None:
+        """Give those blocks back (safe to call twice)."""
+        ...
+
+    def contribute(self, result: GenerationResult) -> GenerationResult:
+        """``result`` with this mode's fields filled in (draft counts, beam score)."""
+        ...
 
 
 @dataclass(eq=False)
@@ -57,11 +71,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix pool or prefix cache
     last_loops: int = 0  # loops run by the forward that produced the latest logits
     loops_total: int = 0  # loops run for the generated tokens (the first one: the prompt's last)
-    draft_tokens: int = 0  # speculation: tokens drafted, accepted and rejected by verification
-    accepted_draft_tokens: int = 0
-    rejected_draft_tokens: int = 0
-    beam: BeamState | None = None  # mode beam: the search, once the prompt is prefilled (beam.py)
-    beam_score: float | None = None
+    mode_state: ModeState | None = None  # the mode's own state (speculative.py, beam.py)
     finish_reason: FinishReason | None = None
     stop_reason: StopReason | None = None
     error: BaseException | None = None
@@ -123,8 +133,7 @@ class Sequence:
         end = self.finished_at or time.perf_counter()
         n = len(self.output)
         ttft = None if self.first_token_at is None else (self.first_token_at - self.started) * 1000
-        speculative = self.request.speculation is not None
-        return GenerationResult(
+        result = GenerationResult(
             tokens=list(self.output),
             text="".join(self.text_parts),
             finish_reason=self.finish_reason or "length",
@@ -137,11 +146,8 @@ class Sequence:
             loops_used=self.loops,
             mean_loops=self.loops_total / n if n else None,
             time_to_first_token_ms=ttft,
-            draft_tokens=self.draft_tokens if speculative else None,
-            accepted_draft_tokens=self.accepted_draft_tokens if speculative else None,
-            rejected_draft_tokens=self.rejected_draft_tokens if speculative else None,
-            beam_score=self.beam_score,
         )
+        return result if self.mode_state is None else self.mode_state.contribute(result)
 
 
 @dataclass(frozen=True, slots=True)

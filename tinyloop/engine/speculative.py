@@ -34,32 +34,28 @@ exit per token). Warm start is refused by the request itself.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from tinyloop.engine.acceptance import (
     DraftTree, Verdict, accept_chain_sampled, accept_greedy, accept_tree_sampled,
 )
+from tinyloop.engine.modes import Core
+from tinyloop.engine.output import Emission
 from tinyloop.engine.sampling import (
     apply_penalties, draw, greedy_token, target_probs, token_logprob,
 )
 from tinyloop.engine.sequence import Sequence
 from tinyloop.errors import KVCacheExhausted
-from tinyloop.model.context import PagedContext
 from tinyloop.model.kvcache import SeqKV
 from tinyloop.model.looped import ForwardOutput, RowSpec
-from tinyloop.requests import TokenLogprob
+from tinyloop.requests import GenerationResult
 
-if TYPE_CHECKING:
-    from tinyloop.engine.engine import Engine
-
-__all__ = ["Speculator", "Emission"]
-
-Emission = tuple[int, TokenLogprob | None]  # a token to append and its logprob
+__all__ = ["Emission", "SpeculationState", "Speculator", "counters"]
 
 
 @dataclass(eq=False)
@@ -95,8 +91,8 @@ class _Row:
 class Speculator:
     """Runs the speculative steps of one engine (same model, pool and thread)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, core: Core) -> None:
+        self.engine = core
 
     def run(self, seqs: Seq[Sequence]) -> tuple[list[tuple[Sequence, list[Emission]]], list[Sequence]]:
         """Speculate for ``seqs``: (each sequence's tokens to append, in order; the sequences that
@@ -218,7 +214,7 @@ class Speculator:
 
     def _draft_forward(self, rows: list[_Row]) -> torch.Tensor:
         eng = self.engine
-        ctx = PagedContext(eng.pool, eng.model.rope, [r.kv for r in rows], [r.start for r in rows], 1)
+        ctx = eng.context([r.kv for r in rows], [r.start for r in rows], 1)
         specs = [RowSpec(loops=r.job.draft_loops, window=r.job.seq.window, start=r.start,
                          noise_seed=r.job.seq.noise_seed, kv_loops=r.job.seq.loops) for r in rows]
         tokens = torch.tensor([[r.token] for r in rows], dtype=torch.long, device=eng.device)  # [B, 1]
@@ -227,19 +223,10 @@ class Speculator:
 
     # -- verify and commit ---------------------------------------------------------------------
     def _verify(self, jobs: list[_Job]) -> torch.Tensor:
-        eng = self.engine
         trees = [job.tree for job in jobs if job.tree is not None]
         mask = torch.stack([t.mask() for t in trees])  # [B, T, T]
-        positions = torch.tensor([t.positions(j.start) for t, j in zip(trees, jobs)],
-                                 dtype=torch.long, device=eng.device)  # [B, T]
-        ctx = PagedContext(eng.pool, eng.model.rope, [j.seq.kv for j in jobs], [j.start for j in jobs],
-                           len(trees[0]), extra_mask=mask.to(eng.device), positions=positions)
-        specs = [RowSpec(loops=j.seq.loops, window=j.seq.window, start=j.start,
-                         noise_seed=j.seq.noise_seed, positions=t.positions(j.start))
-                 for t, j in zip(trees, jobs)]
-        tokens = torch.tensor([list(t.tokens) for t in trees], dtype=torch.long, device=eng.device)
-        out: ForwardOutput = eng.run_model(tokens, ctx, specs, last_only=False)
-        return out.logits.float().cpu()  # [B, T, V]
+        return self.engine.verify([j.seq for j in jobs], [list(t.tokens) for t in trees], mask=mask,
+                                  positions=[t.positions(j.start) for t, j in zip(trees, jobs)])  # [B, T, V]
 
     def _commit(self, job: _Job, logits: torch.Tensor) -> list[Emission]:
         """Accept against the verifier's ``logits`` [T, V], fix the KV, count, emit."""
@@ -253,9 +240,10 @@ class Speculator:
             _move_positions(seq.kv, [job.start + i for i in verdict.path],
                             [job.start + i for i in wanted], self.engine.device)
         seq.kv.truncate(job.start + 1 + n)
-        seq.draft_tokens += len(tree) - 1
-        seq.accepted_draft_tokens += n
-        seq.rejected_draft_tokens += len(tree) - 1 - n
+        count = counters(seq)
+        count.drafted += len(tree) - 1
+        count.accepted += n
+        count.rejected += len(tree) - 1 - n
         seq.last_loops = seq.loops
         params = seq.request.sampling
         return [(tok, token_logprob(logits[node], tok, params))
@@ -296,3 +284,30 @@ def _move_positions(kv: SeqKV, src: list[int], dst: list[int], device: torch.dev
     src_rows = (tables[:, s // bs] * bs + s % bs).flatten()  # [S * n] rows of the store
     dst_rows = (tables[:, d // bs] * bs + d % bs).flatten()  # [S * n]
     pool.store.copy_rows(src_rows.to(device), dst_rows.to(device))
+
+
+@dataclass(eq=False)
+class SpeculationState:
+    """A speculative sequence's counters (``modes.ModeState``): tokens drafted, and of them
+    accepted and rejected by verification."""
+
+    drafted: int = 0
+    accepted: int = 0
+    rejected: int = 0
+
+    def blocks(self) -> int:
+        return 0
+
+    def release(self) -> None:
+        pass
+
+    def contribute(self, result: GenerationResult) -> GenerationResult:
+        return dataclasses.replace(result, draft_tokens=self.drafted, accepted_draft_tokens=self.accepted,
+                                   rejected_draft_tokens=self.rejected)
+
+
+def counters(seq: Sequence) -> SpeculationState:
+    """``seq``'s speculation counters (a speculative sequence gets them when it starts)."""
+    state = seq.mode_state
+    assert isinstance(state, SpeculationState), "a speculative sequence carries its counters"
+    return state

@@ -6,7 +6,7 @@ holds. The pool's mode decides what is written: K and V (plain or 4-bit, dequant
 gather), or in h-mode the attention input h, from which the calling layer recomputes the keys'
 K and V (``Attention.kv_from_h``) and RoPE is applied at each key's position. ``FullContext``
 keeps nothing: plain causal attention over the tokens of this call, the no-cache reference that
-incremental decoding is tested against.
+incremental decoding is tested against. Both run their kernels on a ``Backend`` (``backend.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from tinyloop.model.backend import TORCH, Backend
 from tinyloop.model.kvcache import KVPool, SeqKV
 from tinyloop.model.layers import Attention, Rope
 
@@ -36,8 +36,9 @@ class PagedContext:
 
     def __init__(self, pool: KVPool, rope: Rope, seqs: Sequence[SeqKV], starts: Sequence[int],
                  n_new: int, extra_mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None) -> None:
+                 positions: torch.Tensor | None = None, backend: Backend = TORCH) -> None:
         self.pool = pool
+        self.backend = backend
         self._rope = rope
         bs = pool.block_size
         n_slots = max(s.n_slots for s in seqs)
@@ -100,36 +101,35 @@ class PagedContext:
                h: torch.Tensor | None = None, layer: Attention | None = None) -> torch.Tensor:
         r, kvh, t, d = k.shape
         write, keys = self._flat_index(rows, slots)
-        store = self.pool.store
+        store, kernels = self.pool.store, self.backend
         if store.mode.h_mode:
             if h is None or layer is None:
                 raise ValueError("an h-mode KV pool needs the attention input h and its layer")
-            store.write(write.flatten(), h=h.reshape(r * t, -1))
-            keys_k, keys_v = layer.kv_from_h(store.read("h", keys), store.dtype)  # [R, L, KVH, D]
+            kernels.kv_write(store, write.flatten(), h=h.reshape(r * t, -1))
+            keys_k, keys_v = layer.kv_from_h(kernels.kv_read(store, "h", keys), store.dtype)  # [R, L, KVH, D]
             keys_k, keys_v = keys_k.transpose(1, 2).to(q.dtype), keys_v.transpose(1, 2).to(q.dtype)
             cos, sin = self.key_rope(rows)
             keys_k = self._rope.apply(keys_k, cos, sin)  # [R, KVH, L, D]
         else:
-            store.write(write.flatten(), k=k.transpose(1, 2).reshape(r * t, kvh, d),
-                        v=v.transpose(1, 2).reshape(r * t, kvh, d))
-            keys_k = store.read("k", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
-            keys_v = store.read("v", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
-        mask = _take(self.mask, rows)
-        return F.scaled_dot_product_attention(q, keys_k, keys_v, attn_mask=mask,
-                                              enable_gqa=q.shape[1] != kvh)
+            kernels.kv_write(store, write.flatten(), k=k.transpose(1, 2).reshape(r * t, kvh, d),
+                             v=v.transpose(1, 2).reshape(r * t, kvh, d))
+            keys_k = kernels.kv_read(store, "k", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
+            keys_v = kernels.kv_read(store, "v", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
+        return kernels.attention(q, keys_k, keys_v, _take(self.mask, rows))
 
     def copy_new(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy what the new tokens of ``rows`` stored (K and V, or h) from slot ``src`` to slot
         ``dst`` (per row)."""
         w_src, _ = self._flat_index(rows, src)
         w_dst, _ = self._flat_index(rows, dst)
-        self.pool.store.copy_rows(w_src.flatten(), w_dst.flatten())
+        self.backend.kv_copy(self.pool.store, w_src.flatten(), w_dst.flatten())
 
 
 class FullContext:
     """No cache: causal attention over the T tokens of this call (positions 0..T-1)."""
 
-    def __init__(self, rope: Rope, batch: int, n_tokens: int) -> None:
+    def __init__(self, rope: Rope, batch: int, n_tokens: int, backend: Backend = TORCH) -> None:
+        self.backend = backend
         pos = torch.arange(n_tokens).expand(batch, n_tokens)
         self.cos, self.sin = rope.tables(pos)
 
@@ -139,8 +139,7 @@ class FullContext:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rows: torch.Tensor | None, slots: torch.Tensor,
                h: torch.Tensor | None = None, layer: Attention | None = None) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return self.backend.attention(q, k, v, None)
 
     def copy_new(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Nothing is kept, so there is nothing to copy."""

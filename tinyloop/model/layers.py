@@ -3,7 +3,8 @@
 Attention does not own a cache: it hands its q, k, v to an ``AttentionContext`` (see
 ``tinyloop.model.context``) which writes K and V where the sequence keeps them and attends. It
 hands over its input h and itself too: a context in h-mode stores h and calls back
-``Attention.kv_from_h`` to recompute the keys' K and V with this layer's projection.
+``Attention.kv_from_h`` to recompute the keys' K and V with this layer's projection. RMSNorm
+and RoPE run on the module's kernel backend (``backend.py``; ``LoopedLM.use_backend``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyloop.model.backend import TORCH, Backend
 from tinyloop.model.config import ModelConfig
 
 __all__ = ["RMSNorm", "Rope", "Attention", "MLP", "Block", "AttentionContext"]
@@ -36,19 +38,21 @@ class AttentionContext(Protocol):
 
 
 class RMSNorm(nn.Module):
+    backend: Backend = TORCH
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.float()).to(x.dtype)
+        return self.backend.rms_norm(x, self.weight, self.eps)
 
 
 class Rope:
     """RoPE tables up to ``max_position``; ``half`` rotates halves, ``interleaved`` adjacent pairs."""
+
+    backend: Backend = TORCH
 
     def __init__(self, head_dim: int, max_position: int, theta: float, style: str) -> None:
         self.style = style
@@ -66,15 +70,7 @@ class Rope:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x ``[R, H, T, D]``; cos/sin ``[R, T, D]``."""
-        cos = cos[:, None].to(x.dtype)
-        sin = sin[:, None].to(x.dtype)
-        if self.style == "half":
-            x1, x2 = x.chunk(2, dim=-1)
-            rotated = torch.cat([-x2, x1], dim=-1)
-        else:
-            pairs = x.unflatten(-1, (-1, 2))  # [..., D/2, 2]
-            rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
-        return x * cos + rotated * sin
+        return self.backend.rope(x, cos, sin, self.style)
 
 
 class Attention(nn.Module):

@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyloop.model.backend import TORCH, Backend
 from tinyloop.model.config import ModelConfig
-from tinyloop.vocabulary import ExitRule
 from tinyloop.model.layers import AttentionContext, Block, RMSNorm, Rope
+from tinyloop.vocabulary import ExitRule
 
 __all__ = ["LoopedLM", "RowSpec", "ForwardOutput"]
 
@@ -101,6 +102,16 @@ class LoopedLM(nn.Module):
         self.rope = Rope(c.head_dim, c.max_position, c.rope_theta, c.rope_style)
         # Work counters: tests assert compute grows with loops by counting, never by timing.
         self.counters: Counter[str] = Counter()
+        self.backend: Backend = TORCH
+
+    def use_backend(self, backend: Backend) -> None:
+        """Run this model's norms, RoPE and (through the contexts the engine builds) attention
+        and KV on ``backend`` (``backend.py``); ``TORCH`` is the default."""
+        self.backend = backend
+        self.rope.backend = backend
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.backend = backend
 
     def _apply(self, fn: Any, recurse: bool = True) -> LoopedLM:
         """``.to(device)`` and friends move the RoPE tables too (they are not parameters)."""

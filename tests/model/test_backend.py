@@ -1,0 +1,88 @@
+"""The kernel seam: a second backend plugged into the model runs every norm, RoPE, KV write and
+read and attention of a forward, and (delegating to the torch reference) changes nothing."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.engine.test_engine import make_engine, req
+from tinyloop.engine.engine import Engine
+from tinyloop.model.backend import TORCH, Backend
+from tinyloop.model.kvstore import KVStore
+from tinyloop.requests import GenerationRequest, SamplingParams
+from tinyloop.vocabulary import ExitRule
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Recording:
+    """A backend that counts its calls and hands each to the torch reference."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        self.calls["rms_norm"] += 1
+        return TORCH.rms_norm(x, weight, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+        self.calls["rope"] += 1
+        return TORCH.rope(x, cos, sin, style)
+
+    def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
+        self.calls["kv_write"] += 1
+        TORCH.kv_write(store, rows, **values)
+
+    def kv_read(self, store: KVStore, name: str, rows: torch.Tensor,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        self.calls["kv_read"] += 1
+        return TORCH.kv_read(store, name, rows, dtype)
+
+    def kv_copy(self, store: KVStore, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.calls["kv_copy"] += 1
+        TORCH.kv_copy(store, src, dst)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        self.calls["attention"] += 1
+        return TORCH.attention(q, k, v, mask)
+
+
+GREEDY = SamplingParams(temperature=0, ignore_eos=True)
+REQUESTS = [
+    req([5, 6, 7, 8, 9], max_tokens=8, loops=3, sampling=SamplingParams(temperature=0.8, seed=3, ignore_eos=True)),
+    req([10, 11, 12], max_tokens=8, loops=4, mode="tree", draft_loops=1, draft_ahead=3, k_branches=2,
+        sampling=GREEDY),
+    req([20, 21], max_tokens=6, loops=4, exit=ExitRule("latent_diff", 10.0, min_loops=2), sampling=GREEDY),
+    req([30, 31, 32], max_tokens=5, mode="beam", num_beams=2, sampling=GREEDY),
+]
+
+
+def run(engine: Engine, requests: list[GenerationRequest]) -> tuple[torch.Tensor, list[list[int]]]:
+    seq = engine.start(requests[0])
+    logits = engine.prefill(seq)
+    engine.free(seq)
+    return logits, [r.tokens for r in engine.generate_many(requests)]
+
+
+@pytest.mark.parametrize("kv_mode", ["full", "int4", "h-mode"])
+def test_a_second_backend_plugs_in_and_gives_identical_logits(kv_mode: str) -> None:
+    reference = run(make_engine(max_seq_len=128, block_size=8, kv_mode=kv_mode), REQUESTS)
+    engine = make_engine(max_seq_len=128, block_size=8, kv_mode=kv_mode)
+    recording = Recording()
+    backend: Backend = recording  # the protocol is all the model asks of it
+    engine.model.use_backend(backend)
+    logits, tokens = run(engine, REQUESTS)
+    assert torch.equal(logits, reference[0])
+    assert tokens == reference[1]
+    assert set(recording.calls) == {"rms_norm", "rope", "kv_write", "kv_read", "kv_copy", "attention"}
+    assert recording.calls["kv_write"] == recording.calls["attention"]  # every paged attention stores first
+    engine.model.use_backend(TORCH)
+    before = sum(recording.calls.values())
+    assert run(engine, REQUESTS[:1])[1] == reference[1][:1]
+    assert sum(recording.calls.values()) == before  # switched back: nothing reaches it any more

@@ -1,0 +1,155 @@
+"""KV accounting for the engine: pool sizing, a request's worst case, a sequence's next demand.
+
+Pure arithmetic over the model config and the pool's block size (``KVBudget``); the engine
+actor plans with the ``Engine.kv_*`` methods, which ``KVAccounting`` gives the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+import torch
+
+from tinyloop.engine.prefix_cache import PrefixCache, prefix_request
+from tinyloop.engine.sequence import Sequence
+from tinyloop.model.config import ModelConfig
+from tinyloop.model.kvcache import KVDemand, KVPool, KVPoolStats, slot_count
+from tinyloop.requests import GenerationRequest
+from tinyloop.vocabulary import KVMode
+
+__all__ = ["DEFAULT_KV_BUDGET_MB", "KVAccounting", "KVBudget", "pool_blocks"]
+
+DEFAULT_KV_BUDGET_MB = 1024
+
+
+def pool_blocks(config: ModelConfig, kv_mode: KVMode, dtype: torch.dtype, max_seq_len: int,
+                kv_cache_mb: float | None, block_size: int) -> int:
+    """Blocks of the pool: ``kv_cache_mb`` of them, or by default room for 8 full-length
+    sequences at the default loops and for one at the most loops (a larger request is refused,
+    ``Engine.validate``), capped by ``DEFAULT_KV_BUDGET_MB``."""
+    c = config
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_block = kv_mode.slot_bytes(c, elem) * block_size  # the budget is in bytes
+    if kv_cache_mb is None:
+        per_token = max(8 * kv_mode.bytes_per_token(c, c.default_loops, None, elem),
+                        kv_mode.bytes_per_token(c, c.max_loops, None, elem))
+        need = per_token * max_seq_len
+        budget = min(need, DEFAULT_KV_BUDGET_MB * 2**20)
+    else:
+        budget = int(kv_cache_mb * 2**20)
+    return max(1, budget // per_block)
+
+
+class KVBudget:
+    """What requests and sequences hold of one engine's pool, at most and next."""
+
+    def __init__(self, config: ModelConfig, pool: KVPool, max_seq_len: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.max_seq_len = max_seq_len
+
+    def worst_blocks(self, req: GenerationRequest, loops: int, window: int) -> int:
+        """KV blocks ``req`` holds at most: every slot's table at its full length (prompt plus
+        ``max_tokens``), times the beams of a beam search. Speculation needs no more: it falls
+        back to plain decoding when blocks are short."""
+        length = min(len(req.prompt_tokens) + req.max_tokens, self.max_seq_len)
+        per_slot = -(-length // self.pool.block_size)
+        beams = req.beam[0] if req.beam is not None else 1
+        return slot_count(self.config, loops, window) * per_slot * beams
+
+    def reserves_worst_case(self, req: GenerationRequest) -> bool:
+        """Whether ``req`` sets its worst-case KV aside when it starts instead of growing and
+        being preemptible: a recompute would not reproduce the KV of a warm-start or
+        adaptive-exit sequence (decoding ran each token differently from a prefill), and a beam
+        search's beams are not one sequence."""
+        rule = req.exit or self.config.exit
+        return req.warm_start or rule.kind != "none" or req.mode == "beam"
+
+    def start_blocks(self, req: GenerationRequest, loops: int, window: int) -> int:
+        """Blocks ``req`` needs to start: its worst case when it reserves one, else its prompt
+        and first token (prefix-cache hits may make it less)."""
+        if self.reserves_worst_case(req):
+            return self.worst_blocks(req, loops, window)
+        return slot_count(self.config, loops, window) * -(-(len(req.prompt_tokens) + 1) // self.pool.block_size)
+
+    def prefix_blocks(self, n_tokens: int, loops: int, window: int) -> int:
+        """Blocks a registered prefix of ``n_tokens`` holds."""
+        return slot_count(self.config, loops, window) * -(-n_tokens // self.pool.block_size)
+
+    def demand(self, seq: Sequence) -> KVDemand:
+        """What ``seq`` asks of the pool next (the engine actor's planning input)."""
+        kv = seq.kv
+        target = seq.context_length if seq.prefilling else kv.length + 1
+        if seq.prefill_only or self.reserves_worst_case(seq.request):
+            worst = self.worst_blocks(seq.request, seq.loops, seq.window)
+            held = kv.num_blocks + (seq.mode_state.blocks() if seq.mode_state is not None else 0)
+            return KVDemand(0, max(worst - held, 0), False, 0)
+        return KVDemand(kv.blocks_to_reserve(target), 0, True, kv.n_slots)
+
+    def available(self) -> int:
+        """Blocks the pool can hand out now: free ones and idle prefix-cache ones."""
+        stats = self.pool.statistics()
+        return stats.blocks_free + stats.blocks_cached
+
+
+class _Engine(Protocol):
+    """What ``KVAccounting`` uses of the engine it is mixed into."""
+
+    budget: KVBudget
+    pool: KVPool
+    config: ModelConfig
+    prefix_cache: PrefixCache
+
+    def validate(self, req: GenerationRequest) -> tuple[int, int]: ...
+
+    def free(self, seq: Sequence) -> None: ...
+
+
+class KVAccounting:
+    """The engine's ``kv_*`` planning methods and preemption (``Engine`` mixes them in), over
+    its ``budget``, ``validate``, ``free`` and ``prefix_cache``."""
+
+    def preempt(self: _Engine, seq: Sequence) -> None:
+        """Give ``seq``'s KV back now and rebuild it later: its next steps prefill the prompt and
+        every output token but the pending one (through the prefix cache where it kept them),
+        then decoding goes on where it stopped, with the same tokens as without the pause."""
+        if self.budget.reserves_worst_case(seq.request) or seq.prefill_only:
+            raise ValueError(f"{seq!r} cannot be preempted: a recompute would change its KV")
+        self.free(seq)
+        seq.resumed = bool(seq.output)  # none yet: the prompt's last logits are still to sample
+        seq.preemptions += 1
+
+    def resume(self: _Engine, seq: Sequence) -> None:
+        """Before a preempted sequence runs again: take what the prefix cache kept of it."""
+        self.prefix_cache.attach(seq, None)
+
+    def kv_statistics(self: _Engine) -> KVPoolStats:
+        return self.pool.statistics()
+
+    def kv_blocks_needed(self: _Engine, req: GenerationRequest) -> int:
+        """KV blocks ``req`` holds at most (``KVBudget.worst_blocks``)."""
+        return self.budget.worst_blocks(req, *self.validate(req))
+
+    def _worst_blocks(self: _Engine, req: GenerationRequest, loops: int, window: int) -> int:
+        return self.budget.worst_blocks(req, loops, window)
+
+    def reserves_worst_case(self: _Engine, req: GenerationRequest) -> bool:
+        return self.budget.reserves_worst_case(req)
+
+    def kv_start_blocks(self: _Engine, req: GenerationRequest) -> int:
+        return self.budget.start_blocks(req, *self.validate(req))
+
+    def kv_prefix_blocks(self: _Engine, tokens: Seq[int], loops: int | None = None,
+                         cache_window: int | None = None) -> int:
+        """Blocks a registered prefix of ``tokens`` holds (validated like a request)."""
+        return self.budget.prefix_blocks(len(tokens), *self.validate(prefix_request(tokens, loops, cache_window)))
+
+    def kv_demand(self: _Engine, seq: Sequence) -> KVDemand:
+        return self.budget.demand(seq)
+
+    def kv_available(self: _Engine) -> int:
+        return self.budget.available()
+
+    def kv_bytes_per_token(self: _Engine, loops: int | None = None, cache_window: int | None = None) -> int:
+        return self.pool.bytes_per_token(loops or self.config.default_loops, cache_window)

@@ -1,0 +1,95 @@
+"""Plain decoding: one batched decode forward for the step's sequences, then sampling.
+
+Also the fallback of the other modes (a speculative sequence that cannot speculate this step
+decodes here) and the sampler of every prompt's first logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tinyloop.engine.modes import Core, Finish, guard, no_events, reserve_or_fail
+from tinyloop.engine.sampling import sample_batch
+from tinyloop.engine.sequence import ModeState, Sequence, TokenEvent
+from tinyloop.errors import EngineBroken, EngineError
+
+__all__ = ["PlainDecoding"]
+
+
+class PlainDecoding:
+    """The plain mode's strategy (``modes.Strategy``), and the decode and sampling every mode
+    falls back to."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    def new_state(self, seq: Sequence) -> ModeState | None:
+        return None
+
+    def prepare(self, seqs: list[Sequence]) -> list[Sequence]:
+        return reserve_or_fail(seqs)
+
+    def plan(self, seqs: list[Sequence]) -> tuple[Finish, list[Sequence]]:
+        return no_events, seqs
+
+    def first(self, seq: Sequence, logits: torch.Tensor) -> list[TokenEvent] | None:
+        return None
+
+    def decode(self, seqs: list[Sequence]) -> list[tuple[Sequence, torch.Tensor]]:
+        """``core.decode(seqs)``; when the batched forward raises, each sequence alone."""
+        if not seqs:
+            return []
+        saved = [(s.pending, s.kv.length, s.loops_total, s.last_loops, s.warm_state) for s in seqs]
+        try:
+            return list(zip(seqs, self.core.decode(seqs)))
+        except EngineBroken:
+            raise
+        except Exception as exc:
+            if len(seqs) == 1:
+                seqs[0].fail(exc)
+                return []
+            for s, (pending, length, total, last, warm) in zip(seqs, saved):  # as before the call
+                s.pending, s.kv.length, s.loops_total, s.last_loops, s.warm_state = pending, length, total, last, warm
+        out = []
+        for s in seqs:
+            logits = guard(s, self.core.decode, [s])
+            if logits is not None:
+                out.append((s, logits[0]))
+        return out
+
+    def sample(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> list[TokenEvent]:
+        """Sample every row and accept its token; a row with NaN or +inf logits, or with no
+        finite one, fails its own sequence only (as does a sampler or stop-check failure)."""
+        logits = torch.stack(rows).float()  # [B, V]
+        bad = (torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
+               | ~torch.isfinite(logits).any(-1)).tolist()  # [B]
+        for seq, b in zip(seqs, bad):
+            if b:
+                seq.fail(EngineError("the model produced non-finite logits for this request"))
+        keep = [i for i, b in enumerate(bad) if not b]
+        good = [seqs[i] for i in keep]
+        if not good:
+            return []
+        states = [s.generator.get_state() for s in good]
+        try:
+            results: list[Any] = sample_batch(logits[keep], [s.request.sampling for s in good],
+                                              [s.generator for s in good], [s.prompt for s in good],
+                                              [s.output for s in good])
+        except Exception:  # find the row that raised: every other row samples as it would have
+            for s, state in zip(good, states):
+                s.generator.set_state(state)  # rows before the one that raised drew already
+            results = [guard(s, _sample_one, s, logits[i]) for s, i in zip(good, keep)]
+        events = []
+        for s, r in zip(good, results):
+            if r is not None:
+                event = guard(s, self.core.accept, s, r.token_id, r.logprob)
+                if event is not None:
+                    events.append(event)
+        return events
+
+
+def _sample_one(seq: Sequence, row: torch.Tensor) -> Any:
+    return sample_batch(row[None], [seq.request.sampling], [seq.generator], [seq.prompt],
+                        [seq.output])[0]

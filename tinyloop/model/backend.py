@@ -1,0 +1,97 @@
+"""The kernel seam of the model forward: what the torch reference and a GPU backend both provide.
+
+The model's weights and control flow (prelude, loops, exit rules, coda) are torch everywhere;
+what a backend replaces is the work that dominates a looped model's serving cost: RMSNorm,
+RoPE, and attention over the paged KV pool (writing the new positions' K and V, or h, into the
+slots of their block tables, reading every key position back, attending under the causal or
+tree-verification mask). ``LoopedLM.use_backend`` routes every call of a model through one
+backend; ``PagedContext`` and ``FullContext`` take theirs from the engine (``Engine.context``).
+``TorchBackend`` is the reference every other backend is tested against.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from tinyloop.model.kvstore import KVStore
+
+__all__ = ["Backend", "TORCH", "TorchBackend"]
+
+
+class Backend(Protocol):
+    """The kernels a model forward calls (shapes as the torch reference uses them)."""
+
+    name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x ``[..., H]`` normalised in float32, scaled by ``weight`` ``[H]``, in x's dtype."""
+        ...
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+        """x ``[R, H, T, D]`` rotated by cos/sin ``[R, T, D]``; ``style`` ``half`` or ``interleaved``."""
+        ...
+
+    def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
+        """Store ``values`` (``k`` and ``v`` ``[N, Hkv, D]``, or ``h`` ``[N, H]``) at pool rows ``[N]``."""
+        ...
+
+    def kv_read(self, store: KVStore, name: str, rows: torch.Tensor,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        """What ``store`` keeps under ``name`` at ``rows`` (any shape), dequantized to ``dtype``."""
+        ...
+
+    def kv_copy(self, store: KVStore, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy pool rows ``src`` to ``dst`` (``[N]`` each): an exited token's skipped slots."""
+        ...
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """q ``[R, Hq, T, D]`` over k, v ``[R, Hkv, L, D]`` (GQA when Hkv < Hq); ``mask``
+        ``[R, 1, T, L]`` (True = may attend), None for causal over ``T == L``."""
+        ...
+
+
+class TorchBackend:
+    """The reference backend: plain torch ops, on whatever device the tensors are."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (out * weight.float()).to(x.dtype)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+        cos = cos[:, None].to(x.dtype)
+        sin = sin[:, None].to(x.dtype)
+        if style == "half":
+            x1, x2 = x.chunk(2, dim=-1)
+            rotated = torch.cat([-x2, x1], dim=-1)
+        else:
+            pairs = x.unflatten(-1, (-1, 2))  # type: ignore[no-untyped-call]  # [..., D/2, 2]
+            rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+        out: torch.Tensor = x * cos + rotated * sin
+        return out
+
+    def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
+        store.write(rows, **values)
+
+    def kv_read(self, store: KVStore, name: str, rows: torch.Tensor,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        return store.read(name, rows, dtype)
+
+    def kv_copy(self, store: KVStore, src: torch.Tensor, dst: torch.Tensor) -> None:
+        store.copy_rows(src, dst)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+TORCH: Backend = TorchBackend()
