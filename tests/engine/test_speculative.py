@@ -204,6 +204,16 @@ def test_a_short_pool_falls_back_to_plain_steps() -> None:
     assert eng.kv_statistics().blocks_used == 0
 
 
+def test_a_pool_short_below_the_first_level_cuts_the_tree_there(verified: list[DraftTree]) -> None:
+    eng = make_engine(max_seq_len=256, block_size=8, kv_cache_mb=65 * 2048 / 2**20)  # 65 blocks
+    want = plain(eng, PROMPT, 4, 20)
+    out = eng.generate(req(PROMPT, max_tokens=20, loops=4, mode="tree", draft_loops=2,
+                           draft_ahead=8, k_branches=3, sampling=GREEDY))
+    assert out.tokens == want
+    assert any(1 < max(t.depths) < 8 for t in verified)  # forks ran out after the second level
+    assert eng.kv_statistics().blocks_used == 0
+
+
 def test_validation() -> None:
     eng = make_engine(max_seq_len=256)
     cases: list[tuple[dict[str, Any], str]] = [
