@@ -51,6 +51,26 @@ def plain(engine: Engine, prompt: list[int], loops: int, max_tokens: int = 24) -
 
 
 @pytest.fixture
+def verified(monkeypatch: pytest.MonkeyPatch) -> list[DraftTree]:
+    """Records every tree the verifier scores."""
+    trees: list[DraftTree] = []
+    original = speculative.Speculator._verify
+
+    def recording(self: speculative.Speculator, jobs: list[Any]) -> torch.Tensor:
+        trees.extend(job.tree for job in jobs)
+        return original(self, jobs)
+
+    monkeypatch.setattr(speculative.Speculator, "_verify", recording)
+    return trees
+
+
+def deep_siblings(tree: DraftTree) -> bool:
+    """Two nodes at depth >= 2 with the same parent."""
+    parents = [p for p, d in zip(tree.parents, tree.depths) if d >= 2]
+    return len(parents) > len(set(parents))
+
+
+@pytest.fixture
 def moves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts KV moves: a tree whose accepted branch is not stored right after the root."""
     calls: list[int] = []
@@ -93,6 +113,19 @@ def test_tree_branches_other_than_the_first_are_accepted_and_moved(engine: Engin
         out = engine.generate(req(PROMPT, max_tokens=24, loops=4, mode="tree", sampling=GREEDY, **mode_extra))
         assert out.tokens == plain(engine, PROMPT, 4)
     assert moves  # the tokens after a moved path read the moved KV: equality covers them
+
+
+def test_tree_branches_at_every_depth_and_keeps_greedy_output(engine: Engine, verified: list[DraftTree]) -> None:
+    extra = dict(draft_loops=1, draft_ahead=4, k_branches=3)
+    out = engine.generate(req(PROMPT, max_tokens=24, loops=4, mode="tree", sampling=GREEDY, **extra))
+    assert out.tokens == plain(engine, PROMPT, 4)
+    assert any(deep_siblings(t) for t in verified)
+    for tree in verified:  # the node budget: K per level, draft_ahead levels
+        assert max(tree.depths) <= 4 and len(tree) <= 1 + 3 * 4
+        assert all(tree.depths.count(d) <= 3 for d in range(1, 5))
+        siblings = [tuple(tree.tokens[c] for c in tree.children(n)) for n in range(len(tree))]
+        assert all(len(set(s)) == len(s) for s in siblings)  # distinct tokens under a parent
+    assert engine.kv_statistics().blocks_used == 0
 
 
 def test_other_loops_and_prompts(engine: Engine) -> None:
@@ -169,6 +202,16 @@ def test_a_short_pool_falls_back_to_plain_steps() -> None:
     out = eng.generate(req(PROMPT, max_tokens=20, loops=4, mode="tree", draft_loops=2,
                            draft_ahead=8, k_branches=6, sampling=GREEDY))
     assert out.tokens == want
+    assert eng.kv_statistics().blocks_used == 0
+
+
+def test_a_pool_short_below_the_first_level_cuts_the_tree_there(verified: list[DraftTree]) -> None:
+    eng = make_engine(max_seq_len=256, block_size=8, kv_cache_mb=65 * 2048 / 2**20)  # 65 blocks
+    want = plain(eng, PROMPT, 4, 20)
+    out = eng.generate(req(PROMPT, max_tokens=20, loops=4, mode="tree", draft_loops=2,
+                           draft_ahead=8, k_branches=3, sampling=GREEDY))
+    assert out.tokens == want
+    assert any(1 < max(t.depths) < 8 for t in verified)  # forks ran out after the second level
     assert eng.kv_statistics().blocks_used == 0
 
 
@@ -275,11 +318,13 @@ def sample_many(eng: Engine, request: GenerationRequest, n: int) -> tuple[int, C
 @pytest.mark.parametrize(("mode", "extra"), [
     ("speculative", dict(draft_loops=2, draft_ahead=2)),
     ("tree", dict(draft_loops=2, draft_ahead=2, k_branches=2)),
+    ("tree", dict(draft_loops=1, draft_ahead=2, k_branches=3)),
 ])
-def test_sampled_speculation_has_the_distribution_of_plain_sampling(mode: str, extra: dict[str, int]) -> None:
-    eng = make_engine(max_seq_len=64, block_size=4, kv_cache_mb=64)
+def test_sampled_speculation_has_the_distribution_of_plain_sampling(mode: str, extra: dict[str, int],
+                                                                     verified: list[DraftTree]) -> None:
+    n = 1000  # one batch of n sequences: a draft budget for every tree in full
+    eng = make_engine(max_seq_len=64, block_size=4, kv_cache_mb=64, max_draft_nodes=6 * n)
     prompt = [30, 31, 32, 33, 34]
-    n = 1000
     request = req(prompt, max_tokens=4, loops=4, mode=mode, sampling=SAMPLED, **extra)
     first, counts, drafted, rejected = sample_many(eng, request, n)
     exact = exact_joint(eng, prompt, first)
@@ -288,4 +333,6 @@ def test_sampled_speculation_has_the_distribution_of_plain_sampling(mode: str, e
     assert chi2 < CHI2_DF7_P001, (chi2, counts, exact)
     # both sides of the rule ran: some drafts were accepted, some rejected
     assert 0.05 * drafted < rejected < 0.95 * drafted
+    if extra.get("k_branches") == 3:  # here the rule held over trees with siblings at depth 2
+        assert sum(map(deep_siblings, verified)) > 0.1 * len(verified)
     assert eng.kv_statistics().blocks_used == 0

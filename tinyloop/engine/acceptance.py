@@ -25,7 +25,10 @@ Rules, each giving the distribution of plain decoding at the verifier's loops:
   an accepted candidate continues at its node, whose logits are the verifier's conditional
   after it, so the whole output has plain sampling's distribution. (Proposals drawn from ``q``
   would need SpecInfer's form; a point mass is the special case ``q = delta_c``, where
-  ``min(1, p/q)`` is ``p(c)`` and ``norm(max(0, p - q))`` is ``p`` without ``c``.)
+  ``min(1, p/q)`` is ``p(c)`` and ``norm(max(0, p - q))`` is ``p`` without ``c``.) The argument
+  holds at every node, whatever the tree's shape: siblings may hang at any depth, as long as a
+  node's children are distinct tokens and the tree is fixed before the verifier's draws (the
+  draft's choices use no randomness).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ __all__ = ["DraftTree", "Verdict", "accept_greedy", "accept_chain_sampled", "acc
 
 @dataclass(frozen=True, slots=True)
 class DraftTree:
-    """Nodes in storage order: node 0 is the root, then branch after branch, each by depth.
+    """Nodes in storage order: node 0 is the root, every parent before its children (branch
+    after branch for ``from_branches``, preorder for a tree grown by ``draft_tree.py``).
 
     Storage order is also the KV layout of the verify forward: node ``i`` is written at position
     ``start + i``, its RoPE position is ``start + depth``.

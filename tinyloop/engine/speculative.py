@@ -12,18 +12,23 @@ One ``Speculator.run`` serves every speculative sequence of an engine step, batc
    read the prefix's KV of the loops they run (and its coda), and write their own KV at
    positions ``>= L`` that are never committed: ``SeqKV.length`` stays ``L`` and the verify
    forward overwrites those positions in every slot. A chain drafts in the sequence's own KV. A
-   tree drafts its root in the sequence's KV, takes the top ``K`` draft tokens after it as the
-   first level, then forks the KV once per branch (copy-on-write, only the root's partly filled
-   block is copied) and extends every branch greedily to depth ``k``: ``K * k`` nodes. Forks are
-   freed after drafting.
-3. Verify. One forward at the sequence's loops over the root and every node (``1 + K * k``
-   tokens; ``k + 1`` for a chain), node ``i`` written at position ``L + i`` with RoPE position
-   and noise position ``L + depth``, attending to its ancestors only (``extra_mask``).
+   tree (``draft_tree.py``) grows level by level, ``K`` nodes per level and ``k`` levels: every
+   node of the frontier proposes its top ``K`` draft tokens (penalties applied, after its own
+   path), and the level keeps ``K`` of them, the draft's greedy chain first, then by draft path
+   probability, so siblings appear at any depth: at most ``K * k`` nodes. The root drafts in
+   the sequence's KV; each node of the next level drafts in a KV holding its ancestors' draft
+   KV: its parent's fork, taken over by the parent's first child and forked (copy-on-write, only
+   the partly filled block is copied) for the others and for the root's children. Forks are
+   freed when their node has no children, and after drafting.
+3. Verify. One forward at the sequence's loops over the root and every node (up to
+   ``1 + K * k`` tokens; ``k + 1`` for a chain), node ``i`` written at position ``L + i`` with
+   RoPE position and noise position ``L + depth``, attending to its ancestors only (``extra_mask``).
    Sequences with the same node count share one batched call.
 4. Accept (``acceptance.py``) and commit: the root and the accepted path's nodes hold exactly
    the KV that plain decoding writes for those tokens (same positions, same ancestors). A path
-   that is not stored right after the root (a tree branch other than the first) is moved there
-   row by row; then the KV is truncated past the path, freeing whole blocks.
+   that is not stored right after the root (one off the tree's first branch) is moved there
+   row by row (a tree is stored in preorder, the draft's greedy chain right after the root);
+   then the KV is truncated past the path, freeing whole blocks.
 
 Only the verifier decides what is emitted, so drafts change the speed, never the output. Two
 settings would break that and are refused by ``Engine.validate``: a cache window below the loops
@@ -44,6 +49,7 @@ import torch
 from tinyloop.engine.acceptance import (
     DraftTree, Verdict, accept_chain_sampled, accept_greedy, accept_tree_sampled,
 )
+from tinyloop.engine.draft_tree import Candidate, TreeGrowth
 from tinyloop.engine.modes import Core
 from tinyloop.engine.output import Emission
 from tinyloop.engine.sampling import (
@@ -70,7 +76,17 @@ class _Job:
     branches: list[list[int]] = field(default_factory=list)
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # q per drafted chain token
     forks: list[SeqKV] = field(default_factory=list)
+    growth: TreeGrowth | None = None  # a tree's nodes while drafting (None for a chain)
     tree: DraftTree | None = None
+
+    def __post_init__(self) -> None:
+        if self.width > 1:
+            self.growth = TreeGrowth(_pending(self.seq), self.width)
+
+    def draft_tree(self) -> DraftTree:
+        if self.growth is not None:
+            return self.growth.tree()
+        return DraftTree.from_branches(_pending(self.seq), self.branches)
 
     @property
     def sampled_chain(self) -> bool:
@@ -83,7 +99,7 @@ class _Row:
 
     job: _Job
     kv: SeqKV
-    branch: int  # -1: the root of a tree, whose logits give the first level
+    node: int  # the tree node fed (0: the root; always 0 for a chain)
     token: int
     start: int
 
@@ -103,7 +119,7 @@ class Speculator:
         self._draft(jobs)
         verifying = []
         for job in jobs:
-            job.tree = DraftTree.from_branches(_pending(job.seq), job.branches)
+            job.tree = job.draft_tree()
             try:
                 job.seq.kv.reserve(job.start + len(job.tree))
             except KVCacheExhausted:
@@ -160,57 +176,76 @@ class Speculator:
 
     # -- draft ---------------------------------------------------------------------------------
     def _draft(self, jobs: list[_Job]) -> None:
-        rows = [_Row(job, job.seq.kv, -1 if job.width > 1 else 0, _pending(job.seq), job.start)
-                for job in jobs]
+        rows = [_Row(job, job.seq.kv, 0, _pending(job.seq), job.start) for job in jobs]
         try:
             while rows:
                 logits = self._draft_forward(rows)  # [B, V]
-                rows = [nxt for row, lg in zip(rows, logits) for nxt in self._extend(row, lg)]
+                level: dict[_Job, list[tuple[_Row, torch.Tensor]]] = defaultdict(list)
+                for row, lg in zip(rows, logits):
+                    level[row.job].append((row, lg))
+                rows = [nxt for job, fed in level.items() for nxt in self._extend(job, fed)]
         finally:
             for job in jobs:
                 for fork in job.forks:
                     fork.free()
                 job.forks = []
 
-    def _extend(self, row: _Row, logits: torch.Tensor) -> list[_Row]:
-        """Choose the next draft token(s) from a draft row's logits; the rows to feed next."""
-        job, seq = row.job, row.job.seq
-        params = seq.request.sampling
-        if row.branch < 0:
-            first = _top_tokens(logits, seq, job.width)
-            job.branches = [[t] for t in first]
-            return self._fork(job, first) if job.depth > 1 else []
-        branch = job.branches[row.branch]
-        history = [*seq.output, *branch]
-        if job.sampled_chain:
-            q = target_probs(logits, params, seq.prompt, history)
-            token = draw(q, seq.generator)
-            job.draft_probs.append(q)
-        else:
-            token = greedy_token(logits, params, seq.prompt, history)
-        branch.append(token)
-        if len(branch) >= job.depth:
+    def _extend(self, job: _Job, fed: list[tuple[_Row, torch.Tensor]]) -> list[_Row]:
+        """Choose the next draft token(s) from the logits of a job's rows just fed; the rows to
+        feed next."""
+        seq = job.seq
+        if job.growth is None:  # a chain: one row, one token
+            [(row, logits)] = fed
+            params = seq.request.sampling
+            branch = job.branches[0]
+            history = [*seq.output, *branch]
+            if job.sampled_chain:
+                q = target_probs(logits, params, seq.prompt, history)
+                token = draw(q, seq.generator)
+                job.draft_probs.append(q)
+            else:
+                token = greedy_token(logits, params, seq.prompt, history)
+            branch.append(token)
+            if len(branch) >= job.depth:
+                return []
+            return [_Row(job, row.kv, 0, token, row.start + 1)]
+        growth = job.growth
+        parents = [row for row, _ in fed]
+        added = growth.grow([row.node for row in parents],
+                            [_top_tokens(lg, seq, job.width, growth.path(row.node)) for row, lg in fed])
+        if parents[0].start + 1 - job.start >= job.depth:  # the new level is the last one
             return []
-        return [_Row(job, row.kv, row.branch, token, row.start + 1)]
+        return self._fork(job, parents, added)
 
-    def _fork(self, job: _Job, first: list[int]) -> list[_Row]:
-        """One KV fork per branch, holding the root's draft KV; a short pool keeps depth 1."""
-        kv = job.seq.kv
-        kv.length = job.start + 1  # the root's draft KV is in: forks copy its block on write
+    def _fork(self, job: _Job, parents: list[_Row], added: list[int]) -> list[_Row]:
+        """A KV per new node, holding its ancestors' draft KV: a parent's first child takes over
+        the parent's fork, every other child (and every child of the root) gets a fork of it.
+        Parents left without children free theirs; a short pool ends the tree at this level."""
+        growth = job.growth
+        assert growth is not None
+        by_node = {row.node: row for row in parents}
+        taken: set[int] = set()
+        rows = []
         try:
-            for _ in first:
-                fork = kv.fork()
-                job.forks.append(fork)
-                fork.reserve(job.start + job.depth)
+            for node in added:
+                parent = by_node[growth.parents[node]]
+                kv = parent.kv
+                if kv is not job.seq.kv and parent.node not in taken:
+                    taken.add(parent.node)
+                else:
+                    kv = _branch(kv, parent.start + 1, job.start + job.depth)
+                    job.forks.append(kv)
+                rows.append(_Row(job, kv, node, growth.tokens[node], parent.start + 1))
         except KVCacheExhausted:
             for fork in job.forks:
                 fork.free()
             job.forks = []
-            job.depth = 1
             return []
-        finally:
-            kv.length = job.start
-        return [_Row(job, fork, b, t, job.start + 1) for b, (fork, t) in enumerate(zip(job.forks, first))]
+        for row in parents:
+            if row.node not in taken and row.kv is not job.seq.kv:
+                job.forks.remove(row.kv)
+                row.kv.free()
+        return rows
 
     def _draft_forward(self, rows: list[_Row]) -> torch.Tensor:
         eng = self.engine
@@ -266,12 +301,33 @@ def _pending(seq: Sequence) -> int:
     return seq.pending
 
 
-def _top_tokens(logits: torch.Tensor, seq: Sequence, k: int) -> list[int]:
-    """The ``k`` most likely draft tokens after the pending one, penalties applied (temperature
-    and the filters keep the order)."""
+def _top_tokens(logits: torch.Tensor, seq: Sequence, k: int, path: list[int]) -> list[Candidate]:
+    """The ``k`` most likely draft tokens after the pending one and ``path``, penalties applied
+    (temperature and the filters keep the order), with their log-probabilities at the request's
+    temperature (1 for greedy), which rank them against other nodes' children."""
     raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
-    penalised = apply_penalties(raw, seq.request.sampling, seq.prompt, seq.output)  # [V]
-    return [int(t) for t in torch.topk(penalised, k).indices]
+    params = seq.request.sampling
+    penalised = apply_penalties(raw, params, seq.prompt, [*seq.output, *path])  # [V]
+    scaled = penalised
+    if not params.greedy:
+        scaled = (penalised - penalised.max()) / max(params.temperature, torch.finfo(torch.float32).tiny)
+    logprobs = torch.log_softmax(scaled, dim=-1)  # [V]
+    top = torch.topk(penalised, k).indices
+    return [(int(t), float(logprobs[t])) for t in top]
+
+
+def _branch(kv: SeqKV, length: int, end: int) -> SeqKV:
+    """A fork of ``kv`` keeping its first ``length`` positions, with room up to ``end``: the
+    partly filled block it writes next is copied, later blocks are its own."""
+    fork = kv.fork()
+    fork.length = length
+    try:
+        fork.truncate(length)
+        fork.reserve(end)
+    except KVCacheExhausted:
+        fork.free()
+        raise
+    return fork
 
 
 def _move_positions(kv: SeqKV, src: list[int], dst: list[int], device: torch.device) -> None:
