@@ -1,4 +1,5 @@
-"""ModelLimits: one check of a request against the model, agreeing with Engine.validate."""
+"""ModelLimits: the one check of a request against the model (``Engine.validate`` and the runtime's
+admission use it), held to the rules the engine checked before they moved there."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tinyloop.limits import KVLimits, ModelLimits, Resolved
 from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.requests import GenerationRequest
 from tinyloop.tokenizer import default_tokenizer
-from tinyloop.vocabulary import ExitRule
+from tinyloop.vocabulary import ExitRule, kv_slots_per_token
 
 MAX_SEQ_LEN = 256
 # KV_MB holds 512 blocks of 8 tokens: a full-length request fits at 4 loops, not at 16
@@ -60,7 +61,47 @@ def outcome(check: Any, req: GenerationRequest) -> tuple[Any, ...]:
     return ("ok", loops, window)
 
 
-def test_limits_agree_with_engine_validate_on_a_grid_of_requests(real: Engine) -> None:
+def reference_validate(engine: Engine, req: GenerationRequest) -> tuple[int, int]:
+    """The engine's own checks from before they moved to ``ModelLimits``, kept as the reference."""
+    c = engine.config
+    loops = req.loops or c.default_loops
+    if loops > c.max_loops:
+        raise RequestError(f"loops must be <= {c.max_loops} for this model", param="loops")
+    window = min(req.cache_window or loops, loops)
+    if len(req.prompt_tokens) + req.max_tokens > engine.max_seq_len:
+        raise PromptTooLongError(len(req.prompt_tokens), req.max_tokens, engine.max_seq_len)
+    if max(req.prompt_tokens) >= c.vocab_size:
+        raise RequestError(f"prompt token id {max(req.prompt_tokens)} is outside the "
+                           f"vocabulary ({c.vocab_size})", param="prompt")
+    rule = req.exit or c.exit
+    if rule.kind == "gate" and c.exit.kind != "gate":
+        raise RequestError("this model has no exit gate: use exit kind latent_diff or kl", param="exit")
+    if rule.min_loops > loops and rule.kind != "none":
+        raise RequestError(f"exit.min_loops ({rule.min_loops}) exceeds loops ({loops})", param="exit")
+    if req.speculation is not None:
+        if rule.kind != "none":
+            raise RequestError("speculative decoding is not available with an "
+                               f"adaptive exit rule ({rule.kind}): verification "
+                               "cannot exit per token, so the output would differ from plain "
+                               "decoding", param="mode")
+        if req.speculation[0] > loops:
+            raise RequestError(f"draft_loops ({req.speculation[0]}) must be <= the verifier's loops "
+                               f"({loops})", param="draft_loops")
+        if window < loops:
+            raise RequestError("speculative decoding needs the full cache (cache_window >= loops)",
+                               param="cache_window")
+    length = min(len(req.prompt_tokens) + req.max_tokens, engine.max_seq_len)
+    beams = req.beam[0] if req.beam is not None else 1
+    worst = kv_slots_per_token(c, loops, window) * -(-length // engine.pool.block_size) * beams
+    if worst > engine.pool.num_blocks:
+        raise RequestError(
+            f"this request can hold up to {worst} KV blocks (prompt + max_tokens at {loops} "
+            f"loops, cache_window {window}) but the whole KV pool has {engine.pool.num_blocks}: "
+            "lower max_tokens, loops or cache_window", param="max_tokens")
+    return loops, window
+
+
+def test_limits_agree_with_the_engines_former_checks_on_a_grid_of_requests(real: Engine) -> None:
     limits = ModelLimits.from_engine(real)
 
     def resolved(req: GenerationRequest) -> tuple[int, int]:
@@ -72,7 +113,8 @@ def test_limits_agree_with_engine_validate_on_a_grid_of_requests(real: Engine) -
     params: set[Any] = set()
     accepted = 0
     for req in grid(real.config.vocab_size):
-        ours, theirs = outcome(resolved, req), outcome(real.validate, req)
+        ours, theirs = outcome(resolved, req), outcome(lambda r: reference_validate(real, r), req)
+        assert outcome(real.validate, req) == ours  # the engine checks through the limits
         assert ours == theirs, req
         if ours[0] == "ok":
             accepted += 1

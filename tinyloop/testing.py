@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import trio
 
 from tinyloop.engine.sequence import TokenEvent
-from tinyloop.errors import PromptTooLongError, RequestError
+from tinyloop.limits import ModelLimits, Resolved
 from tinyloop.model.kvcache import KVDemand, KVPoolStats
 from tinyloop.requests import GenerationRequest, GenerationResult
 
@@ -103,17 +103,17 @@ class FakeEngine:
     held_blocks: int = 0
     peak_blocks: int = 0
 
-    def validate(self, req: GenerationRequest) -> int:
-        """The checks the real engine makes on limits and loops; returns the loops."""
-        if len(req.prompt_tokens) + req.max_tokens > self.max_seq_len:
-            raise PromptTooLongError(len(req.prompt_tokens), req.max_tokens, self.max_seq_len)
-        loops = req.loops or self.default_loops
-        if loops > self.max_loops:
-            raise RequestError(f"loops must be <= {self.max_loops}", param="loops")
-        return loops
+    @property
+    def limits(self) -> ModelLimits:
+        """What the fake accepts: the context, ``max_loops`` (no vocabulary or KV limit)."""
+        return ModelLimits(max_seq_len=self.max_seq_len, vocab_size=2**31, default_loops=self.default_loops,
+                           max_loops=self.max_loops)
+
+    def check(self, req: GenerationRequest) -> Resolved:
+        return self.limits.check(req)
 
     def start(self, req: GenerationRequest, prefix: object | None = None) -> FakeSequence:
-        loops = self.validate(req)
+        loops = self.check(req).loops
         self.started.append(req.request_id)
         self.live += 1
         self.held_blocks += len(req.prompt_tokens) + req.max_tokens

@@ -25,7 +25,9 @@ import trio
 
 from tinyloop.errors import SchedulerError, SchedulerShutdown
 from tinyloop.messages import Admit, AdmitReply, Admitted, Enqueue, Event, Observe, Rejected
+from tinyloop.limits import Resolved
 from tinyloop.policy.admission import Admission, Decision, least_loops
+from tinyloop.requests import GenerationRequest
 from tinyloop.settings import Settings
 
 if TYPE_CHECKING:
@@ -47,7 +49,8 @@ class Sources:
 
 async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: trio.MemorySendChannel[Enqueue],
               settings: Settings, observations: trio.MemoryReceiveChannel[Observe],
-              events: trio.MemorySendChannel[Event], sources: Sources, default_loops: int,
+              events: trio.MemorySendChannel[Event], sources: Sources,
+              check: Callable[[GenerationRequest], Resolved],
               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     policy = Admission.from_settings(settings)
     sent = 0  # Enqueue messages sent to the queue, ever
@@ -62,7 +65,7 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: trio.MemorySen
                         break
                     policy.predictor.observe(seen.service_ms, loops=seen.loops, tokens=seen.tokens)
                 try:
-                    decision = _decide(policy, msg, sources, sent, default_loops)
+                    decision = _decide(policy, msg, sources, sent)
                 except SchedulerError as exc:
                     if not isinstance(exc, SchedulerShutdown):  # the seeds count queue-full and SLO only
                         events.send_nowait(Rejected(type(exc).__name__))
@@ -71,13 +74,14 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: trio.MemorySen
                 ticket = msg.ticket
                 if decision.downgraded and decision.loops is not None:
                     ticket.request = dataclasses.replace(ticket.request, loops=decision.loops)
+                    ticket.resolved = check(ticket.request)  # the limits resolve it again
                 sent += 1
                 await outbox.send(Enqueue(ticket))
                 events.send_nowait(Admitted())
                 msg.reply.send_nowait(AdmitReply(decision, None))
 
 
-def _decide(policy: Admission, msg: Admit, sources: Sources, sent: int, default_loops: int) -> Decision:
+def _decide(policy: Admission, msg: Admit, sources: Sources, sent: int) -> Decision:
     engine, queue, dispatcher = sources.engine(), sources.queue(), sources.dispatcher()
     if engine.broken is not None:
         raise SchedulerShutdown(f"the engine is broken: {engine.broken}")
@@ -85,4 +89,4 @@ def _decide(policy: Admission, msg: Admit, sources: Sources, sent: int, default_
     return policy.check(
         queue_depth=queue.queued + sent - queue.taken_in, in_flight=dispatcher.slots_used,
         slots=dispatcher.slots, slo_ms=msg.ticket.slo_ms, shutting_down=False,
-        loops=req.loops or default_loops, max_tokens=req.max_tokens, least_loops=least_loops(req))
+        loops=msg.ticket.loops, max_tokens=req.max_tokens, least_loops=least_loops(req))

@@ -226,9 +226,8 @@ class EngineState:
         try:
             prefix = None
             if entry.via_pool:
-                loops = req.loops or self.engine.default_loops
-                window = min(req.cache_window or loops, loops)
-                found = self.pool.find(req.prompt_tokens, loops, window)
+                resolved = ticket.resolved or self.engine.check(req)  # (set at admission)
+                found = self.pool.find(req.prompt_tokens, resolved.loops, resolved.window)
                 prefix = None if found is None else found[1]
             with engine_errors():
                 seq = self.engine.start(req, prefix)

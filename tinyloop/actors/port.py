@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from tinyloop.errors import EngineError, TinyLoopError
+from tinyloop.limits import Resolved
 from tinyloop.requests import GenerationRequest
 
 if TYPE_CHECKING:
@@ -37,8 +38,9 @@ class EnginePort(Protocol):
     max_seq_len: int
     default_loops: int
 
-    def validate(self, req: GenerationRequest) -> Any:
-        """Check a request against the model (limits, loops, knobs); raises RequestError."""
+    def check(self, req: GenerationRequest) -> Resolved:
+        """The one check of a request against the model (``tinyloop.limits``): raises
+        ``RequestError`` naming the field, or resolves its loops, window and exit rule."""
         ...
 
     def start(self, req: GenerationRequest, prefix: Any = None) -> Any:
@@ -118,8 +120,8 @@ class ThreadedEngine:
     def __repr__(self) -> str:
         return f"<ThreadedEngine {self.engine!r}>"
 
-    def validate(self, req: GenerationRequest) -> tuple[int, int]:
-        return self.engine.validate(req)
+    def check(self, req: GenerationRequest) -> Resolved:
+        return self.engine.limits.check(req)
 
     def start(self, req: GenerationRequest, prefix: Seq | None = None) -> Seq:
         return self.engine.start(req, prefix)

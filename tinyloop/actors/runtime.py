@@ -58,6 +58,7 @@ from tinyloop.messages import (
     Admit, AdmitReply, Cancel, EngineInbox, Enqueue, Event, Observe, QueueFeedback, Ready,
     RegisterPrefix, SlotFreed,
 )
+from tinyloop.limits import Resolved
 from tinyloop.metrics import Metrics
 from tinyloop.requests import GenerationRequest, GenerationResult, RequestState
 from tinyloop.settings import Settings
@@ -146,12 +147,16 @@ class Runtime:
         sources = admission.Sources(self._queue.statistics, self._dispatcher.statistics, self._engine.statistics)
         await n.start(partial(
             admission.run, inbox=self._admit_recv, outbox=enqueue_send, settings=settings,
-            observations=observe_recv, events=events_send, sources=sources,
-            default_loops=self.engine.default_loops))
+            observations=observe_recv, events=events_send, sources=sources, check=self.engine.check))
         kv_bytes = self.engine.kv_bytes_per_token()
         self.metrics.set_engine_info(max_seq_len=self.engine.max_seq_len,
                                      default_loops=self.engine.default_loops,
                                      up_timestamp_s=self.started_at, kv_bytes_per_token=kv_bytes)
+
+    def check(self, request: GenerationRequest) -> Resolved:
+        """The request checked against the model once (``RequestError`` naming the field), its
+        defaults resolved: what admission and the engine actor then go by."""
+        return self.engine.check(request)
 
     # -- submitting ----------------------------------------------------------------------------
     def submit_stream(self, request: GenerationRequest, *, priority: int = 0,

@@ -8,7 +8,7 @@ step and its KV is freed. Nothing else is affected.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -16,15 +16,26 @@ from tinyloop.actors.ticket import Failure, Final, Ticket
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
 if TYPE_CHECKING:
-    from tinyloop.actors.runtime import Runtime
+    from tinyloop.limits import Resolved
 
-__all__ = ["RequestStream"]
+__all__ = ["RequestStream", "Gate"]
+
+
+class Gate(Protocol):
+    """What a stream needs from its runtime (``Runtime`` is one): the model's check, admission,
+    and withdrawal of a ticket its caller left."""
+
+    def check(self, request: GenerationRequest) -> Resolved: ...
+
+    async def _admit(self, ticket: Ticket) -> None: ...
+
+    def _cancel(self, ticket: Ticket, error: BaseException | None = None) -> None: ...
 
 
 class RequestStream:
     """An async iterator of ``GenerationChunk`` and an async context manager."""
 
-    def __init__(self, runtime: Runtime, request: GenerationRequest, priority: int,
+    def __init__(self, runtime: Gate, request: GenerationRequest, priority: int,
                  slo_ms: float | None, stream: bool) -> None:
         self._runtime = runtime
         self.ticket = Ticket(request, priority, slo_ms, stream, trio.current_time())
@@ -48,7 +59,7 @@ class RequestStream:
         Idempotent; iteration calls it if needed."""
         if self._started:
             return
-        self._runtime.engine.validate(self.ticket.request)
+        self.ticket.resolved = self._runtime.check(self.ticket.request)  # the one check
         self._started = True
         try:
             await self._runtime._admit(self.ticket)

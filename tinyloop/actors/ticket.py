@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from tinyloop.limits import Resolved
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
 __all__ = ["Ticket", "Final", "Failure", "Item"]
@@ -66,6 +67,7 @@ class Ticket:
     slo_ms: float | None
     stream: bool
     submitted_at: float  # trio.current_time()
+    resolved: Resolved | None = None  # the request checked against the model, at admission
     state: RequestState = RequestState.QUEUED
     cancelled: bool = False
     cancel_error: BaseException | None = None  # told to the caller when the runtime cancels it
@@ -74,6 +76,13 @@ class Ticket:
 
     def __post_init__(self) -> None:
         self.send, self.receive = trio.open_memory_channel[Item](self.request.max_tokens + 1)
+
+    @property
+    def loops(self) -> int:
+        """The loops the request runs at, as the model's limits resolved them at admission."""
+        if self.resolved is None:
+            raise RuntimeError(f"{self!r} was not checked against the model (RequestStream.start)")
+        return self.resolved.loops
 
     @property
     def request_id(self) -> str:

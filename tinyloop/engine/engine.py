@@ -29,7 +29,8 @@ from tinyloop.engine.output import accept_token
 from tinyloop.engine.prefix_cache import PrefixCache, PrefixEntries
 from tinyloop.engine.sampling import StopMatcher, make_generator
 from tinyloop.engine.sequence import Sequence, TokenEvent
-from tinyloop.errors import PromptTooLongError, RequestError
+from tinyloop.errors import RequestError
+from tinyloop.limits import ModelLimits
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.context import PagedContext
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
@@ -78,6 +79,7 @@ class Engine(KVAccounting, PrefixEntries):
         self.pool = KVPool(self.config, blocks, block_size, dtype=self.dtype, device=self.device,
                            mode=self.kv_mode)
         self.budget = KVBudget(self.config, self.pool, self.max_seq_len)
+        self.limits = ModelLimits.from_engine(self)  # the one check of a request (tinyloop.limits)
         self.prefix_cache = PrefixCache(self.pool, self.kv_mode, prefix_caching)
         self.batch = Batch(self)
         self.prefilled_tokens = 0  # prompt tokens run through the model (cache hits excluded)
@@ -107,52 +109,9 @@ class Engine(KVAccounting, PrefixEntries):
 
     # -- lifecycle of a sequence ---------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> tuple[int, int]:
-        """Check a request against this model; returns its (loops, window)."""
-        c = self.config
-        loops = req.loops or c.default_loops
-        if loops > c.max_loops:
-            raise RequestError(f"loops must be <= {c.max_loops} for this model", param="loops")
-        window = min(req.cache_window or loops, loops)
-        if len(req.prompt_tokens) + req.max_tokens > self.max_seq_len:
-            raise PromptTooLongError(len(req.prompt_tokens), req.max_tokens, self.max_seq_len)
-        if max(req.prompt_tokens) >= c.vocab_size:
-            raise RequestError(f"prompt token id {max(req.prompt_tokens)} is outside the "
-                               f"vocabulary ({c.vocab_size})", param="prompt")
-        rule = req.exit or c.exit
-        if rule.kind == "gate" and c.exit.kind != "gate":
-            raise RequestError("this model has no exit gate: use exit kind latent_diff or kl",
-                               param="exit")
-        if rule.min_loops > loops and rule.kind != "none":
-            raise RequestError(f"exit.min_loops ({rule.min_loops}) exceeds loops ({loops})",
-                               param="exit")
-        if req.speculation is not None:
-            self._validate_speculation(req, loops, window)
-        worst = self._worst_blocks(req, loops, window)
-        if worst > self.pool.num_blocks:
-            raise RequestError(
-                f"this request can hold up to {worst} KV blocks (prompt + max_tokens at {loops} "
-                f"loops, cache_window {window}) but the whole KV pool has {self.pool.num_blocks}: "
-                "lower max_tokens, loops or cache_window", param="max_tokens")
-        return loops, window
-
-    def _validate_speculation(self, req: GenerationRequest, loops: int, window: int) -> None:
-        draft_loops, _, _ = req.speculation or (1, 0, 0)
-        # A multi-token verify forward runs every token to its full loops: with an adaptive
-        # exit rule plain decoding would stop some tokens earlier and emit other tokens.
-        rule = req.exit or self.config.exit
-        if rule.kind != "none":
-            raise RequestError("speculative decoding is not available with an "
-                               f"adaptive exit rule ({rule.kind}): verification "
-                               "cannot exit per token, so the output would differ from plain "
-                               "decoding", param="mode")
-        if draft_loops > loops:
-            raise RequestError(f"draft_loops ({draft_loops}) must be <= the verifier's loops "
-                               f"({loops})", param="draft_loops")
-        # With W < loops a token reads its predecessors' latest slot, which a multi-token
-        # verify forward fills at the same loop instead: verification would change the output.
-        if window < loops:
-            raise RequestError("speculative decoding needs the full cache (cache_window >= loops)",
-                               param="cache_window")
+        """Check a request against this model (``self.limits``); returns its (loops, window)."""
+        resolved = self.limits.check(req)
+        return resolved.loops, resolved.window
 
     def start(self, req: GenerationRequest, prefix: Sequence | None = None) -> Sequence:
         """A new sequence for ``req`` (validated; no model work, and no KV beyond shared blocks).

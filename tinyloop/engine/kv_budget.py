@@ -14,6 +14,7 @@ import torch
 from tinyloop.engine.prefix_cache import PrefixCache, prefix_request
 from tinyloop.engine.sequence import Sequence
 from tinyloop.model.config import ModelConfig
+from tinyloop.limits import KVLimits
 from tinyloop.model.kvcache import KVDemand, KVPool, KVPoolStats, slot_count
 from tinyloop.requests import GenerationRequest
 from tinyloop.vocabulary import KVMode
@@ -48,15 +49,14 @@ class KVBudget:
         self.config = config
         self.pool = pool
         self.max_seq_len = max_seq_len
+        self.kv = KVLimits(pool.num_blocks, pool.block_size, config)
 
     def worst_blocks(self, req: GenerationRequest, loops: int, window: int) -> int:
         """KV blocks ``req`` holds at most: every slot's table at its full length (prompt plus
         ``max_tokens``), times the beams of a beam search. Speculation needs no more: it falls
         back to plain decoding when blocks are short."""
         length = min(len(req.prompt_tokens) + req.max_tokens, self.max_seq_len)
-        per_slot = -(-length // self.pool.block_size)
-        beams = req.beam[0] if req.beam is not None else 1
-        return slot_count(self.config, loops, window) * per_slot * beams
+        return self.kv.worst_blocks(length, loops, window, req.beam[0] if req.beam is not None else 1)
 
     def reserves_worst_case(self, req: GenerationRequest) -> bool:
         """Whether ``req`` sets its worst-case KV aside when it starts instead of growing and

@@ -134,7 +134,8 @@ class Attention(nn.Module):
         q = rope.apply(q, cos, sin)
         k = rope.apply(k, cos, sin)
         out = ctx.attend(q, k, v, rows, slots, x, self)  # [R, Hq, T, D]
-        return self.o(out.transpose(1, 2).flatten(-2))  # [R, T, H]
+        y: torch.Tensor = self.o(out.transpose(1, 2).flatten(-2))  # [R, T, H]
+        return y
 
 
 class MLP(nn.Module):
@@ -147,7 +148,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(F.silu(gate) * up)
+        y: torch.Tensor = self.proj(F.silu(gate) * up)
+        return y
 
 
 class Block(nn.Module):
@@ -173,11 +175,14 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
                 rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
         a = self.attn(self.attn_norm(x), ctx, rope, rows, slots)
+        y: torch.Tensor
         if self.style == "pre_ln":
             x = x + a
-            return x + self.mlp(self.mlp_norm(x))
-        if self.style == "peri_ln":
+            y = x + self.mlp(self.mlp_norm(x))
+        elif self.style == "peri_ln":
             x = x + self.attn_post_norm(a)
-            return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
-        x = self.attn_post_norm(x + a)
-        return self.mlp_post_norm(x + self.mlp(self.mlp_norm(x)))
+            y = x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
+        else:
+            x = self.attn_post_norm(x + a)
+            y = self.mlp_post_norm(x + self.mlp(self.mlp_norm(x)))
+        return y
