@@ -163,12 +163,13 @@ def make_requests(body: Any, model: ServedModel, tokens: list[int], *, prompt_pa
                   max_tokens: int | None, max_tokens_param: str = "max_tokens", n: int = 1,
                   seed: int | None, stop: tuple[str, ...], logprobs: bool, top_logprobs: int,
                   mode: str = "generate", rename: Mapping[str, str] | None = None,
-                  **fields: Any) -> list[GenerationRequest]:
-    """One request per choice, checked against the model's limits (a 400 naming the field the
-    client set: ``prompt_param`` for the prompt, ``max_tokens_param`` for ``max_tokens``,
-    ``rename`` for the rest); choice ``i`` samples with ``seed + i`` so choices differ.
+                  **fields: Any) -> Choices:
+    """One request per choice; choice ``i`` samples with ``seed + i`` so choices differ.
     ``max_tokens`` None or -1 means up to the context's end. ``fields`` are further
-    ``GenerationRequest`` fields (a mode's own: draft loops, beams)."""
+    ``GenerationRequest`` fields (a mode's own: draft loops, beams). The model's limits check
+    them at admission (``start_all``), and a refusal is a 400 naming the field the client set:
+    ``prompt_param`` for the prompt, ``max_tokens_param`` for ``max_tokens``, ``rename`` for the
+    rest."""
     if not tokens:
         raise ApiError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
     room = model.limits.max_seq_len - len(tokens)
@@ -178,7 +179,8 @@ def make_requests(body: Any, model: ServedModel, tokens: list[int], *, prompt_pa
                        param=prompt_param, code="context_length_exceeded")
     limit = room if max_tokens is None or max_tokens == -1 else max_tokens
     out = []
-    with _blaming({"prompt": prompt_param, "max_tokens": max_tokens_param, **(rename or {})}):
+    blame = {"prompt": prompt_param, "max_tokens": max_tokens_param, **(rename or {})}
+    with _blaming(blame):
         for i in range(n):
             choice_seed = None if seed is None else (seed + i) % 2**63
             sampling = sampling_from(body, seed=choice_seed, stop=stop, logprobs=logprobs,
@@ -187,8 +189,15 @@ def make_requests(body: Any, model: ServedModel, tokens: list[int], *, prompt_pa
                                          loops=body.loops, cache_window=body.cache_window,
                                          warm_start=body.warm_start, sampling=sampling,
                                          exit=exit_rule(body), **fields))
-        model.limits.check(out[0])  # the choices differ only in their seeds
-    return out
+    return Choices(out, blame)
+
+
+@dataclass(frozen=True)
+class Choices:
+    """The requests of one body (one per choice) and the body's name for each request field."""
+
+    requests: list[GenerationRequest]
+    blame: Mapping[str, str]
 
 
 @contextmanager
@@ -210,14 +219,15 @@ def _all_or_none(streams: Sequence[RequestStream]) -> Iterator[None]:
     except BaseException as exc:
         for s in streams:
             s.cancel()
-        if isinstance(exc, Exception):
+        if isinstance(exc, Exception) and not isinstance(exc, ApiError):
             raise from_exception(exc) from exc
         raise
 
 
-async def start_all(rt: Runtime, reqs: Sequence[GenerationRequest], priority: int,
+async def start_all(rt: Runtime, choices: Choices, priority: int,
                     slo_ms: float | None, *, streaming: bool) -> list[RequestStream]:
-    """Admit every request (all or none: a refusal cancels the ones already admitted);
+    """Admit every request (all or none: a refusal cancels the ones already admitted; the
+    runtime's check against the model's limits is a 400 naming the body's field);
     ``streaming`` is the body's ``stream``: only streamed requests count in ``first_token_ms``.
 
     The choices are admitted one by one and each must find the queue below
@@ -226,13 +236,14 @@ async def start_all(rt: Runtime, reqs: Sequence[GenerationRequest], priority: in
     more than ``max_queue_depth`` only by luck of timing on an idle server (never while every
     slot is busy). Such an ``n`` is the request's fault (400 naming ``n``, checked before
     anything is admitted), not an overload to retry (503 with ``Retry-After``)."""
+    reqs = choices.requests
     depth = rt.settings.max_queue_depth
     if len(reqs) > depth:
         raise ApiError(400, f"n={len(reqs)} choices cannot all be queued together: this server "
                        f"queues at most {depth} requests (--max-queue-depth)", param="n",
                        code="invalid_value")
     streams: list[RequestStream] = []
-    with _all_or_none(streams):
+    with _all_or_none(streams), _blaming(choices.blame):
         for req in reqs:
             stream = rt.submit_stream(req, priority=priority, slo_ms=slo_ms, stream=streaming)
             streams.append(stream)
