@@ -118,7 +118,8 @@ async def run(args: argparse.Namespace) -> None:
                 before = batch_histogram((await client.get("/metrics")).text)
                 start = time.perf_counter()
 
-                async def go(p: list[int]) -> None:
+                async def go(p: list[int], counts: list[int] = counts, gaps: list[float] = gaps,
+                             ttfts: list[float] = ttfts) -> None:
                     counts.append(await one_stream(client, p, args.tokens, gaps, ttfts))
 
                 async with trio.open_nursery() as clients:

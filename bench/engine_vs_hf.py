@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from functools import partial
 
 # Before torch loads OpenMP: spinning workers cost 3-4x whenever another process wants a core.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -93,6 +94,11 @@ def hf_tokens(model, prompts: list[list[int]], n: int) -> None:  # type: ignore[
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
     assert out.shape[1] == ids.shape[1] + n
+
+
+def _gbs(batch: int, rate: float | None, bytes_per_token: int) -> str:
+    """Achieved GB/s of weights at batch 1 (blank otherwise)."""
+    return f"{bytes_per_token * rate / 1e9:>8.1f}" if batch == 1 and rate else f"{'':>8}"
 
 
 def decode_rate(run, batch: int, n: int, repeat: int) -> float:  # type: ignore[no-untyped-def]
@@ -165,10 +171,11 @@ def main() -> None:
                 + config.vocab_size * config.hidden * 4)
             for batch in args.batches:
                 prompts = torch.randint(0, config.vocab_size, (batch, args.prompt), generator=gen).tolist()
-                ours = decode_rate(lambda k: ours_tokens(engine, prompts, k, loops), batch, args.tokens, args.repeat)
-                theirs = (decode_rate(lambda k: hf_tokens(hf, prompts, k), batch, args.tokens, args.repeat)
+                ours = decode_rate(partial(ours_tokens, engine, prompts, loops=loops), batch, args.tokens,
+                                   args.repeat)
+                theirs = (decode_rate(partial(hf_tokens, hf, prompts), batch, args.tokens, args.repeat)
                           if hf is not None else None)
-                gbs = lambda r, b: f"{b * r / 1e9:>8.1f}" if batch == 1 and r else f"{'':>8}"  # noqa: E731
+                gbs = partial(_gbs, batch)
                 print(f"{loops:>5} {config.n_prelude + config.n_core * loops + config.n_coda:>9} {batch:>5} "
                       f"{ours:>10.1f} {theirs or float('nan'):>9.1f} "
                       f"{(ours / theirs if theirs else float('nan')):>7.2f} {per_token / 2**20:>7.0f} "

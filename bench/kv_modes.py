@@ -29,10 +29,10 @@ import torch
 from tinyloop.engine.engine import Engine
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
-from tinyloop.vocabulary import KVMode
 from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.requests import GenerationRequest, SamplingParams
 from tinyloop.tokenizer import default_tokenizer
+from tinyloop.vocabulary import KVMode
 
 SEQ_LEN = 2048
 BUDGET = 2**30

@@ -240,7 +240,8 @@ def print_table(title: str, unit: str, rows: list[Row], base: Row | None, cpu_un
     for r in rows:
         cpu = f"{r.cpu_s / r.n * 1e6:>16.0f}" if r.cpu_s is not None and r.n else f"{'-':>16}"
         cpu += f" {r.client_cpu_s / r.n * 1e6:>13.0f}" if r.client_cpu_s is not None and r.n else f" {'-':>13}"
-        ratio = f"{r.rate / base.rate:>8.0%}" if base is not None and r is not base and "HTTP" in r.label else f"{'':>8}"
+        versus_bare = base is not None and r is not base and "HTTP" in r.label
+        ratio = f"{r.rate / base.rate:>8.0%}" if versus_bare else f"{'':>8}"
         print(f"{r.label:<34} {r.rate:>10,.0f} {r.pct(0.5):>8.2f} {r.pct(0.99):>8.2f} {cpu} {ratio}")
 
 

@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per benchmark")
     args = ap.parse_args()
     output = args.output or (None if args.quick else HERE / "RESULTS.md")
-    started = dt.datetime.now(dt.timezone.utc)
+    started = dt.datetime.now(dt.UTC)
     commit = _sh("git", "rev-parse", "--short", "HEAD") or "unknown"
     dirty = " (uncommitted changes)" if _sh("git", "status", "--porcelain") else ""
     desc = machine()

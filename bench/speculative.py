@@ -101,7 +101,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_small(Path(tmp), args.seed)
         engine = Engine.load(path)
-        name = "random small (seed %d)" % args.seed if args.model is None else str(path)
+        name = f"random small (seed {args.seed})" if args.model is None else str(path)
     tokens = engine.tokenizer.encode(args.prompt)
     loops = engine.default_loops
     print(f"model: {name}; {engine.config.n_prelude}+{engine.config.n_core}x{loops}+"

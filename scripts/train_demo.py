@@ -122,7 +122,8 @@ def configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, CorpusS
     retuned = {k: getattr(args, k) for k in RETUNABLE if getattr(args, k) is not None}
     train = TrainConfig(seed=args.seed, steps=args.steps or TrainConfig().steps, batch=args.batch,
                         lr=args.lr, warmup=args.warmup, **retuned, bf16=args.bf16,
-                        log_every=args.log_every, eval_every_min=args.eval_every_min, ckpt_every_min=args.ckpt_every_min)
+                        log_every=args.log_every, eval_every_min=args.eval_every_min,
+                        ckpt_every_min=args.ckpt_every_min)
     return model, train, CorpusSpec(source_dir=args.source_dir, seed=args.seed,
                                     n_train_problems=args.train_problems,
                                     max_digits=args.arith_max_digits or CorpusSpec().max_digits)

@@ -11,9 +11,8 @@ import pytest
 from tinyloop.cli import main
 from tinyloop.model.artifact import load_artifact
 from tinyloop.model.config import ModelConfig, kv_bytes_per_token
-from tinyloop.vocabulary import ExitRule
-from tinyloop.vocabulary import KV_MODES, KVMode
 from tinyloop.model.presets import PRESETS, param_count
+from tinyloop.vocabulary import KV_MODES, ExitRule, KVMode
 
 
 def _inspect_json(path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:

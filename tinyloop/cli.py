@@ -19,10 +19,9 @@ import torch
 from tinyloop.errors import ConfigError, TinyLoopError
 from tinyloop.model.artifact import inspect_artifact, save_artifact
 from tinyloop.model.config import ModelConfig
-from tinyloop.vocabulary import kv_slots_per_token
-from tinyloop.vocabulary import KV_MODES, KVMode
 from tinyloop.model.presets import PRESETS, init_model, param_count
 from tinyloop.tokenizer import Tokenizer, default_tokenizer, gpt2_tokenizer
+from tinyloop.vocabulary import KV_MODES, KVMode, kv_slots_per_token
 
 __all__ = ["main", "build_parser"]
 

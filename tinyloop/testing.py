@@ -85,7 +85,8 @@ class FakeEngine:
     records request ids in the order the engine started them; ``batches`` the batch size of
     each step. With ``kv_blocks`` set it counts KV like the real engine, one block per prompt
     or output token: ``kv_statistics`` reports the total and ``kv_start_blocks`` a request's
-    prompt plus ``max_tokens``, held from its start (never preempted); ``peak_blocks`` is the most that live sequences ever held.
+    prompt plus ``max_tokens``, held from its start (never preempted); ``peak_blocks`` is the most
+    that live sequences ever held.
     """
 
     latency_ms: float = 10.0

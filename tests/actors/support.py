@@ -17,15 +17,7 @@ import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from tinyloop import (
-    GenerationRequest,
-    GenerationResult,
-    RequestStream,
-    Runtime,
-    Settings,
-    TinyLoopError,
-    open_runtime,
-)
+from tinyloop import GenerationRequest, GenerationResult, RequestStream, Runtime, Settings, TinyLoopError, open_runtime
 from tinyloop.testing import FakeEngine
 
 CEILING_S = 60  # virtual seconds

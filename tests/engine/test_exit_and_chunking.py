@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.engine.test_engine import make_engine
 from tinyloop.engine.engine import Engine
 from tinyloop.errors import RequestError
-from tinyloop.vocabulary import ExitRule
 from tinyloop.requests import GenerationChunk, GenerationRequest, SamplingParams
-from tests.engine.test_engine import make_engine
+from tinyloop.vocabulary import ExitRule
 
 
 def greedy(prompt: list[int], **kw: object) -> GenerationRequest:

@@ -23,7 +23,8 @@ CARD_FIELDS = {"id", "object", "type", "publisher", "arch", "compatibility_type"
                "state", "max_context_length"}
 
 
-async def post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+async def post(client: httpx.AsyncClient, path: str,
+               body: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The final object of a completion and the chunks before it.
 
     Non-streamed: (the response, []). Streamed: (the chunk with ``finish_reason``, the others),

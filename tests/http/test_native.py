@@ -28,7 +28,8 @@ RESULT_FIELDS = {"id", "tokens", "text", "finish_reason", "prompt_tokens", "comp
 
 
 @asynccontextmanager
-async def client_for(settings: Settings | None = None, engine: Engine | None = None) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+async def client_for(settings: Settings | None = None,
+                     engine: Engine | None = None) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     async with running_server(settings, engine) as srv, httpx.AsyncClient(base_url=srv.url, timeout=30) as client:
         yield srv, client
 

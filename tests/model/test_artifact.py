@@ -13,12 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tinyloop.errors import ArtifactError
-from tinyloop.model.artifact import (
-    FORMAT_VERSION,
-    inspect_artifact,
-    load_artifact,
-    save_artifact,
-)
+from tinyloop.model.artifact import FORMAT_VERSION, inspect_artifact, load_artifact, save_artifact
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.context import FullContext
 from tinyloop.model.looped import LoopedLM, RowSpec

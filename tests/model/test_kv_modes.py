@@ -11,19 +11,18 @@ import torch
 
 from tinyloop.engine.engine import Engine
 from tinyloop.errors import ConfigError
-from tinyloop.server import load_engine
 from tinyloop.http.service import ServedModel
 from tinyloop.model.config import ModelConfig
-from tinyloop.vocabulary import ExitRule
 from tinyloop.model.context import PagedContext
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
-from tinyloop.vocabulary import KV_MODES, KVMode
 from tinyloop.model.kvstore import dequantize_int4, quantize_int4
 from tinyloop.model.looped import LoopedLM, RowSpec
 from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.requests import GenerationRequest, SamplingParams
+from tinyloop.server import load_engine
 from tinyloop.settings import Settings
 from tinyloop.tokenizer import default_tokenizer
+from tinyloop.vocabulary import KV_MODES, ExitRule, KVMode
 
 COMPRESSED = [m for m in KV_MODES if m != "full"]
 CFG = PRESETS["tiny"].replace(max_position=256)  # hidden 64, kv_heads 2, head_dim 16

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tinyloop.model.config import ModelConfig
-from tinyloop.vocabulary import ExitRule
 from tinyloop.model.context import FullContext, PagedContext
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
 from tinyloop.model.looped import LoopedLM, RowSpec
+from tinyloop.vocabulary import ExitRule
 
 VOCAB = 97
 

@@ -6,10 +6,10 @@ import pytest
 
 from tests.engine.test_engine import make_engine
 from tinyloop.errors import AdmissionRejected, QueueFullError, RequestError, SchedulerShutdown
-from tinyloop.vocabulary import ExitRule
 from tinyloop.policy import Admission, AdmissionPredictor, Decision, least_loops
 from tinyloop.requests import GenerationRequest
 from tinyloop.settings import Settings
+from tinyloop.vocabulary import ExitRule
 
 
 def admission(**kw: object) -> Admission:

@@ -14,7 +14,13 @@ import trio
 
 from tests.http.conftest import running_server
 from tests.reliability.rawhttp import (
-    connect, host_of, read_one_response, read_until_closed, request, status_of, stoppable_server,
+    connect,
+    host_of,
+    read_one_response,
+    read_until_closed,
+    request,
+    status_of,
+    stoppable_server,
 )
 from tinyloop.settings import Settings
 

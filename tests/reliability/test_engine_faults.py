@@ -16,9 +16,10 @@ import trio
 
 from tests.http.conftest import LiveServer, running_server, tiny_engine
 from tests.reliability.conftest import assert_drained, counter, sse_events
-from tinyloop.engine.engine import Engine
 from tinyloop.actors.port import ThreadedEngine, engine_errors
-from tinyloop.engine.sequence import Sequence as Seq, TokenEvent
+from tinyloop.engine.engine import Engine
+from tinyloop.engine.sequence import Sequence as Seq
+from tinyloop.engine.sequence import TokenEvent
 from tinyloop.errors import EngineBroken
 from tinyloop.http.service import ServedModel
 from tinyloop.settings import Settings

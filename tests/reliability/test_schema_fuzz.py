@@ -14,15 +14,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import requests
 import schemathesis
 import trio
-from hypothesis import HealthCheck, given, settings as hsettings
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
 from schemathesis import GenerationMode
 from schemathesis.checks import (
-    content_type_conformance, not_a_server_error, response_schema_conformance, status_code_conformance,
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
 )
 
+import requests
 from tests.http.conftest import running_server, tiny_engine
 from tinyloop.settings import Settings
 

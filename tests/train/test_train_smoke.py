@@ -13,9 +13,17 @@ from tinyloop.model.context import FullContext
 from tinyloop.model.looped import RowSpec
 from tinyloop.model.presets import init_model
 from tinyloop.tokenizer import default_tokenizer
-from tinyloop.train.corpus import (CorpusSpec, build_corpus, format_problems, held_out_problems,
-                                   sample_batch, source_files, split_files, training_problems,
-                                   validation_text)
+from tinyloop.train.corpus import (
+    CorpusSpec,
+    build_corpus,
+    format_problems,
+    held_out_problems,
+    sample_batch,
+    source_files,
+    split_files,
+    training_problems,
+    validation_text,
+)
 from tinyloop.train.steps import lm_loss, sample_loops, train_forward
 from tinyloop.train.trainer import CHECKPOINT_NAME, TrainConfig, Trainer, demo_model_config
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from tinyloop.errors import SchedulerError, SchedulerShutdown
-from tinyloop.messages import Admit, AdmitReply, Admitted, Enqueue, Event, Observe, Rejected
 from tinyloop.limits import Resolved
+from tinyloop.messages import Admit, AdmitReply, Admitted, Enqueue, Event, Observe, Rejected
 from tinyloop.policy.admission import Admission, Decision, least_loops
 from tinyloop.requests import GenerationRequest
 from tinyloop.settings import Settings

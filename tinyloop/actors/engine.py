@@ -53,8 +53,18 @@ from tinyloop.actors.port import EnginePort, engine_errors
 from tinyloop.actors.ticket import Failure, Final, Ticket
 from tinyloop.errors import EngineBroken, EngineError, SchedulerShutdown, TinyLoopError
 from tinyloop.messages import (
-    Dispatch, EngineInbox, Event, Finished, FirstToken, Observe, Preempted, PrefixLookup, RegisterPrefix,
-    SlotFreed, Started, StepDone,
+    Dispatch,
+    EngineInbox,
+    Event,
+    Finished,
+    FirstToken,
+    Observe,
+    Preempted,
+    PrefixLookup,
+    RegisterPrefix,
+    SlotFreed,
+    Started,
+    StepDone,
 )
 from tinyloop.policy.kvplan import KVPlanner, Running, Waiting
 from tinyloop.policy.prefix_pool import PrefixPool

@@ -12,7 +12,15 @@ from __future__ import annotations
 import trio
 
 from tinyloop.messages import (
-    Admitted, Event, Finished, FirstToken, PoolDispatched, Preempted, PrefixLookup, Rejected, Started,
+    Admitted,
+    Event,
+    Finished,
+    FirstToken,
+    PoolDispatched,
+    Preempted,
+    PrefixLookup,
+    Rejected,
+    Started,
     StepDone,
 )
 from tinyloop.metrics import Metrics

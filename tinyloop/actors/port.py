@@ -11,12 +11,10 @@ Nothing here imports torch or the model: the actors and the HTTP layer load with
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
-
-import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -26,7 +24,8 @@ from tinyloop.requests import GenerationRequest
 
 if TYPE_CHECKING:
     from tinyloop.engine.engine import Engine
-    from tinyloop.engine.sequence import Sequence as Seq, TokenEvent
+    from tinyloop.engine.sequence import Sequence as Seq
+    from tinyloop.engine.sequence import TokenEvent
     from tinyloop.model.kvcache import KVDemand, KVPoolStats
 
 __all__ = ["EnginePort", "ThreadedEngine", "engine_errors"]

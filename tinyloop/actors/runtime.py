@@ -46,7 +46,9 @@ from typing import TYPE_CHECKING, cast
 
 import trio
 
-from tinyloop.actors import admission, dispatcher, engine as engine_actor, metrics as metrics_actor, queue
+from tinyloop.actors import admission, dispatcher, queue
+from tinyloop.actors import engine as engine_actor
+from tinyloop.actors import metrics as metrics_actor
 from tinyloop.actors.dispatcher import DispatcherState
 from tinyloop.actors.engine import EngineState, Health
 from tinyloop.actors.port import EnginePort, ThreadedEngine
@@ -54,11 +56,20 @@ from tinyloop.actors.queue import QueueState
 from tinyloop.actors.stream import RequestStream
 from tinyloop.actors.ticket import Failure, Ticket
 from tinyloop.errors import SchedulerShutdown
-from tinyloop.messages import (
-    Admit, AdmitReply, Cancel, EngineInbox, Enqueue, Event, Observe, QueueFeedback, Ready,
-    RegisterPrefix, SlotFreed,
-)
 from tinyloop.limits import Resolved
+from tinyloop.messages import (
+    Admit,
+    AdmitReply,
+    Cancel,
+    EngineInbox,
+    Enqueue,
+    Event,
+    Observe,
+    QueueFeedback,
+    Ready,
+    RegisterPrefix,
+    SlotFreed,
+)
 from tinyloop.metrics import Metrics
 from tinyloop.requests import GenerationRequest, GenerationResult, RequestState
 from tinyloop.settings import Settings

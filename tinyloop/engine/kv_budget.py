@@ -13,8 +13,8 @@ import torch
 
 from tinyloop.engine.prefix_cache import PrefixCache, prefix_request
 from tinyloop.engine.sequence import Sequence
-from tinyloop.model.config import ModelConfig
 from tinyloop.limits import KVLimits
+from tinyloop.model.config import ModelConfig
 from tinyloop.model.kvcache import KVDemand, KVPool, KVPoolStats, slot_count
 from tinyloop.requests import GenerationRequest
 from tinyloop.vocabulary import KVMode

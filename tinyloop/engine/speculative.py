@@ -46,15 +46,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tinyloop.engine.acceptance import (
-    DraftTree, Verdict, accept_chain_sampled, accept_greedy, accept_tree_sampled,
-)
+from tinyloop.engine.acceptance import DraftTree, Verdict, accept_chain_sampled, accept_greedy, accept_tree_sampled
 from tinyloop.engine.draft_tree import Candidate, TreeGrowth
 from tinyloop.engine.modes import Core
 from tinyloop.engine.output import Emission
-from tinyloop.engine.sampling import (
-    apply_penalties, draw, greedy_token, target_probs, token_logprob,
-)
+from tinyloop.engine.sampling import apply_penalties, draw, greedy_token, target_probs, token_logprob
 from tinyloop.engine.sequence import Sequence
 from tinyloop.errors import KVCacheExhausted
 from tinyloop.model.kvcache import SeqKV

@@ -11,7 +11,8 @@ from typing import Any
 
 from quart_trio import QuartTrio
 
-from tinyloop.http.factory import attach as attach, create_app as create_app
+from tinyloop.http.factory import attach as attach
+from tinyloop.http.factory import create_app as create_app
 from tinyloop.http.service import ServedModel as ServedModel
 
 

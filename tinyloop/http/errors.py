@@ -13,10 +13,15 @@ from typing import Any
 from pydantic import ValidationError
 from quart import Response
 
-from tinyloop.http.schemas import FieldError
 from tinyloop.errors import (
-    AdmissionRejected, EngineError, PromptTooLongError, RequestError, SchedulerError, TokenizerError,
+    AdmissionRejected,
+    EngineError,
+    PromptTooLongError,
+    RequestError,
+    SchedulerError,
+    TokenizerError,
 )
+from tinyloop.http.schemas import FieldError
 
 __all__ = ["ApiError", "error_response", "error_body", "from_exception", "from_validation"]
 

@@ -16,7 +16,12 @@ from tinyloop.http.bodies import off_loop
 from tinyloop.http.errors import ApiError
 from tinyloop.http.formats import draft_stats
 from tinyloop.http.schemas import (
-    DetokenizeRequest, GenerateBase, GenerateRequest, SpeculativeRequest, TokenizeRequest, TreeSpeculativeRequest,
+    DetokenizeRequest,
+    GenerateBase,
+    GenerateRequest,
+    SpeculativeRequest,
+    TokenizeRequest,
+    TreeSpeculativeRequest,
 )
 from tinyloop.http.service import DONE, collect, make_requests, new_id, parse_body, served, sse, sse_response, start_all
 from tinyloop.requests import GenerationResult

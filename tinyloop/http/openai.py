@@ -21,7 +21,17 @@ from tinyloop.actors.stream import RequestStream
 from tinyloop.http.formats import chat_logprobs, completion_logprobs, lmstudio_extras, model_card, usage
 from tinyloop.http.schemas import ChatCompletionRequest, CompletionRequest, Sampling
 from tinyloop.http.service import (
-    DONE, ServedModel, collect, interleave, make_requests, new_id, parse_body, served, sse, sse_response, start_all,
+    DONE,
+    ServedModel,
+    collect,
+    interleave,
+    make_requests,
+    new_id,
+    parse_body,
+    served,
+    sse,
+    sse_response,
+    start_all,
 )
 from tinyloop.requests import GenerationResult, TokenLogprob
 from tinyloop.tokenizer import Tokenizer

@@ -9,8 +9,13 @@ from pydantic import BaseModel
 
 import tinyloop
 from tinyloop.http.schemas import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, SpeculativeRequest,
-    TokenizeRequest, TreeSpeculativeRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    SpeculativeRequest,
+    TokenizeRequest,
+    TreeSpeculativeRequest,
 )
 
 __all__ = ["openapi_document"]

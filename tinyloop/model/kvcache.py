@@ -30,11 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from tinyloop.errors import KVCacheExhausted
-from tinyloop.model.config import ModelConfig
-from tinyloop.vocabulary import kv_slots_per_token
 from tinyloop.model.blockcache import BlockCache
-from tinyloop.vocabulary import KVMode
+from tinyloop.model.config import ModelConfig
 from tinyloop.model.kvstore import KVStore
+from tinyloop.vocabulary import KVMode, kv_slots_per_token
 
 __all__ = ["KVDemand", "KVPool", "KVPoolStats", "SeqKV", "slot_count"]
 

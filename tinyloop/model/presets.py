@@ -16,9 +16,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tinyloop.model.config import ModelConfig
-from tinyloop.vocabulary import ExitRule
-from tinyloop.model.layers import Attention, MLP, Rope
+from tinyloop.model.layers import MLP, Attention, Rope
 from tinyloop.model.looped import LoopedLM
+from tinyloop.vocabulary import ExitRule
 
 __all__ = ["PRESETS", "empty_model", "init_model", "param_count"]
 
