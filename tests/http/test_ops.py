@@ -10,6 +10,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http.conftest import LiveServer, running_server, tiny_engine
+from tinyloop.errors import EngineBroken
 from tinyloop.http.service import ServedModel
 from tinyloop.settings import Settings
 from tinyloop.testing import FakeEngine
@@ -64,23 +65,32 @@ def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {n: after[n] - before[n] for n in names if after[n] != before[n]}
 
 
-async def test_healthz_ok_then_broken_then_shutting_down() -> None:
+async def test_healthz_ok_then_shutting_down() -> None:
     with trio.fail_after(30):
         async with running_server() as srv, httpx.AsyncClient(base_url=srv.url) as client:
             ok = await client.get("/healthz")
             assert (ok.status_code, ok.text) == (200, "ok\n")
             assert ok.headers["content-type"].startswith("text/plain")
-            srv.runtime.health.broken = "boom"
+            srv.runtime.refuse_new_requests()
+            closing = await client.get("/healthz")
+            assert closing.status_code == 503 and closing.text == "shutting down\n"
+
+
+async def test_healthz_reports_a_broken_engine_which_refuses_work() -> None:
+    engine = FakeEngine(fail_with=EngineBroken("boom"))
+    model = ServedModel(id="fake", tokenizer=default_tokenizer(), chat_template="", max_seq_len=2048,
+                        default_loops=8, max_loops=64, vocab_size=4096)
+    with trio.fail_after(30):
+        async with running_server(Settings(port=0), engine, model) as srv, \
+                httpx.AsyncClient(base_url=srv.url) as client:
+            assert (await client.get("/healthz")).status_code == 200
+            failed = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            assert failed.status_code == 500 and "boom" in failed.json()["error"]["message"]
             broken = await client.get("/healthz")
             assert broken.status_code == 503 and "boom" in broken.text
             # A broken engine also refuses work, with the error object.
             refused = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
             assert refused.status_code == 503 and "boom" in refused.json()["error"]["message"]
-            srv.runtime.health.broken = None
-            assert (await client.get("/healthz")).status_code == 200
-            srv.runtime.refuse_new_requests()
-            closing = await client.get("/healthz")
-            assert closing.status_code == 503 and closing.text == "shutting down\n"
 
 
 async def test_metrics_shows_every_seed_series() -> None:

@@ -50,7 +50,7 @@ from tinyloop.actors import admission, dispatcher, queue
 from tinyloop.actors import engine as engine_actor
 from tinyloop.actors import metrics as metrics_actor
 from tinyloop.actors.dispatcher import DispatcherState
-from tinyloop.actors.engine import EngineState, Health
+from tinyloop.actors.engine import EngineState
 from tinyloop.actors.port import EnginePort, ThreadedEngine
 from tinyloop.actors.queue import QueueState
 from tinyloop.actors.stream import RequestStream
@@ -268,11 +268,6 @@ class Runtime:
             kv_blocks_used=None if e.kv is None else e.kv.blocks_used,
             kv_blocks_total=None if e.kv is None else e.kv.blocks_total,
             healthy=e.broken is None, broken=e.broken, shutting_down=self._shutting_down)
-
-    @property
-    def health(self) -> Health:
-        """The engine actor's ``Health`` (it alone writes it; a test may break it by hand)."""
-        return self._engine.health
 
     @property
     def healthy(self) -> bool:
