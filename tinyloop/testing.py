@@ -113,8 +113,9 @@ class FakeEngine:
     def check(self, req: GenerationRequest) -> Resolved:
         return self.limits.check(req)
 
-    def start(self, req: GenerationRequest, prefix: object | None = None) -> FakeSequence:
-        loops = self.check(req).loops
+    def start(self, req: GenerationRequest, prefix: object | None = None,
+              resolved: Resolved | None = None) -> FakeSequence:
+        loops = (resolved or self.check(req)).loops
         self.started.append(req.request_id)
         self.live += 1
         self.held_blocks += len(req.prompt_tokens) + req.max_tokens

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from tinyloop.actors.mailbox import Pipe, receive_all
 from tinyloop.errors import SchedulerError, SchedulerShutdown
 from tinyloop.limits import Resolved
 from tinyloop.messages import Admit, AdmitReply, Admitted, Enqueue, Event, Observe, Rejected
@@ -47,7 +48,7 @@ class Sources:
     engine: Callable[[], EngineStatistics]
 
 
-async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: trio.MemorySendChannel[Enqueue],
+async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: Pipe[Enqueue],
               settings: Settings, observations: trio.MemoryReceiveChannel[Observe],
               events: trio.MemorySendChannel[Event], sources: Sources,
               check: Callable[[GenerationRequest], Resolved],
@@ -56,29 +57,34 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: trio.MemorySen
     sent = 0  # Enqueue messages sent to the queue, ever
     async with inbox, outbox, events, observations:
         task_status.started()
-        async for msg in inbox:
-            with msg.reply:
-                while True:  # the predictor learns from every request finished so far
+        while True:
+            try:
+                batch = await receive_all(inbox)
+            except trio.EndOfChannel:
+                break
+            for msg in batch:
+                with msg.reply:
+                    while True:  # the predictor learns from every request finished so far
+                        try:
+                            seen = observations.receive_nowait()
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                        policy.predictor.observe(seen.service_ms, loops=seen.loops, tokens=seen.tokens)
                     try:
-                        seen = observations.receive_nowait()
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                    policy.predictor.observe(seen.service_ms, loops=seen.loops, tokens=seen.tokens)
-                try:
-                    decision = _decide(policy, msg, sources, sent)
-                except SchedulerError as exc:
-                    if not isinstance(exc, SchedulerShutdown):  # the seeds count queue-full and SLO only
-                        events.send_nowait(Rejected(type(exc).__name__))
-                    msg.reply.send_nowait(AdmitReply(None, exc))
-                    continue
-                ticket = msg.ticket
-                if decision.downgraded and decision.loops is not None:
-                    ticket.request = dataclasses.replace(ticket.request, loops=decision.loops)
-                    ticket.resolved = check(ticket.request)  # the limits resolve it again
-                sent += 1
-                await outbox.send(Enqueue(ticket))
-                events.send_nowait(Admitted())
-                msg.reply.send_nowait(AdmitReply(decision, None))
+                        decision = _decide(policy, msg, sources, sent)
+                    except SchedulerError as exc:
+                        if not isinstance(exc, SchedulerShutdown):  # the seeds count queue-full and SLO only
+                            events.send_nowait(Rejected(type(exc).__name__))
+                        msg.reply.send_nowait(AdmitReply(None, exc))
+                        continue
+                    ticket = msg.ticket
+                    if decision.downgraded and decision.loops is not None:
+                        ticket.request = dataclasses.replace(ticket.request, loops=decision.loops)
+                        ticket.resolved = check(ticket.request)  # the limits resolve it again
+                    sent += 1
+                    outbox.send_nowait(Enqueue(ticket))  # the queue's mailbox is unbounded
+                    events.send_nowait(Admitted())
+                    msg.reply.send_nowait(AdmitReply(decision, None))
 
 
 def _decide(policy: Admission, msg: Admit, sources: Sources, sent: int) -> Decision:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import trio
 
-from tinyloop.actors.mailbox import UpstreamClosed, merged
+from tinyloop.actors.mailbox import UpstreamClosed, receive_all
 from tinyloop.actors.ticket import Ticket
 from tinyloop.messages import Dispatch, Event, Finished, PoolDispatched, Pull, Ready, SlotFreed
 from tinyloop.requests import RequestState
@@ -67,8 +67,8 @@ def weight(ticket: Ticket) -> int:
     return beam[0] if beam is not None else 1
 
 
-async def run(*, inbox: trio.MemoryReceiveChannel[Ready], outbox: trio.MemorySendChannel[Dispatch],
-              settings: Settings, feedback: trio.MemoryReceiveChannel[SlotFreed],
+async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed | UpstreamClosed],
+              outbox: trio.MemorySendChannel[Dispatch], settings: Settings,
               pulls: trio.MemorySendChannel[Pull], events: trio.MemorySendChannel[Event],
               pool_size: Callable[[], int],
               task_status: trio.TaskStatus[DispatcherState] = trio.TASK_STATUS_IGNORED) -> None:
@@ -104,18 +104,23 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Ready], outbox: trio.MemorySen
             await outbox.send(Dispatch(ticket, via_pool))
 
     upstream_open = True
-    async with outbox, pulls, events, merged(inbox, feedback) as mailbox:
+    async with outbox, pulls, events, inbox:
         top_up()
         task_status.started(state)
-        async for msg in mailbox:
-            match msg:
-                case SlotFreed(ticket=ticket):
-                    state.slots_used -= weight(ticket)
-                case Ready(ticket=ticket):
-                    state.asked -= 1
-                    held.append(ticket)
-                case UpstreamClosed():
-                    upstream_open = False
+        while upstream_open or held:
+            try:
+                batch = await receive_all(inbox)
+            except trio.EndOfChannel:
+                break
+            for msg in batch:
+                match msg:
+                    case SlotFreed(ticket=ticket):
+                        state.slots_used -= weight(ticket)
+                    case Ready(ticket=ticket):
+                        state.asked -= 1
+                        held.append(ticket)
+                    case UpstreamClosed():
+                        upstream_open = False
             await dispatch_held()
             if not upstream_open and not held:
                 break

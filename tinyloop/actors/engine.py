@@ -127,11 +127,10 @@ class EngineState:
     waiting: deque[_Entry] = field(default_factory=deque)  # dispatched, not running
     counter: itertools.count[int] = field(default_factory=itertools.count)
     retired: int = 0
+    decoding: int = 0  # requests whose sequence exists (running or preempted): counted as they start and retire
 
     def statistics(self) -> EngineStatistics:
-        held = itertools.chain(self.active.values(), self.waiting)
-        decoding = sum(1 for e in held if e.ticket is not None and e.seq is not None)
-        return EngineStatistics(self.retired, decoding, self.pool.size(), self.engine.kv_statistics(),
+        return EngineStatistics(self.retired, self.decoding, self.pool.size(), self.engine.kv_statistics(),
                                 self.health.broken)
 
     def __repr__(self) -> str:
@@ -234,19 +233,20 @@ class EngineState:
         req = ticket.request
         self.events.send_nowait(Started((now - ticket.submitted_at) * 1000, len(req.prompt_tokens)))
         try:
+            resolved = ticket.resolved or self.engine.check(req)  # (set at admission)
             prefix = None
             if entry.via_pool:
-                resolved = ticket.resolved or self.engine.check(req)  # (set at admission)
                 found = self.pool.find(req.prompt_tokens, resolved.loops, resolved.window)
                 prefix = None if found is None else found[1]
             with engine_errors():
-                seq = self.engine.start(req, prefix)
+                seq = self.engine.start(req, prefix, resolved)
         except TinyLoopError as exc:
             self.retire(None, ticket, RequestState.ERROR, exc, entry)
             return
         self.events.send_nowait(PrefixLookup(len(req.prompt_tokens), seq.cached_tokens))
         ticket.state = RequestState.DECODING
         entry.seq = seq
+        self.decoding += 1
         self.active[id(seq)] = entry
 
     def _start_prefix(self, entry: _Entry, msg: RegisterPrefix) -> None:
@@ -333,6 +333,7 @@ class EngineState:
         result: GenerationResult | None = None
         if seq is not None:
             self.active.pop(id(seq), None)
+            self.decoding -= 1
             if state is RequestState.DONE:
                 result = seq.result()
             self.engine.free(seq)
@@ -374,6 +375,18 @@ def _reply(msg: RegisterPrefix, error: BaseException | None) -> None:
         pass  # the caller went away: the prefix stays registered (or the error is dropped)
 
 
+def drain(inbox: trio.MemoryReceiveChannel[EngineInbox], loop: EngineState) -> bool:
+    """Handle every message already in the inbox; True once it has ended."""
+    while True:
+        try:
+            msg = inbox.receive_nowait()
+        except trio.WouldBlock:
+            return False
+        except trio.EndOfChannel:
+            return True
+        loop.handle(msg)
+
+
 async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.MemorySendChannel[Event],
               settings: Settings, engine: EnginePort, freed: trio.MemorySendChannel[SlotFreed],
               observe: trio.MemorySendChannel[Observe],
@@ -392,15 +405,7 @@ async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.Mem
                         loop.handle(await inbox.receive())
                     except trio.EndOfChannel:
                         closed = True
-                while not closed:
-                    try:
-                        msg = inbox.receive_nowait()
-                    except trio.WouldBlock:
-                        break
-                    except trio.EndOfChannel:
-                        closed = True
-                        break
-                    loop.handle(msg)
+                closed = closed or drain(inbox, loop)
                 await loop.step()
                 await trio.lowlevel.checkpoint()
         finally:

@@ -1,57 +1,79 @@
-"""An actor's pipeline inbox and its feedback inbox, read as one stream of messages.
+"""An actor's inbox for its pipeline messages and the feedback that flows back to it.
 
 The actors form a pipeline (admission -> queue -> dispatcher -> engine) with feedback flowing
 back (``Pull``, ``SlotFreed``, ``Cancel``). Shutdown cascades down the pipeline by closing
-channels: an actor whose pipeline inbox ends finishes what it holds, then closes its outbox,
-which ends the next one. Feedback cannot share the pipeline inbox: its senders sit downstream
-and close only after this actor has, so that inbox would never end. ``merged`` reads both and
-turns the pipeline inbox's ``EndOfChannel`` into one ``UpstreamClosed`` item; the actor leaves
-the ``async with`` when it is done, which stops reading the feedback.
-
-Cancellation: the forwarding tasks die with the actor; feedback read but not yet taken is lost,
-which only happens once the actor has decided to stop (nobody needs it then).
+channels: an actor whose upstream closed finishes what it holds, then closes its own outbox,
+which ends the next one. Feedback shares the inbox (one channel: no forwarding task, no extra
+hop per message), but its senders sit downstream and close only after this actor has, so the
+channel itself cannot end while the actor runs. Hence the upstream actor's end is a ``Pipe``:
+closing it puts one ``UpstreamClosed`` in the inbox after everything it sent, then closes its
+channel end. The actor stops reading once it has seen that and finished its work; feedback
+senders then meet a closed channel (``BrokenResourceError``), which they take as "it stopped".
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import math
 from dataclasses import dataclass
-from typing import TypeVar
+from types import TracebackType
+from typing import Any, Generic, TypeVar
 
 import trio
 
-__all__ = ["UpstreamClosed", "merged"]
+__all__ = ["Pipe", "UpstreamClosed", "open_mailbox", "receive_all"]
 
-A = TypeVar("A")
-B = TypeVar("B")
+M = TypeVar("M")
 
 
 @dataclass(frozen=True, slots=True)
 class UpstreamClosed:
-    """The pipeline inbox ended: nothing more will come from upstream."""
+    """The upstream actor closed its end: nothing more will come down the pipeline."""
 
 
-@asynccontextmanager
-async def merged(inbox: trio.MemoryReceiveChannel[A], feedback: trio.MemoryReceiveChannel[B],
-                 ) -> AsyncIterator[trio.MemoryReceiveChannel[A | B | UpstreamClosed]]:
-    """Both inboxes as one channel (buffer 0: the senders' own buffers do the buffering)."""
-    send, receive = trio.open_memory_channel[A | B | UpstreamClosed](0)
-    async with trio.open_nursery() as nursery, receive:
-        nursery.start_soon(_forward, inbox, send.clone(), True)
-        nursery.start_soon(_forward, feedback, send.clone(), False)
-        send.close()
-        yield receive
-        nursery.cancel_scope.cancel()
+class Pipe(Generic[M]):
+    """The upstream actor's end of a mailbox: a send channel that says so when it is closed."""
+
+    def __init__(self, send: trio.MemorySendChannel[M | UpstreamClosed]) -> None:
+        self._send = send
+
+    async def send(self, msg: M) -> None:
+        await self._send.send(msg)
+
+    def send_nowait(self, msg: M) -> None:
+        self._send.send_nowait(msg)
+
+    async def aclose(self) -> None:
+        """Announce the end, then close (shielded: a cancelled upstream still ends its pipe)."""
+        with trio.CancelScope(shield=True):
+            try:
+                self._send.send_nowait(UpstreamClosed())  # the mailbox buffer is unbounded
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the reader is gone already
+            await self._send.aclose()
+
+    async def __aenter__(self) -> Pipe[M]:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
 
 
-async def _forward(source: trio.MemoryReceiveChannel[A], sink: trio.MemorySendChannel[A | B | UpstreamClosed],
-                   report_end: bool) -> None:
-    async with source, sink:
+def open_mailbox() -> tuple[Pipe[Any], trio.MemorySendChannel[Any], trio.MemoryReceiveChannel[Any]]:
+    """A mailbox: the upstream's ``Pipe``, a send end for feedback (clone it per sender), and
+    the actor's receive end; the caller annotates them with its message types. Unbounded:
+    feedback senders never block, and the pipeline's flow is bounded by the pulls that ask for
+    it."""
+    send, receive = trio.open_memory_channel[Any](math.inf)
+    return Pipe(send), send.clone(), receive
+
+
+async def receive_all(inbox: trio.MemoryReceiveChannel[M]) -> list[M]:
+    """Every message waiting in ``inbox`` (waiting for the first): an actor handles what piled up
+    in one wake-up instead of one scheduler round per message. ``EndOfChannel`` once it ended."""
+    batch = [await inbox.receive()]
+    while True:
         try:
-            async for msg in source:
-                await sink.send(msg)
-            if report_end:
-                await sink.send(UpstreamClosed())
-        except trio.BrokenResourceError:
-            pass  # the actor stopped reading
+            batch.append(inbox.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return batch

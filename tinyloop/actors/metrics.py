@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import trio
 
+from tinyloop.actors.mailbox import receive_all
 from tinyloop.messages import (
     Admitted,
     Event,
@@ -79,5 +80,10 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Event], metrics: Metrics,
               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     async with inbox:
         task_status.started()
-        async for event in inbox:
-            record(metrics, event)
+        while True:
+            try:
+                batch = await receive_all(inbox)
+            except trio.EndOfChannel:
+                return
+            for event in batch:
+                record(metrics, event)

@@ -42,9 +42,10 @@ class EnginePort(Protocol):
         ``RequestError`` naming the field, or resolves its loops, window and exit rule."""
         ...
 
-    def start(self, req: GenerationRequest, prefix: Any = None) -> Any:
-        """Validate and set up a sequence (cheap, no model work); raises RequestError. The
-        sequence's ``cached_tokens`` says how many prompt tokens need no prefill."""
+    def start(self, req: GenerationRequest, prefix: Any = None, resolved: Resolved | None = None) -> Any:
+        """Set up a sequence (cheap, no model work) for a request ``check`` resolved (checked
+        again when ``resolved`` is None; RequestError). The sequence's ``cached_tokens`` says how
+        many prompt tokens need no prefill."""
         ...
 
     async def step(self, seqs: Sequence[Any]) -> Sequence[TokenEvent]:
@@ -122,8 +123,9 @@ class ThreadedEngine:
     def check(self, req: GenerationRequest) -> Resolved:
         return self.engine.limits.check(req)
 
-    def start(self, req: GenerationRequest, prefix: Seq | None = None) -> Seq:
-        return self.engine.start(req, prefix)
+    def start(self, req: GenerationRequest, prefix: Seq | None = None,
+              resolved: Resolved | None = None) -> Seq:
+        return self.engine.start(req, prefix, resolved)
 
     async def step(self, seqs: Sequence[Seq]) -> list[TokenEvent]:
         with engine_errors():

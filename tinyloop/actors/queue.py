@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import trio
 
-from tinyloop.actors.mailbox import UpstreamClosed, merged
+from tinyloop.actors.mailbox import Pipe, UpstreamClosed, receive_all
 from tinyloop.actors.ticket import Ticket
 from tinyloop.messages import Cancel, Enqueue, Event, Finished, Pull, QueueFeedback, Ready
 from tinyloop.policy.queue import PriorityQueue
@@ -53,35 +53,45 @@ def _now_ms() -> float:
     return trio.current_time() * 1000
 
 
-async def run(*, inbox: trio.MemoryReceiveChannel[Enqueue], outbox: trio.MemorySendChannel[Ready],
-              settings: Settings, feedback: trio.MemoryReceiveChannel[QueueFeedback],
-              events: trio.MemorySendChannel[Event],
+async def run(*, inbox: trio.MemoryReceiveChannel[Enqueue | QueueFeedback | UpstreamClosed],
+              outbox: Pipe[Ready], settings: Settings, events: trio.MemorySendChannel[Event],
               task_status: trio.TaskStatus[QueueState] = trio.TASK_STATUS_IGNORED) -> None:
     state = QueueState(settings.priority_aging_ms)
     heap = state.heap
     upstream_open = True
-    async with outbox, events, merged(inbox, feedback) as mailbox:
+    async with outbox, events, inbox:
         task_status.started(state)
-        async for msg in mailbox:
-            match msg:
-                case Enqueue(ticket=ticket):
-                    state.taken_in += 1
-                    if ticket.gone:  # the caller left while admission forwarded it
-                        _retire_cancelled(ticket, events)
-                    else:
-                        heap.push(ticket, ticket.priority, _now_ms())
-                case Cancel(ticket=ticket):
-                    if heap.remove(ticket):
-                        _retire_cancelled(ticket, events)
-                case Pull():
-                    state.pulls += 1
-                case UpstreamClosed():
-                    upstream_open = False
+        while upstream_open or len(heap):
+            try:
+                batch = await receive_all(inbox)
+            except trio.EndOfChannel:
+                break
+            for msg in batch:
+                upstream_open = _take(msg, state, events) and upstream_open
             while state.pulls and len(heap):
                 state.pulls -= 1
-                await outbox.send(Ready(heap.pop(_now_ms())))
-            if not upstream_open and not len(heap):
-                break
+                outbox.send_nowait(Ready(heap.pop(_now_ms())))
+
+
+def _take(msg: Enqueue | QueueFeedback | UpstreamClosed, state: QueueState,
+          events: trio.MemorySendChannel[Event]) -> bool:
+    """Apply one message to the queue's state; False once upstream closed."""
+    heap = state.heap
+    match msg:
+        case Enqueue(ticket=ticket):
+            state.taken_in += 1
+            if ticket.gone:  # the caller left while admission forwarded it
+                _retire_cancelled(ticket, events)
+            else:
+                heap.push(ticket, ticket.priority, _now_ms())
+        case Cancel(ticket=ticket):
+            if heap.remove(ticket):
+                _retire_cancelled(ticket, events)
+        case Pull():
+            state.pulls += 1
+        case UpstreamClosed():
+            return False
+    return True
 
 
 def _retire_cancelled(ticket: Ticket, events: trio.MemorySendChannel[Event]) -> None:

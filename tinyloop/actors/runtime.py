@@ -51,6 +51,7 @@ from tinyloop.actors import engine as engine_actor
 from tinyloop.actors import metrics as metrics_actor
 from tinyloop.actors.dispatcher import DispatcherState
 from tinyloop.actors.engine import EngineState
+from tinyloop.actors.mailbox import Pipe, UpstreamClosed, open_mailbox
 from tinyloop.actors.port import EnginePort, ThreadedEngine
 from tinyloop.actors.queue import QueueState
 from tinyloop.actors.stream import RequestStream
@@ -117,7 +118,11 @@ class Runtime:
         self.started_at = time.time()
         self._admit_send, self._admit_recv = trio.open_memory_channel[Admit](0)
         self._prefix_send, self._engine_recv = trio.open_memory_channel[EngineInbox](settings.max_batch_size + 1)
-        self._cancel_send, self._queue_feedback = trio.open_memory_channel[QueueFeedback](math.inf)
+        # the queue's mailbox: admission's pipe in, the runtime's Cancel and the dispatcher's Pull back
+        self._enqueue_pipe: Pipe[Enqueue]
+        self._cancel_send: trio.MemorySendChannel[QueueFeedback]
+        self._queue_inbox: trio.MemoryReceiveChannel[Enqueue | QueueFeedback | UpstreamClosed]
+        self._enqueue_pipe, self._cancel_send, self._queue_inbox = open_mailbox()
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -137,27 +142,29 @@ class Runtime:
             self._stopped.set()
 
     async def _start(self, n: trio.Nursery) -> None:
-        slots, settings = self.settings.max_batch_size, self.settings
+        settings = self.settings
         events_send, events_recv = trio.open_memory_channel[Event](math.inf)
         observe_send, observe_recv = trio.open_memory_channel[Observe](math.inf)
-        freed_send, freed_recv = trio.open_memory_channel[SlotFreed](math.inf)
-        enqueue_send, enqueue_recv = trio.open_memory_channel[Enqueue](math.inf)
-        ready_send, ready_recv = trio.open_memory_channel[Ready](slots)
+        # the dispatcher's mailbox: the queue's pipe in, the engine's SlotFreed back
+        ready_pipe: Pipe[Ready]
+        freed_send: trio.MemorySendChannel[SlotFreed]
+        dispatcher_inbox: trio.MemoryReceiveChannel[Ready | SlotFreed | UpstreamClosed]
+        ready_pipe, freed_send, dispatcher_inbox = open_mailbox()
         dispatch_send = self._prefix_send.clone()  # the dispatcher sends Dispatch on it
         await n.start(partial(metrics_actor.run, inbox=events_recv, metrics=self.metrics))
         self._engine = await n.start(partial(
             engine_actor.run, inbox=self._engine_recv, outbox=events_send.clone(), settings=settings,
             engine=self.engine, freed=freed_send, observe=observe_send))
         self._dispatcher = await n.start(partial(
-            dispatcher.run, inbox=ready_recv, outbox=dispatch_send, settings=settings, feedback=freed_recv,
+            dispatcher.run, inbox=dispatcher_inbox, outbox=dispatch_send, settings=settings,
             pulls=self._cancel_send.clone(), events=events_send.clone(),
             pool_size=lambda: self._engine.statistics().prefix_pool_size))
         self._queue = await n.start(partial(
-            queue.run, inbox=enqueue_recv, outbox=ready_send, settings=settings, feedback=self._queue_feedback,
+            queue.run, inbox=self._queue_inbox, outbox=ready_pipe, settings=settings,
             events=events_send.clone()))
         sources = admission.Sources(self._queue.statistics, self._dispatcher.statistics, self._engine.statistics)
         await n.start(partial(
-            admission.run, inbox=self._admit_recv, outbox=enqueue_send, settings=settings,
+            admission.run, inbox=self._admit_recv, outbox=self._enqueue_pipe, settings=settings,
             observations=observe_recv, events=events_send, sources=sources, check=self.engine.check))
         kv_bytes = self.engine.kv_bytes_per_token()
         self.metrics.set_engine_info(max_seq_len=self.engine.max_seq_len,

@@ -65,7 +65,7 @@ class RequestStream:
             await self._runtime._admit(self.ticket)
         except BaseException:
             self._runtime._cancel(self.ticket)
-            self.ticket.receive.close()
+            self.ticket.close_receiver()
             raise
 
     def __aiter__(self) -> RequestStream:
@@ -114,7 +114,7 @@ class RequestStream:
         """Abandon the request (synchronous: safe in ``finally`` and under cancellation)."""
         if self._started:
             self._runtime._cancel(self.ticket)
-        self.ticket.receive.close()
+        self.ticket.close_receiver()
 
     async def aclose(self) -> None:
         self.cancel()

@@ -71,6 +71,7 @@ class Ticket:
     state: RequestState = RequestState.QUEUED
     cancelled: bool = False
     cancel_error: BaseException | None = None  # told to the caller when the runtime cancels it
+    receiver_closed: bool = False  # written by the caller's side only (close_receiver)
     send: trio.MemorySendChannel[Item] = field(init=False)
     receive: trio.MemoryReceiveChannel[Item] = field(init=False)
 
@@ -105,7 +106,12 @@ class Ticket:
     @property
     def gone(self) -> bool:
         """The caller cancelled, or closed its end (nobody would read what comes next)."""
-        return self.cancelled or self.send.statistics().open_receive_channels == 0
+        return self.cancelled or self.receiver_closed
+
+    def close_receiver(self) -> None:
+        """The caller's side: stop reading (what the engine side delivers next is dropped)."""
+        self.receiver_closed = True
+        self.receive.close()
 
     def deliver(self, item: Item) -> bool:
         """Hand an item to the caller; False when the caller is gone."""

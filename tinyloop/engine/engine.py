@@ -30,7 +30,7 @@ from tinyloop.engine.prefix_cache import PrefixCache, PrefixEntries
 from tinyloop.engine.sampling import StopMatcher, make_generator
 from tinyloop.engine.sequence import Sequence, TokenEvent
 from tinyloop.errors import RequestError
-from tinyloop.limits import ModelLimits
+from tinyloop.limits import ModelLimits, Resolved
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.context import PagedContext
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
@@ -113,16 +113,21 @@ class Engine(KVAccounting, PrefixEntries):
         resolved = self.limits.check(req)
         return resolved.loops, resolved.window
 
-    def start(self, req: GenerationRequest, prefix: Sequence | None = None) -> Sequence:
+    def start(self, req: GenerationRequest, prefix: Sequence | None = None,
+              resolved: Resolved | None = None) -> Sequence:
         """A new sequence for ``req`` (validated; no model work, and no KV beyond shared blocks).
 
         With ``prefix`` (a prefilled sequence at the same loops and window whose prompt
         prefixes this one, see ``prefill_prefix``), the new sequence shares its KV blocks and
         only the rest of the prompt is prefilled: the output is the same as without it. With
         prefix caching on, cached blocks serve instead when they cover more of the prompt.
-        ``seq.cached_tokens`` says how many prompt tokens were served either way.
+        ``seq.cached_tokens`` says how many prompt tokens were served either way. ``resolved``:
+        the request's check by ``self.limits`` when the caller made it already (the runtime does,
+        at admission), so it is not made twice.
         """
-        loops, window = self.validate(req)
+        if resolved is None:
+            resolved = self.limits.check(req)
+        loops, window = resolved.loops, resolved.window
         seq = Sequence(
             request=req, loops=loops, window=window,
             kv=SeqKV(self.pool, slot_count(self.config, loops, window)),
