@@ -49,3 +49,18 @@ def test_lists_become_tuples_so_params_stay_frozen_and_hashable() -> None:
     assert params.stop == ("a", "b") and params.stop_token_ids == (3,)
     hash(params)
     assert GenerationRequest(prompt_tokens=[1, 2]).prompt_tokens == (1, 2)  # type: ignore[arg-type]
+
+
+def test_a_result_retimed_keeps_every_other_field() -> None:
+    """``GenerationResult.timed`` lists the fields by hand (it is on the hot path): a field added
+    to the class and not to it fails here."""
+    import dataclasses
+
+    from tinyloop.requests import GenerationResult
+
+    values: dict[str, object] = {}
+    for i, f in enumerate(dataclasses.fields(GenerationResult)):
+        values[f.name] = {"tokens": [i], "text": f"t{i}", "finish_reason": "stop", "stop_reason": "eos",
+                          "logprobs": []}.get(f.name, 1000 + i)
+    result = GenerationResult(**values)  # type: ignore[arg-type]
+    assert result.timed(5.5, 1.5) == dataclasses.replace(result, wall_ms=5.5, time_to_first_token_ms=1.5)

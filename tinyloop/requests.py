@@ -284,3 +284,10 @@ class GenerationResult:
     accepted_draft_tokens: int | None = None
     rejected_draft_tokens: int | None = None
     beam_score: float | None = None
+
+    def timed(self, wall_ms: float, time_to_first_token_ms: float | None) -> GenerationResult:
+        """This result with its times taken on another clock (the runtime's)."""
+        return GenerationResult(self.tokens, self.text, self.finish_reason, self.prompt_tokens,
+                                self.completion_tokens, wall_ms, self.stop_reason, self.logprobs,
+                                self.loops_used, self.mean_loops, time_to_first_token_ms, self.draft_tokens,
+                                self.accepted_draft_tokens, self.rejected_draft_tokens, self.beam_score)

@@ -103,12 +103,17 @@ class FakeEngine:
     kv_blocks: int | None = None
     held_blocks: int = 0
     peak_blocks: int = 0
+    _limits: tuple[tuple[int, int, int], ModelLimits] | None = field(default=None, repr=False)
 
     @property
     def limits(self) -> ModelLimits:
-        """What the fake accepts: the context, ``max_loops`` (no vocabulary or KV limit)."""
-        return ModelLimits(max_seq_len=self.max_seq_len, vocab_size=2**31, default_loops=self.default_loops,
-                           max_loops=self.max_loops)
+        """What the fake accepts: the context, ``max_loops`` (no vocabulary or KV limit); built
+        again only when a test changed one of them."""
+        key = (self.max_seq_len, self.default_loops, self.max_loops)
+        if self._limits is None or self._limits[0] != key:
+            self._limits = (key, ModelLimits(max_seq_len=self.max_seq_len, vocab_size=2**31,
+                                             default_loops=self.default_loops, max_loops=self.max_loops))
+        return self._limits[1]
 
     def check(self, req: GenerationRequest) -> Resolved:
         return self.limits.check(req)

@@ -33,7 +33,6 @@ from tinyloop.settings import Settings
 
 if TYPE_CHECKING:
     from tinyloop.actors.dispatcher import DispatcherStatistics
-    from tinyloop.actors.engine import EngineStatistics
     from tinyloop.actors.queue import QueueStatistics
 
 __all__ = ["run", "Sources"]
@@ -41,11 +40,12 @@ __all__ = ["run", "Sources"]
 
 @dataclass(frozen=True, slots=True)
 class Sources:
-    """Where admission reads the other actors' published snapshots."""
+    """Where admission reads the other actors' published state: the queue's and the
+    dispatcher's snapshots, and why the engine is broken (None while it is fine)."""
 
     queue: Callable[[], QueueStatistics]
     dispatcher: Callable[[], DispatcherStatistics]
-    engine: Callable[[], EngineStatistics]
+    broken: Callable[[], str | None]
 
 
 async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: Pipe[Enqueue],
@@ -88,9 +88,10 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: Pipe[Enqueue],
 
 
 def _decide(policy: Admission, msg: Admit, sources: Sources, sent: int) -> Decision:
-    engine, queue, dispatcher = sources.engine(), sources.queue(), sources.dispatcher()
-    if engine.broken is not None:
-        raise SchedulerShutdown(f"the engine is broken: {engine.broken}")
+    broken = sources.broken()
+    if broken is not None:
+        raise SchedulerShutdown(f"the engine is broken: {broken}")
+    queue, dispatcher = sources.queue(), sources.dispatcher()
     req = msg.ticket.request
     return policy.check(
         queue_depth=queue.queued + sent - queue.taken_in, in_flight=dispatcher.slots_used,

@@ -41,7 +41,6 @@ caller told ``SchedulerShutdown`` unless it gave a reason) and freed on the way 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -365,7 +364,7 @@ def _on_runtime_clock(result: GenerationResult, submitted_at: float, first_token
                       wall_ms: float) -> GenerationResult:
     """The engine's result with the runtime's times: one clock for results and metrics."""
     ttft = None if first_token_at is None else (first_token_at - submitted_at) * 1000
-    return dataclasses.replace(result, wall_ms=wall_ms, time_to_first_token_ms=ttft)
+    return result.timed(wall_ms, ttft)
 
 
 def _reply(msg: RegisterPrefix, error: BaseException | None) -> None:
@@ -406,8 +405,13 @@ async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.Mem
                     except trio.EndOfChannel:
                         closed = True
                 closed = closed or drain(inbox, loop)
+                retired = loop.retired
                 await loop.step()
                 await trio.lowlevel.checkpoint()
+                if loop.retired != retired:
+                    # Freed slots are being refilled a few hops upstream: one more scheduler pass
+                    # lets those requests join the next step instead of a step of their own.
+                    await trio.lowlevel.checkpoint()
         finally:
             loop.close()
             for handle in pool.clear():

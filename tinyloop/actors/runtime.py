@@ -162,7 +162,8 @@ class Runtime:
         self._queue = await n.start(partial(
             queue.run, inbox=self._queue_inbox, outbox=ready_pipe, settings=settings,
             events=events_send.clone()))
-        sources = admission.Sources(self._queue.statistics, self._dispatcher.statistics, self._engine.statistics)
+        sources = admission.Sources(self._queue.statistics, self._dispatcher.statistics,
+                                    lambda: self._engine.health.broken)
         await n.start(partial(
             admission.run, inbox=self._admit_recv, outbox=self._enqueue_pipe, settings=settings,
             observations=observe_recv, events=events_send, sources=sources, check=self.engine.check))
