@@ -180,17 +180,21 @@ class EngineState:
                                    d.headroom))
         return out
 
-    def plan(self) -> None:
-        """Preempt what the next step cannot hold, then start what fits (module docstring)."""
+    def plan(self) -> bool:
+        """Preempt what the next step cannot hold, then start what fits (module docstring);
+        True when something started."""
         available = self.engine.kv_available()
         if available is None or self.health.broken is not None:
+            started = bool(self.waiting)
             for entry in list(self.waiting):
                 self._start(entry)
             self.waiting.clear()
-            return
+            return started
         while (victim := self.planner.preempt(self._running(), available)) is not None:
             self._preempt(self.active.pop(victim))
             available = self.engine.kv_available() or 0
+        if not self.waiting:
+            return False
         now = trio.current_time()
         candidates = [Waiting(i, self._start_blocks(e), e.since) for i, e in enumerate(self.waiting)]
         chosen = set(self.planner.admit(candidates, self._running(), available, now))
@@ -199,6 +203,7 @@ class EngineState:
             self.waiting = deque(e for i, e in enumerate(entries) if i not in chosen)
             for i in sorted(chosen):
                 self._start(entries[i])
+        return bool(chosen)
 
     def _preempt(self, entry: _Entry) -> None:
         self.engine.preempt(entry.seq)
@@ -260,8 +265,8 @@ class EngineState:
     # -- one iteration -------------------------------------------------------------------------
     async def step(self) -> None:
         self.reap()
-        self.plan()
-        self.reap()  # prefixes that needed no prefill, entries started cancelled
+        if self.plan():
+            self.reap()  # prefixes that needed no prefill, entries started cancelled
         if not self.active:
             return
         seqs = [e.seq for e in self.active.values()]
