@@ -8,20 +8,26 @@ import pytest
 import trio
 
 from tests.actors.support import CEILING_S, Outcomes, ids, req, run_request, runtime, settle
-from tinyloop import GenerationResult, RequestState, SchedulerShutdown
+from tinyloop import GenerationRequest, GenerationResult, RequestState, Runtime, SchedulerShutdown
 from tinyloop.testing import FakeEngine
+
+
+async def one_running_two_queued(rt: Runtime, n: trio.Nursery, out: Outcomes) -> tuple[GenerationRequest, ...]:
+    """Three requests on ``max_batch_size`` 1: the first runs, two wait in the queue."""
+    reqs = req(), req(), req()
+    for r in reqs:
+        await n.start(run_request, rt, r, out)
+    await settle()
+    return reqs
 
 
 async def test_shutdown_drains_queued_and_in_flight_requests(autojump_clock: trio.abc.Clock) -> None:
     engine = FakeEngine(latency_ms=100)
     out: Outcomes = {}
-    running, queued1, queued2 = req(), req(), req()
     with trio.fail_after(CEILING_S):
         async with runtime(engine, max_batch_size=1) as rt:
             async with trio.open_nursery() as n:
-                for r in (running, queued1, queued2):
-                    await n.start(run_request, rt, r, out)
-                await settle()
+                running, queued1, queued2 = await one_running_two_queued(rt, n, out)
                 n.start_soon(rt.shutdown)
                 await settle()
                 assert rt.statistics().shutting_down
@@ -75,13 +81,10 @@ async def test_shutdown_answers_callers_still_waiting_for_admission(
 async def test_shutdown_without_drain_fails_queued_requests(autojump_clock: trio.abc.Clock) -> None:
     engine = FakeEngine(latency_ms=100)
     out: Outcomes = {}
-    running, queued1, queued2 = req(), req(), req()
     with trio.fail_after(CEILING_S):
         async with runtime(engine, max_batch_size=1) as rt:
             async with trio.open_nursery() as n:
-                for r in (running, queued1, queued2):
-                    await n.start(run_request, rt, r, out)
-                await settle()
+                running, queued1, queued2 = await one_running_two_queued(rt, n, out)
                 await rt.shutdown(drain=False)
             assert trio.current_time() <= 0.1 + 1e-9  # no request ran to completion
     assert engine.started == ids(running)
