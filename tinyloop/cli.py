@@ -98,6 +98,38 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- convert ---------------------------------------------------------------------------------
+
+
+def _add_convert(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("convert", help="convert a Hugging Face checkpoint directory to an artifact",
+                       description="Convert a Hugging Face model directory (config.json, safetensors, "
+                                   "tokenizer.json) to a .tinyloop artifact, streaming one tensor at a time.")
+    p.add_argument("hf_dir", type=Path, help="the downloaded model directory")
+    p.add_argument("out", type=Path, help="artifact path to write")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), help="weight dtype (default: the checkpoint's)")
+    p.add_argument("--family", choices=["auto", "huginn"], default="auto",
+                   help="checkpoint layout (default: auto, from model_type / architectures)")
+    p.add_argument("--state-init", choices=["randn", "zeros"], default="randn",
+                   help="initial loop state: seeded truncated normal (default) or zeros")
+    p.add_argument("--max-position", type=int, help="longest sequence (default: the checkpoint's block_size)")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from tinyloop.convert import convert
+
+    def progress(done: int, total: int, name: str) -> None:
+        if sys.stderr.isatty():
+            print(f"\r[{done}/{total}] {name[:60]:<60}", end="" if done < total else "\n",
+                  file=sys.stderr, flush=True)
+
+    result = convert(args.hf_dir, args.out, dtype=args.dtype, family=args.family,
+                     state_init=args.state_init, max_position=args.max_position, progress=progress)
+    print(f"wrote {result.path} ({result.family}, {result.tensors} tensors, {result.dtype})")
+    return 0
+
+
 # -- inspect ---------------------------------------------------------------------------------
 
 
@@ -331,7 +363,7 @@ def _detach(args: argparse.Namespace, settings: Any) -> int:
 
 # -- entry point -----------------------------------------------------------------------------
 
-_COMMANDS = (_add_init, _add_inspect, _add_generate, _add_serve)
+_COMMANDS = (_add_init, _add_convert, _add_inspect, _add_generate, _add_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

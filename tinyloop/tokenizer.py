@@ -70,29 +70,38 @@ class Tokenizer:
         *,
         eos_token: str = EOS_TOKEN,
         chat_template: str = CHATML_TEMPLATE,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        eos_ids: Iterable[int] | None = None,
     ) -> None:
+        """``bos_id``/``eos_id``/``eos_ids`` (a converted checkpoint's specials) override the
+        GPT-style defaults: ``<|endoftext|>`` opens and closes, ``<|im_end|>`` also ends a turn."""
         added = inner.get_added_tokens_decoder()
         self._inner = inner
         self._bytes = _byte_table(inner)
         specials = {i for i, token in added.items() if token.special}
         self._bytes_skipping = tuple(b"" if i in specials else b for i, b in enumerate(self._bytes))
         self.special_ids: frozenset[int] = frozenset(specials)
-        self.eos_token = eos_token
-        self.eos_id: int = self._required_id(eos_token)
-        self.bos_id: int = self.eos_id  # GPT-style: one <|endoftext|> both opens and closes
+        self.eos_token = eos_token if eos_id is None else self._token_of(eos_id)
+        self.eos_id: int = self._required_id(self.eos_token)
+        self.bos_token = self.eos_token if bos_id is None else self._token_of(bos_id)
+        self.bos_id: int = self._required_id(self.bos_token)  # GPT-style: bos is eos
         end_of_turn = inner.token_to_id(END_OF_TURN_TOKEN)
         turn_ends = {self.eos_id} if end_of_turn is None else {self.eos_id, end_of_turn}
+        if eos_ids is not None:
+            turn_ends = {self.eos_id, *(self._token_id(i) for i in eos_ids)}
         self.eos_ids: frozenset[int] = frozenset(turn_ends)  # a chat turn ends at <|im_end|>
         self.chat_template = chat_template
 
     @classmethod
-    def from_json(cls, text: str) -> Tokenizer:
-        """Build from a HF ``tokenizer.json`` document."""
+    def from_json(cls, text: str, *, bos_id: int | None = None, eos_id: int | None = None,
+                  eos_ids: Iterable[int] | None = None) -> Tokenizer:
+        """Build from a HF ``tokenizer.json`` document (special ids as in ``__init__``)."""
         try:
             inner = tokenizers.Tokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
             raise TokenizerError(f"cannot parse tokenizer JSON: {exc}") from exc
-        return cls(inner)
+        return cls(inner, bos_id=bos_id, eos_id=eos_id, eos_ids=eos_ids)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -168,7 +177,7 @@ class Tokenizer:
             messages,
             template=self.chat_template if template is None else template,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.eos_token,
+            bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
 
@@ -183,6 +192,17 @@ class Tokenizer:
             raise TokenizerError(
                 f"token id {token_id} is outside the vocabulary [0, {len(self._bytes)})"
             )
+
+    def _token_of(self, token_id: int) -> str:
+        token = self._inner.id_to_token(self._token_id(token_id))
+        if token is None:
+            raise TokenizerError(f"token id {token_id} has no vocabulary entry")
+        return str(token)
+
+    def _token_id(self, token_id: int) -> int:
+        if not isinstance(token_id, int) or not 0 <= token_id < len(self._bytes):
+            raise TokenizerError(f"special token id {token_id!r} is outside the vocabulary [0, {len(self._bytes)})")
+        return token_id
 
     def _required_id(self, token: str) -> int:
         token_id = self._inner.token_to_id(token)

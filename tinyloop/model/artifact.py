@@ -36,7 +36,7 @@ from tinyloop.model.looped import LoopedLM
 from tinyloop.model.presets import empty_model
 from tinyloop.tokenizer import Tokenizer
 
-__all__ = ["FORMAT_VERSION", "Artifact", "save_artifact", "load_artifact", "inspect_artifact"]
+__all__ = ["FORMAT_VERSION", "Artifact", "artifact_metadata", "save_artifact", "load_artifact", "inspect_artifact"]
 
 FORMAT_VERSION = 1
 
@@ -94,19 +94,8 @@ def save_artifact(path: str | os.PathLike[str], model: LoopedLM, tokenizer: Toke
     """
     path = Path(path)
     template = tokenizer.chat_template if chat_template is None else chat_template
-    metadata = {
-        KEY_VERSION: str(FORMAT_VERSION),
-        KEY_CONFIG: model.config.to_json(),
-        KEY_TOKENIZER: tokenizer.to_json(),
-        KEY_CHAT_TEMPLATE: template or "",
-        KEY_SPECIAL: json.dumps(_special_tokens(tokenizer)),
-    }
-    for key, value in (extra_metadata or {}).items():
-        if key in metadata:
-            raise ArtifactError(f"{path}: extra metadata may not override {key!r}")
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise ArtifactError(f"{path}: metadata entries must be str -> str, got {key!r}")
-        metadata[key] = value
+    metadata = artifact_metadata(path, model.config, tokenizer, template or "", _special_tokens(tokenizer),
+                                 extra_metadata)
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")  # same dir: atomic
     try:
@@ -118,6 +107,25 @@ def save_artifact(path: str | os.PathLike[str], model: LoopedLM, tokenizer: Toke
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def artifact_metadata(path: Path, config: ModelConfig, tokenizer: Tokenizer, chat_template: str,
+                      special: Mapping[str, Any], extra_metadata: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The safetensors metadata of an artifact (``extra_metadata`` may not override our keys)."""
+    metadata = {
+        KEY_VERSION: str(FORMAT_VERSION),
+        KEY_CONFIG: config.to_json(),
+        KEY_TOKENIZER: tokenizer.to_json(),
+        KEY_CHAT_TEMPLATE: chat_template,
+        KEY_SPECIAL: json.dumps(dict(special)),
+    }
+    for key, value in (extra_metadata or {}).items():
+        if key in metadata:
+            raise ArtifactError(f"{path}: extra metadata may not override {key!r}")
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ArtifactError(f"{path}: metadata entries must be str -> str, got {key!r}")
+        metadata[key] = value
+    return metadata
 
 
 def _umask() -> int:
@@ -207,10 +215,11 @@ def _config(path: Path, header: _Header) -> ModelConfig:
         raise ArtifactError(f"{path}: invalid {KEY_CONFIG}: {exc}") from exc
 
 
-def _tokenizer(path: Path, header: _Header, config: ModelConfig) -> Tokenizer:
+def _tokenizer(path: Path, header: _Header, config: ModelConfig, special: dict[str, Any]) -> Tokenizer:
     text = _metadata_value(path, header, KEY_TOKENIZER)
     try:
-        tokenizer = Tokenizer.from_json(text)
+        tokenizer = Tokenizer.from_json(text, bos_id=special["bos_id"], eos_id=special["eos_id"],
+                                        eos_ids=special["eos_ids"])
     except Exception as exc:  # tokenizers raises bare Exception subclasses for bad JSON
         raise ArtifactError(f"{path}: invalid {KEY_TOKENIZER}: {exc}") from exc
     if tokenizer.vocab_size > config.vocab_size:
@@ -261,8 +270,8 @@ def _checked_header(path: Path) -> tuple[_Header, ModelConfig, Tokenizer, dict[s
         _metadata_value(path, header, key)
     _check_version(path, header)
     config = _config(path, header)
-    tokenizer = _tokenizer(path, header, config)
     special = _special(path, header, config)
+    tokenizer = _tokenizer(path, header, config, special)
     _check_tensors(path, header, config)
     return header, config, tokenizer, special
 

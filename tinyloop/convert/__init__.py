@@ -1,0 +1,89 @@
+"""``tinyloop convert``: a Hugging Face checkpoint directory -> a ``.tinyloop`` artifact.
+
+The family is detected from ``model_type`` / ``architectures`` (``--family auto``) or named;
+an unknown family is refused. Tensors are streamed shard by shard into the artifact (see
+``writer.py``): the checkpoint is never held in memory twice.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyloop.convert import huginn
+from tinyloop.convert.hfdir import HFDir
+from tinyloop.convert.writer import write_streaming
+from tinyloop.errors import ConfigError, TokenizerError
+from tinyloop.model.artifact import artifact_metadata
+from tinyloop.model.config import ModelConfig, StateInit
+from tinyloop.model.presets import empty_model
+from tinyloop.tokenizer import Tokenizer
+
+__all__ = ["FAMILIES", "ConvertResult", "convert", "detect_family"]
+
+FAMILIES = ("huginn",)
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertResult:
+    path: Path
+    family: str
+    config: ModelConfig
+    tensors: int
+    dtype: str
+
+
+def detect_family(config: dict[str, Any]) -> str:
+    """The converter family of a ``config.json``; ``ConfigError`` for one TinyLoop cannot convert."""
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    archs = archs if isinstance(archs, list) else [archs]
+    if model_type in huginn.MODEL_TYPES or any(a in huginn.ARCHITECTURES for a in archs if isinstance(a, str)):
+        return "huginn"
+    raise ConfigError(f"config.json: model_type {model_type!r} (architectures {archs!r}) is not a family "
+                      f"tinyloop convert knows; supported: huginn ({', '.join(huginn.MODEL_TYPES)})")
+
+
+def convert(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str | None = None,
+            family: str = "auto", state_init: StateInit = "randn", max_position: int | None = None,
+            progress: Callable[[int, int, str], None] | None = None) -> ConvertResult:
+    """Convert ``hf_dir`` to the artifact ``out``; ``dtype`` defaults to the checkpoint's."""
+    if family != "auto" and family not in FAMILIES:
+        raise ConfigError(f"family must be auto or one of {', '.join(FAMILIES)}; got {family!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    with HFDir(Path(hf_dir)) as hf:
+        detected = detect_family(hf.config)
+        if family not in ("auto", detected):
+            raise ConfigError(f"{hf.root}: is a {detected} checkpoint, not {family}")
+        config = huginn.huginn_config(hf.config, state_init=state_init, max_position=max_position)
+        expected = {name: tuple(t.shape) for name, t in empty_model(config).state_dict().items()}
+        plan = huginn.huginn_plan(hf, config, expected)
+        try:
+            probe = Tokenizer.from_json(hf.tokenizer_json, eos_id=0)
+        except TokenizerError as exc:
+            raise TokenizerError(f"{hf.root / 'tokenizer.json'}: {exc}; TinyLoop serves byte-level BPE "
+                                 "tokenizers only (convert the tokenizer first)") from exc
+        special = huginn.huginn_special_tokens(hf, probe.token_to_id)
+        tokenizer = Tokenizer.from_json(hf.tokenizer_json, bos_id=special["bos_id"], eos_id=special["eos_id"],
+                                        eos_ids=special["eos_ids"])
+        template = hf.tokenizer_config.get("chat_template") or ""
+        if not isinstance(template, str):
+            raise ConfigError(f"{hf.root / 'tokenizer_config.json'}: chat_template must be a string")
+        target = DTYPES[dtype] if dtype else _checkpoint_dtype(hf)
+        out_path = Path(out)
+        metadata = artifact_metadata(out_path, config, tokenizer, template, special,
+                                     {"tinyloop.converted_from": detected})
+        write_streaming(out_path, plan, target, metadata, progress)
+    return ConvertResult(out_path, detected, config, len(plan), str(target).removeprefix("torch."))
+
+
+def _checkpoint_dtype(hf: HFDir) -> torch.dtype:
+    tag = hf.tensors["transformer.wte.weight"].dtype if "transformer.wte.weight" in hf.tensors else "F32"
+    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(tag, torch.float32)

@@ -1,0 +1,167 @@
+"""Huginn-0125 (``huginn_raven``, ``RavenForCausalLM``) onto TinyLoop's canonical names.
+
+The layout (see DESIGN.md and the published model): sandwich blocks (``norm_1`` before and
+``norm_2`` after attention's residual add, ``norm_3``/``norm_4`` around the MLP), a fused
+``Wqkv`` with a learned ``qk_bias`` [2, 1, H, D] added to q and k before interleaved RoPE, a
+concat adapter ``[state; prelude_out]`` -> H, embeddings scaled by ``init_values.embed_scale``,
+``ln_f`` before and after the coda, and a tied head. The stored ``lm_head.weight`` must equal
+``transformer.wte.weight`` and is dropped; ``freqs_cis`` (the reference's RoPE table) is dropped.
+
+The reference draws each token's initial state from a truncated normal of std
+``init_values.std * embed_scale``; TinyLoop draws it seeded per position (``state_init`` randn,
+reproducible per request), or starts from zeros (``state_init`` zeros, what the reference does
+with ``init_scale=0``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from tinyloop.convert.hfdir import HFDir
+from tinyloop.convert.writer import PlannedTensor
+from tinyloop.errors import ArtifactError, ConfigError
+from tinyloop.model.config import ModelConfig, StateInit
+
+__all__ = ["MODEL_TYPES", "huginn_config", "huginn_plan", "huginn_special_tokens"]
+
+MODEL_TYPES = ("huginn_raven",)
+ARCHITECTURES = ("RavenForCausalLM",)
+
+# Config values the mapping assumes: anything else is a different model and is refused.
+_FIXED: dict[str, object] = {
+    "block_class_name": "SandwichBlock", "norm_class_name": "RMSNorm_llama", "mlp_class_name": "GatedMLP",
+    "nonlin_name": "SiLU", "injection_type": "linear", "bias": False, "tie_embeddings": True,
+}
+# Per layer: Huginn's suffix -> TinyLoop's suffix (qk_bias is split separately).
+_LAYER_NAMES = {
+    "norm_1.weight": "attn_norm.weight", "norm_2.weight": "attn_post_norm.weight",
+    "norm_3.weight": "mlp_norm.weight", "norm_4.weight": "mlp_post_norm.weight",
+    "attn.Wqkv.weight": "attn.qkv.weight", "attn.proj.weight": "attn.o.weight",
+    "mlp.fc.weight": "mlp.fc.weight", "mlp.proj.weight": "mlp.proj.weight",
+}
+_STACKS = (("prelude", "prelude", "n_prelude"), ("core_block", "core", "n_core"), ("coda", "coda", "n_coda"))
+_TOP = {"transformer.wte.weight": "embed.weight", "transformer.adapter.weight": "adapter.weight",
+        "transformer.ln_f.weight": "final_norm.weight"}
+_DROPPED = ("lm_head.weight", "freqs_cis")
+
+
+def _int(cfg: dict[str, Any], *keys: str, default: int | None = None) -> int:
+    for key in keys:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    if default is not None:
+        return default
+    raise ConfigError(f"config.json: needs an integer {' or '.join(keys)}")
+
+
+def huginn_config(cfg: dict[str, Any], *, state_init: StateInit = "randn",
+                  max_position: int | None = None) -> ModelConfig:
+    """The ``ModelConfig`` of a Huginn ``config.json``."""
+    for key, value in _FIXED.items():
+        if key in cfg and cfg[key] != value:
+            raise ConfigError(f"config.json: {key} is {cfg[key]!r}; the Huginn converter supports only {value!r}")
+    hidden = _int(cfg, "n_embd")
+    heads = _int(cfg, "num_attention_heads", "n_heads")
+    init = cfg.get("init_values") or {}
+    embed_scale = float(init.get("embed_scale", hidden ** 0.5))
+    std = float(init.get("std", (2 / (5 * hidden)) ** 0.5))
+    loops = _int(cfg, "mean_recurrence")
+    kv_heads = _int(cfg, "num_key_value_heads", default=heads)
+    if kv_heads != heads:
+        raise ConfigError(f"config.json: num_key_value_heads {kv_heads} != {heads} heads; Huginn is full MHA")
+    return ModelConfig(
+        vocab_size=_int(cfg, "padded_vocab_size", "vocab_size"), hidden=hidden, heads=heads,
+        kv_heads=kv_heads, head_dim=_int(cfg, "head_dim", default=hidden // heads),
+        intermediate=_int(cfg, "intermediate_size"), n_prelude=_int(cfg, "n_layers_in_prelude"),
+        n_core=_int(cfg, "n_layers_in_recurrent_block"), n_coda=_int(cfg, "n_layers_in_coda"),
+        default_loops=loops, max_loops=max(64, loops), max_position=max_position or _int(cfg, "block_size"),
+        block_style="sandwich", injection="concat_linear", state_init=state_init,
+        state_init_std=std * embed_scale, loop_norm="final_only", rope_theta=float(cfg.get("rope_base", 50000)),
+        rope_style="interleaved", norm_eps=float(cfg.get("norm_eps", 1e-6)), tie_embeddings=True,
+        embed_scale=embed_scale, qk_bias=bool(cfg.get("qk_bias", False)), fused_qkv=True,
+    )
+
+
+def _sources(config: ModelConfig) -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    """Canonical name -> (Huginn name, transform)."""
+    same: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # noqa: E731
+    out = {canon: (src, same) for src, canon in _TOP.items()}
+    for src_stack, dst_stack, count in _STACKS:
+        for i in range(getattr(config, count)):
+            src, dst = f"transformer.{src_stack}.{i}.", f"{dst_stack}.{i}."
+            for suffix, canon in _LAYER_NAMES.items():
+                out[dst + canon] = (src + suffix, same)
+            if config.qk_bias:
+                out[dst + "attn.q_bias"] = (src + "attn.qk_bias", lambda t: t[0, 0])
+                out[dst + "attn.k_bias"] = (src + "attn.qk_bias", lambda t: t[1, 0])
+    return out
+
+
+def _check_shape(name: str, found: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if found != expected:
+        raise ArtifactError(f"checkpoint tensor {name} has shape {list(found)}, expected {list(expected)}")
+
+
+def _check_tied_head(hf: HFDir, rows: int = 4096) -> None:
+    """``lm_head.weight`` must equal ``transformer.wte.weight`` (compared a block of rows at a time)."""
+    if "lm_head.weight" not in hf.tensors:
+        return
+    _check_shape("lm_head.weight", hf.tensors["lm_head.weight"].shape, hf.tensors["transformer.wte.weight"].shape)
+    for head, wte in zip(hf.row_chunks("lm_head.weight", rows), hf.row_chunks("transformer.wte.weight", rows)):
+        if not torch.equal(head, wte):
+            raise ArtifactError("checkpoint tensor lm_head.weight differs from transformer.wte.weight; "
+                                "the Huginn converter supports only the tied head")
+
+
+def _produce(hf: HFDir, src: str, transform: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    return transform(hf.tensor(src))
+
+
+def huginn_plan(hf: HFDir, config: ModelConfig, expected: dict[str, tuple[int, ...]]) -> list[PlannedTensor]:
+    """Every canonical tensor with its source; refuses a missing, unknown or misshapen tensor by name."""
+    sources = _sources(config)
+    if set(sources) != set(expected):  # a mapping bug, not the checkpoint's fault
+        raise AssertionError(f"Huginn map and model disagree: {sorted(set(sources) ^ set(expected))}")
+    used = {src for src, _ in sources.values()}
+    unknown = sorted(set(hf.tensors) - used - set(_DROPPED))
+    if unknown:
+        raise ArtifactError(f"checkpoint has tensor(s) the Huginn converter does not know: {', '.join(unknown)}")
+    missing = sorted(used - set(hf.tensors))
+    if missing:
+        raise ArtifactError(f"checkpoint is missing tensor(s): {', '.join(missing)}")
+    plan: list[PlannedTensor] = []
+    for canon, shape in expected.items():
+        src, transform = sources[canon]
+        want = (2, 1, config.heads, config.head_dim) if src.endswith("qk_bias") else shape
+        _check_shape(src, hf.tensors[src].shape, want)
+        plan.append(PlannedTensor(canon, shape, partial(_produce, hf, src, transform)))
+    _check_tied_head(hf)
+    return plan
+
+
+def huginn_special_tokens(hf: HFDir, vocab_ids: Callable[[str], int | None]) -> dict[str, Any]:
+    """bos, eos and the stop set: bos, eos and generation_config's eos ids ({65504, 65505, 65508})."""
+    def named(key: str) -> int | None:
+        token = hf.tokenizer_config.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        return vocab_ids(token) if isinstance(token, str) else None
+
+    gen = hf.generation_config
+    bos = named("bos_token")
+    bos = bos if bos is not None else gen.get("bos_token_id")
+    eos = named("eos_token")
+    gen_eos = gen.get("eos_token_id")
+    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    if eos is None:
+        eos = gen_eos[0] if gen_eos else None
+    if eos is None or bos is None:
+        raise ConfigError("tokenizer_config.json / generation_config.json: need a bos and an eos token")
+    pad = named("pad_token")
+    pad = pad if pad is not None else gen.get("pad_token_id")
+    return {"bos_id": bos, "eos_id": eos, "eos_ids": sorted({bos, eos, *gen_eos}), "pad_id": pad}
