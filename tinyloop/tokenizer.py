@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers
@@ -385,11 +387,23 @@ def _part_text(part: object, index: int) -> str:
     return text
 
 
+class _GenerationTags(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` (marks assistant tokens for
+    training masks): rendered as if the tags were absent, as Huginn's template needs."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 @functools.lru_cache(maxsize=32)
 def _compile_template(source: str) -> jinja2.Template:
     """Compile a chat template in a sandbox configured as HF's ``apply_chat_template`` is."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTags]
     )
     env.globals["raise_exception"] = _raise_from_template
     try:

@@ -180,3 +180,12 @@ def test_cli_converts_and_reports_refusals(tmp_path: Path, capsys: pytest.Captur
     assert "huginn, 43 tensors, float16" in capsys.readouterr().out
     assert main(["convert", str(tmp_path), str(tmp_path / "x.tinyloop")]) == 2
     assert "config.json: missing" in capsys.readouterr().err
+
+
+def test_huginn_chat_template_renders_without_the_generation_tags(engine: Engine) -> None:
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+             {"role": "user", "content": "q"}]
+    assert engine.tokenizer.render_chat(turns, template=engine.chat_template) == (
+        "<|begin_text|><|begin_header|>user<|end_header|>\n\nhi<|end_turn|>"
+        "<|begin_header|>Huginn<|end_header|>\n\nyo<|end_turn|>"
+        "<|begin_header|>user<|end_header|>\n\nq<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n")
