@@ -7,6 +7,7 @@ and ``hypercorn 'tinyloop.http:app'`` both come through here.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ import trio
 from quart_trio import QuartTrio
 
 from tinyloop.actors.runtime import open_runtime
+from tinyloop.convert.cache import converted_artifact, is_hf_dir
 from tinyloop.engine.engine import Engine
 from tinyloop.http.connection import install_protocol_errors
 from tinyloop.http.factory import attach, create_app
@@ -28,8 +30,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def load_engine(settings: Settings) -> Engine:
     """The engine the settings describe (the bundled demo model when no path is set), with the
-    KV cache mode of the KV flags."""
-    return Engine.load(settings.resolve_model_path(), max_seq_len=settings.max_seq_len,
+    KV cache mode of the KV flags. A Hugging Face model directory is converted first (once: the
+    artifact is kept in the cache directory, ``tinyloop.convert.cache``)."""
+    path = settings.resolve_model_path()
+    options = {}
+    if is_hf_dir(path):
+        options["name"] = path.resolve().name  # the model's id: the directory's name
+        path = converted_artifact(path, Path(settings.cache_dir) if settings.cache_dir else None)
+    return Engine.load(path, max_seq_len=settings.max_seq_len, **options,
                        device=settings.device, dtype=_DTYPES.get(settings.dtype or "", None),
                        kv_cache_mb=settings.kv_cache_mb, block_size=settings.kv_block_size,
                        prefill_chunk=settings.prefill_chunk, kv_mode=settings.kv_mode,

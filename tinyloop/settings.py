@@ -32,7 +32,11 @@ class Settings:
     """Everything a runtime and its server can be configured with."""
 
     model_path: str | None = _opt(None, "TINYLOOP_MODEL_PATH",
-                                  "path to the .tinyloop artifact (default: the bundled demo model)")
+                                  "path to the .tinyloop artifact or a Hugging Face model directory "
+                                  "(default: the bundled demo model)")
+    cache_dir: str | None = _opt(None, "TINYLOOP_CACHE_DIR",
+                                 "where a Hugging Face model directory given as the model is kept once "
+                                 "converted (default: $XDG_CACHE_HOME/tinyloop or ~/.cache/tinyloop)")
     served_model_name: str | None = _opt(None, "TINYLOOP_SERVED_MODEL_NAME",
                                          "model id shown to clients (default: the artifact's file name)")
     max_seq_len: int = _opt(2048, "TINYLOOP_MAX_SEQ_LEN", "max prompt + generated tokens per request")

@@ -1,0 +1,53 @@
+"""A converted reference checkpoint served over HTTP: ``/v1/completions`` greedy returns the
+reference's greedy continuation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import trio
+from safetensors.torch import load_file
+
+from tests.http.conftest import running_server
+from tinyloop.convert import convert
+from tinyloop.engine.engine import Engine
+from tinyloop.settings import Settings
+
+HUGINN = Path(__file__).parent.parent / "data" / "checkpoints" / "huginn-tiny"
+
+
+async def test_v1_completions_greedy_on_converted_huginn_is_the_references(tmp_path: Path) -> None:
+    reference = load_file(str(HUGINN / "reference_outputs.safetensors"))
+    prompt = reference["input_ids"][0].tolist()
+    expected = reference["greedy_loops4"].tolist()
+    out = tmp_path / "huginn-tiny.tinyloop"
+    convert(HUGINN, out, state_init="zeros")  # the reference ran with init_scale=0
+    engine = Engine.load(out, dtype=torch.float32, kv_cache_mb=4)
+    body = {"prompt": prompt, "max_tokens": len(expected), "temperature": 0, "loops": 4, "ignore_eos": True}
+    with trio.fail_after(60):
+        async with running_server(Settings(port=0), engine) as srv, httpx.AsyncClient(base_url=srv.url) as client:
+            resp = await client.post("/v1/completions", json=body)
+            native = await client.post("/generate", json={"prompt_tokens": prompt, "max_tokens": len(expected),
+                                                          "loops": 4, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == engine.tokenizer.decode(expected)
+    assert native.json()["tokens"] == expected
+
+
+def test_serve_loads_a_model_directory_converting_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinyloop.convert import cache
+    from tinyloop.server import load_engine
+
+    settings = Settings(model_path=str(HUGINN), cache_dir=str(tmp_path / "cache"), max_seq_len=64)
+    engine = load_engine(settings)
+    assert engine.name == "huginn-tiny" and engine.config.n_core == 2
+    [artifact] = (tmp_path / "cache").glob("*.tinyloop")
+
+    def no_second_conversion(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the cached artifact was converted again")
+    monkeypatch.setattr(cache, "convert", no_second_conversion)
+    again = load_engine(settings)
+    assert again.name == "huginn-tiny" and list((tmp_path / "cache").glob("*.tinyloop")) == [artifact]
