@@ -311,7 +311,10 @@ def gpt2_tokenizer() -> Tokenizer:
 
 
 def _byte_table(inner: tokenizers.Tokenizer) -> tuple[bytes, ...]:
-    """Return, for every id, the bytes its token stands for; reject non-byte-level vocabularies."""
+    """Return, for every id, the bytes its token stands for; reject non-byte-level tokenizers
+    (their pipeline as well as their vocabulary: a byte-alphabet vocabulary behind a Metaspace
+    pre-tokenizer would encode text differently from what the bytes say)."""
+    _check_byte_level_pipeline(inner)
     vocab = inner.get_vocab(with_added_tokens=True)
     added = {token.content for token in inner.get_added_tokens_decoder().values()}
     by_id = {
@@ -321,6 +324,25 @@ def _byte_table(inner: tokenizers.Tokenizer) -> tuple[bytes, ...]:
     if sorted(by_id) != list(range(len(by_id))):
         raise TokenizerError("tokenizer vocabulary ids are not contiguous from 0")
     return tuple(by_id[i] for i in range(len(by_id)))
+
+
+def _check_byte_level_pipeline(inner: tokenizers.Tokenizer) -> None:
+    doc = json.loads(inner.to_str())
+    for part in ("pre_tokenizer", "decoder"):
+        if not _has_byte_level(doc.get(part)):
+            kind = (doc.get(part) or {}).get("type", "none")
+            raise TokenizerError(f"the tokenizer's {part} is {kind}, not ByteLevel: only byte-level BPE "
+                                 "tokenizers are supported (convert the tokenizer to byte-level BPE first)")
+
+
+def _has_byte_level(component: Any) -> bool:
+    """Whether a pre-tokenizer or decoder is ByteLevel, or a Sequence holding one."""
+    if not isinstance(component, dict):
+        return False
+    if component.get("type") == "ByteLevel":
+        return True
+    parts = component.get("pretokenizers") or component.get("decoders") or []
+    return component.get("type") == "Sequence" and any(_has_byte_level(p) for p in parts)
 
 
 def _byte_level_bytes(token: str, token_id: int) -> bytes:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tinyloop.cli import main
 from tinyloop.convert import convert
 from tinyloop.engine.engine import Engine
-from tinyloop.errors import ArtifactError, ConfigError
+from tinyloop.errors import ArtifactError, ConfigError, TokenizerError
 from tinyloop.model.context import FullContext
 from tinyloop.model.looped import RowSpec
 from tinyloop.requests import GenerationRequest, SamplingParams
@@ -189,3 +189,14 @@ def test_huginn_chat_template_renders_without_the_generation_tags(engine: Engine
         "<|begin_text|><|begin_header|>user<|end_header|>\n\nhi<|end_turn|>"
         "<|begin_header|>Huginn<|end_header|>\n\nyo<|end_turn|>"
         "<|begin_header|>user<|end_header|>\n\nq<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n")
+
+
+def test_a_tokenizer_that_is_not_byte_level_is_refused(tmp_path: Path) -> None:
+    hf = _copy(tmp_path)
+    tok = json.loads((hf / "tokenizer.json").read_text())
+    metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True}
+    tok["pre_tokenizer"], tok["decoder"] = metaspace, metaspace  # a sentencepiece-style pipeline
+    (hf / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(TokenizerError, match="pre_tokenizer is Metaspace, not ByteLevel.*byte-level BPE"):
+        convert(hf, tmp_path / "out.tinyloop")
+    assert not (tmp_path / "out.tinyloop").exists()
