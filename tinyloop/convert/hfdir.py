@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,8 +61,6 @@ class HFDir:
     tokenizer_config: dict[str, Any] = field(init=False)
     generation_config: dict[str, Any] = field(init=False)
     tensors: dict[str, TensorInfo] = field(init=False)
-    _stack: ExitStack = field(init=False, default_factory=ExitStack)
-    _open: dict[Path, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -91,38 +89,44 @@ class HFDir:
     def _index(self) -> dict[str, TensorInfo]:
         tensors: dict[str, TensorInfo] = {}
         for shard in self._shards():
-            handle = self._handle(shard)
-            for name in handle.keys():
-                if name in tensors:
-                    raise ConfigError(f"{shard}: tensor {name} is also in {tensors[name].file.name}")
-                part = handle.get_slice(name)
-                tensors[name] = TensorInfo(name, shard, tuple(part.get_shape()), str(part.get_dtype()))
+            with self._opened(shard) as handle:
+                for name in handle.keys():
+                    if name in tensors:
+                        raise ConfigError(f"{shard}: tensor {name} is also in {tensors[name].file.name}")
+                    part = handle.get_slice(name)
+                    tensors[name] = TensorInfo(name, shard, tuple(part.get_shape()), str(part.get_dtype()))
         return tensors
 
-    def _handle(self, shard: Path) -> Any:
-        if shard not in self._open:
-            try:
-                self._open[shard] = self._stack.enter_context(safe_open(str(shard), framework="pt"))
-            except Exception as exc:  # safetensors' own error types for a missing or corrupt file
-                raise ConfigError(f"{shard}: cannot open safetensors file: {exc}") from exc
-        return self._open[shard]
+    @staticmethod
+    @contextmanager
+    def _opened(shard: Path) -> Iterator[Any]:
+        """A shard's memory map, open only while it is read: the pages a read touched count in
+        the process's resident memory until the map is closed, so keeping every shard open
+        would hold the whole checkpoint by the end of a conversion."""
+        try:
+            handle = safe_open(str(shard), framework="pt")
+        except Exception as exc:  # safetensors' own error types for a missing or corrupt file
+            raise ConfigError(f"{shard}: cannot open safetensors file: {exc}") from exc
+        with handle:
+            yield handle
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One whole tensor (read from its shard's memory map)."""
+        """One whole tensor, copied out of its shard (whose map is closed again)."""
         info = self.tensors[name]
-        out: torch.Tensor = self._handle(info.file).get_tensor(name)
+        with self._opened(info.file) as handle:
+            out: torch.Tensor = handle.get_tensor(name)  # a copy: safetensors reads into new memory
         return out
 
     def row_chunks(self, name: str, rows: int) -> Iterator[torch.Tensor]:
         """Tensor ``name`` in chunks of ``rows`` leading rows (bounded memory for a comparison)."""
         info = self.tensors[name]
-        part = self._handle(info.file).get_slice(name)
         for start in range(0, info.shape[0], rows):
-            yield part[start:start + rows]
+            with self._opened(info.file) as handle:
+                chunk: torch.Tensor = handle.get_slice(name)[start:start + rows].clone()
+            yield chunk
 
     def close(self) -> None:
-        self._open.clear()
-        self._stack.close()
+        """Nothing stays open between reads; kept so the directory reads as a context manager."""
 
     def __enter__(self) -> HFDir:
         return self
