@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "data" / "checkpoints" / "huginn-tiny"
 
 
-def shapes(h: int, heads: int, inter: int, vocab: int, layers: dict[str, int], block: int) -> dict[str, tuple[int, ...]]:
+def shapes(h: int, heads: int, inter: int, vocab: int, layers: dict[str, int],
+           block: int) -> dict[str, tuple[int, ...]]:
     """Every tensor of a Huginn checkpoint of these sizes, by its checkpoint name."""
     out: dict[str, tuple[int, ...]] = {
         "transformer.wte.weight": (vocab, h), "lm_head.weight": (vocab, h),
