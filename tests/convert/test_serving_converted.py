@@ -32,9 +32,15 @@ async def test_v1_completions_greedy_on_converted_huginn_is_the_references(tmp_p
             resp = await client.post("/v1/completions", json=body)
             native = await client.post("/generate", json={"prompt_tokens": prompt, "max_tokens": len(expected),
                                                           "loops": 4, "ignore_eos": True})
+            [card] = (await client.get("/v1/models")).json()["data"]
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == engine.tokenizer.decode(expected)
     assert native.json()["tokens"] == expected
+    params = sum(p.numel() for p in engine.model.parameters())
+    assert card["family"] == "huginn" and card["parameters"] == params and card["quantization"] == "float32"
+    assert (card["default_loops"], card["max_loops"], card["max_model_len"]) == (
+        engine.config.default_loops, engine.config.max_loops, engine.max_seq_len)
+    assert card["exit"]["kind"] == engine.config.exit.kind
 
 
 def test_serve_loads_a_model_directory_converting_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

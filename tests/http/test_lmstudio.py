@@ -55,8 +55,14 @@ def check_extras(out: dict[str, Any], *, stop_reason: str, loops: int, context: 
     assert 0 < stats["time_to_first_token"] < 30 and 0 < stats["generation_time"] < 30
     if stop_reason in ("maxPredictedTokensReached", "contextLengthReached"):  # several tokens
         assert stats["tokens_per_second"] > 0
-    assert out["model_info"] == {"arch": "tinyloop-huginn", "quant": "float32", "format": "tinyloop",
-                                 "context_length": context, "kv_cache_mode": "full", "loops": loops}
+    info = out["model_info"]
+    assert {k: info[k] for k in ("arch", "quant", "format", "context_length", "kv_cache_mode", "loops")} == {
+        "arch": "tinyloop-huginn", "quant": "float32", "format": "tinyloop", "context_length": context,
+        "kv_cache_mode": "full", "loops": loops}
+    # the model itself: family, size, dtype, the loop dial, the default exit rule
+    assert info["family"] == "huginn" and info["parameters"] > 0 and info["quantization"] == "float32"
+    assert (info["default_loops"], info["max_loops"]) == (4, 16)
+    assert info["exit"] == {"kind": "none", "threshold": 0.0, "min_loops": 1}
     assert out["runtime"] == {"name": "tinyloop", "version": tinyloop.__version__,
                               "supported_formats": ["tinyloop"], "commit": "abc123"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import tinyloop
-from tinyloop.http.service import ServedModel
+from tinyloop.http.service import ServedModel, describe
 from tinyloop.requests import GenerationResult, TokenLogprob
 from tinyloop.tokenizer import Tokenizer
 
@@ -82,7 +82,7 @@ def lmstudio_extras(model: ServedModel, result: GenerationResult, commit: str | 
         "stats": lmstudio_stats(result, context_limited),
         "model_info": {"arch": model.arch, "quant": model.quant, "format": "tinyloop",
                        "context_length": model.max_seq_len, "kv_cache_mode": model.kv_cache_mode,
-                       "loops": result.loops_used},
+                       "loops": result.loops_used, **describe(model)},
         "runtime": {"name": "tinyloop", "version": tinyloop.__version__,
                     "supported_formats": ["tinyloop"], "commit": commit},
     }
@@ -90,7 +90,7 @@ def lmstudio_extras(model: ServedModel, result: GenerationResult, commit: str | 
 
 def model_card(model: ServedModel, lmstudio: bool) -> dict[str, Any]:
     card: dict[str, Any] = {"id": model.id, "object": "model", "created": model.created,
-                            "owned_by": "tinyloop"}
+                            "owned_by": "tinyloop", "max_model_len": model.max_seq_len, **describe(model)}
     if lmstudio:
         card.update({"type": "llm", "publisher": "tinyloop", "arch": model.arch,
                      "compatibility_type": "tinyloop", "quantization": model.quant,

@@ -65,6 +65,7 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     exit: ExitRule = field(default_factory=ExitRule)  # the model's own rule (gate: it has a gate)
     kv: KVLimits | None = None  # the KV pool (None: the KV worst case is left to the engine)
+    parameters: int | None = None  # the model's parameter count (None: not known)
     limits: ModelLimits = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -85,7 +86,7 @@ class ServedModel:
                    vocab_size=limits.vocab_size, arch=f"tinyloop-{style}",
                    quant=str(engine.dtype).removeprefix("torch."),
                    kv_cache_mode=settings.kv_cache_mode if kv_mode is None else kv_mode.name,
-                   exit=limits.exit, kv=limits.kv)
+                   exit=limits.exit, kv=limits.kv, parameters=_parameters(engine))
 
     def check_name(self, name: str | None) -> None:
         if name is not None and name != self.id:
@@ -107,6 +108,20 @@ class ServedModel:
         if isinstance(prompt, str):
             return await off_loop(self.tokenizer.encode, prompt, size=len(prompt))
         return list(prompt)
+
+
+def _parameters(engine: Any) -> int | None:
+    model = getattr(engine, "model", None)
+    return None if model is None else sum(p.numel() for p in model.parameters())
+
+
+def describe(model: ServedModel) -> dict[str, Any]:
+    """What clients are told about the model beyond its id: family, size, dtype, the loop dial
+    and the exit rule it runs by default."""
+    return {"family": model.arch.removeprefix("tinyloop-"), "parameters": model.parameters,
+            "quantization": model.quant, "default_loops": model.default_loops, "max_loops": model.max_loops,
+            "exit": {"kind": model.exit.kind, "threshold": model.exit.threshold,
+                     "min_loops": model.exit.min_loops}}
 
 
 @dataclass(frozen=True)
