@@ -97,7 +97,7 @@ class LoopedLM(nn.Module):
         self.final_norm = RMSNorm(c.hidden, c.norm_eps)
         if not c.tie_embeddings:
             self.lm_head = nn.Linear(c.hidden, c.vocab_size, bias=False)
-        if c.exit.kind == "gate":
+        if c.has_exit_gate:
             self.exit_gate = nn.Linear(c.hidden, 1, bias=True)
         self.rope = Rope(c.head_dim, c.max_position, c.rope_theta, c.rope_style)
         # Work counters: tests assert compute grows with loops by counting, never by timing.
