@@ -110,7 +110,7 @@ class ModelLimits:
             raise RequestError(f"prompt token id {max(req.prompt_tokens)} is outside the "
                                f"vocabulary ({self.vocab_size})", param="prompt")
         rule = req.exit or self.exit
-        if rule.kind == "gate" and not self.has_gate:
+        if rule.kind in ("gate", "gate_select") and not self.has_gate:
             raise RequestError("this model has no exit gate: use exit kind latent_diff or kl",
                                param="exit")
         if rule.min_loops > loops and rule.kind != "none":

@@ -15,7 +15,7 @@ from tests.convert.checkpoints import CHECKPOINTS, TOL, full_logits, max_diff, w
 from tinyloop.cli import main
 from tinyloop.convert import convert, detect_family
 from tinyloop.engine.engine import Engine
-from tinyloop.errors import ArtifactError, ConfigError
+from tinyloop.errors import ArtifactError, ConfigError, RequestError
 from tinyloop.limits import ModelLimits
 from tinyloop.model.context import FullContext
 from tinyloop.model.looped import RowSpec
@@ -45,10 +45,11 @@ def test_full_forward_logits_match_the_reference_last_step(engine: Engine, refer
     assert diff <= TOL, f"max |dlogit| {diff:.3g} at {loops} loops"
 
 
-def _model_states(engine: Engine, ids: torch.Tensor, loops: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _model_states(engine: Engine, ids: torch.Tensor, loops: int,
+                  exit_rule: ExitRule | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     ctx = FullContext(engine.model.rope, 1, ids.shape[1])
     with torch.no_grad():
-        out = engine.model(ids, ctx, [RowSpec(loops=loops, window=loops)], last_only=False)
+        out = engine.model(ids, ctx, [RowSpec(loops=loops, window=loops, exit=exit_rule)], last_only=False)
     return out.logits, out.state
 
 
@@ -69,6 +70,30 @@ def test_exit_gate_is_loaded_and_matches_the_reference_lambdas(engine: Engine,
             lambdas.append(torch.sigmoid(engine.model.exit_gate(state)).squeeze(-1))
     got = torch.stack(lambdas, dim=-1)  # [1, T, 4]
     assert (got - reference["gate_lambdas_loops4"]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.5])
+def test_gate_select_matches_the_reference_exit_selection(engine: Engine, reference: dict[str, torch.Tensor],
+                                                          threshold: float) -> None:
+    """HF's semantics: every loop runs; per position the gate's CDF picks the loop that feeds the head."""
+    expected = reference[f"logits_threshold{threshold}_loops4"]
+    logits, _ = _model_states(engine, reference["input_ids"], 4, ExitRule("gate_select", threshold))
+    assert (logits - expected).abs().max().item() <= TOL
+    ids = reference["input_ids"][0].tolist()
+    seq = engine.start(GenerationRequest(prompt_tokens=tuple(ids), loops=4, max_tokens=1,
+                                         exit=ExitRule("gate_select", threshold)))
+    try:
+        last = engine.prefill(seq)
+    finally:
+        engine.free(seq)
+    assert seq.last_loops == 4  # nothing stopped early
+    assert max_diff(engine, last, expected[0, -1]) <= TOL
+
+
+def test_gate_select_at_half_picks_earlier_loops_than_the_last(reference: dict[str, torch.Tensor]) -> None:
+    """The fixture's gate makes 0.5 select loop 2 at some positions: the test above is not vacuous."""
+    last = reference["logits_last_step_loops4"]
+    assert (reference["logits_threshold0.5_loops4"] - last).abs().amax(-1).min().item() > 0.1
 
 
 def test_cached_decode_matches_the_reference(engine: Engine, reference: dict[str, torch.Tensor]) -> None:
@@ -165,3 +190,12 @@ def test_cli_converts_with_family_ouro(tmp_path: Path, capsys: pytest.CaptureFix
     out = tmp_path / "o.tinyloop"
     assert main(["convert", str(FIXTURE), str(out), "--family", "ouro"]) == 0
     assert "ouro, 35 tensors, float32" in capsys.readouterr().out
+
+
+def test_gate_select_needs_a_gate_and_a_threshold_up_to_one() -> None:
+    with pytest.raises(ConfigError, match=r"\(0, 1\]"):
+        ExitRule("gate_select", 1.5)
+    req = GenerationRequest(prompt_tokens=(1, 2), max_tokens=1, exit=ExitRule("gate_select", 0.5))
+    with pytest.raises(RequestError, match="no exit gate"):
+        ModelLimits(max_seq_len=16, vocab_size=8, default_loops=2, max_loops=4).check(req)
+    assert ModelLimits(max_seq_len=16, vocab_size=8, default_loops=2, max_loops=4, gate=True).check(req).loops == 2
