@@ -70,6 +70,7 @@ class ModelLimits:
     max_loops: int  # the most loops a request may ask for
     exit: ExitRule = field(default_factory=ExitRule)
     kv: KVLimits | None = None
+    gate: bool = False  # the model has an exit gate although its own rule is not ``gate``
 
     @classmethod
     def from_engine(cls, engine: Any) -> ModelLimits:
@@ -79,12 +80,13 @@ class ModelLimits:
         pool = getattr(engine, "pool", None)
         kv = None if pool is None else KVLimits(pool.num_blocks, pool.block_size, c)
         return cls(max_seq_len=engine.max_seq_len, vocab_size=c.vocab_size,
-                   default_loops=c.default_loops, max_loops=c.max_loops, exit=c.exit, kv=kv)
+                   default_loops=c.default_loops, max_loops=c.max_loops, exit=c.exit, kv=kv,
+                   gate=c.has_exit_gate)
 
     @property
     def has_gate(self) -> bool:
         """Whether the model has an exit gate (a request may then ask for the ``gate`` rule)."""
-        return self.exit.kind == "gate"
+        return self.gate or self.exit.kind == "gate"
 
     def loops(self, asked: int | None) -> int:
         """The loops a request runs at: what it asked, or the model's default."""
@@ -108,7 +110,7 @@ class ModelLimits:
             raise RequestError(f"prompt token id {max(req.prompt_tokens)} is outside the "
                                f"vocabulary ({self.vocab_size})", param="prompt")
         rule = req.exit or self.exit
-        if rule.kind == "gate" and not self.has_gate:
+        if rule.kind in ("gate", "gate_select") and not self.has_gate:
             raise RequestError("this model has no exit gate: use exit kind latent_diff or kl",
                                param="exit")
         if rule.min_loops > loops and rule.kind != "none":

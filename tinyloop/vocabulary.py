@@ -34,7 +34,7 @@ from tinyloop.errors import ConfigError
 __all__ = ["ExitKind", "ExitRule", "INT4_GROUP_SIZES", "KVMode", "KV_MODES", "LayerShape",
            "kv_slots_per_token"]
 
-ExitKind = Literal["none", "gate", "latent_diff", "kl"]
+ExitKind = Literal["none", "gate", "latent_diff", "kl", "gate_select"]
 
 
 class LayerShape(Protocol):
@@ -59,7 +59,10 @@ class ExitRule:
     """When a token may stop looping early.
 
     ``gate``: Ouro's rule, exit at the first loop whose cumulative exit probability reaches
-    ``threshold``. ``latent_diff``: exit when ``||s_r - s_{r-1}|| / ||s_r|| < threshold``.
+    ``threshold``. ``gate_select``: the same rule as the Ouro reference (HF) applies it: every
+    loop runs and writes KV, and per position (prompt positions included) the state of the loop
+    the rule picks feeds the head (the last loop when none reaches ``threshold``).
+    ``latent_diff``: exit when ``||s_r - s_{r-1}|| / ||s_r|| < threshold``.
     ``kl``: exit when KL(p_r || p_{r-1}) of successive output distributions < threshold.
     Never before ``min_loops``.
     """
@@ -69,11 +72,12 @@ class ExitRule:
     min_loops: int = 1
 
     def __post_init__(self) -> None:
-        if self.kind not in ("none", "gate", "latent_diff", "kl"):
-            raise ConfigError(f"exit.kind must be one of none, gate, latent_diff, kl; got {self.kind!r}")
+        if self.kind not in ("none", "gate", "latent_diff", "kl", "gate_select"):
+            raise ConfigError("exit.kind must be one of none, gate, latent_diff, kl, gate_select; "
+                              f"got {self.kind!r}")
         if self.kind != "none" and not self.threshold > 0:
             raise ConfigError(f"exit.threshold must be > 0 for exit.kind={self.kind!r}")
-        if self.kind == "gate" and self.threshold > 1:
+        if self.kind in ("gate", "gate_select") and self.threshold > 1:
             raise ConfigError("exit.threshold must be in (0, 1] for the gate rule")
         if self.min_loops < 1:
             raise ConfigError("exit.min_loops must be >= 1")

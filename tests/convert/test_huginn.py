@@ -5,7 +5,6 @@ a clear refusal for every checkpoint it cannot convert."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.convert.checkpoints import CHECKPOINTS, TOL, full_logits, max_diff, writable_copy
 from tinyloop.cli import main
 from tinyloop.convert import convert
 from tinyloop.engine.engine import Engine
@@ -21,8 +21,7 @@ from tinyloop.model.context import FullContext
 from tinyloop.model.looped import RowSpec
 from tinyloop.requests import GenerationRequest, SamplingParams
 
-FIXTURE = Path(__file__).parent.parent / "data" / "checkpoints" / "huginn-tiny"
-TOL = 1e-4
+FIXTURE = CHECKPOINTS / "huginn-tiny"
 
 
 @pytest.fixture(scope="module")
@@ -37,27 +36,11 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     return Engine.load(out, dtype=torch.float32, kv_cache_mb=4)
 
 
-def _max_diff(engine: Engine, logits: torch.Tensor, ref: torch.Tensor) -> float:
-    """Over the tokenizer's ids: the engine masks the checkpoint's padding rows (-inf)."""
-    n = engine.tokenizer.vocab_size
-    assert torch.isneginf(logits[..., n:]).all()
-    return (logits[..., :n].float() - ref[..., :n]).abs().max().item()
-
-
-def _full_logits(engine: Engine, ids: list[int], loops: int) -> torch.Tensor:
-    seq = engine.start(GenerationRequest(prompt_tokens=tuple(ids), loops=loops, max_tokens=1))
-    try:
-        seq.kv.reserve(len(ids))
-        return engine.verify([seq], [ids])[0]
-    finally:
-        engine.free(seq)
-
-
 @pytest.mark.parametrize("loops", [1, 4, 8])
 def test_full_forward_logits_match_the_reference(engine: Engine, reference: dict[str, torch.Tensor],
                                                  loops: int) -> None:
     ids = reference["input_ids"][0].tolist()
-    diff = _max_diff(engine, _full_logits(engine, ids, loops), reference[f"logits_loops{loops}"][0])
+    diff = max_diff(engine, full_logits(engine, ids, loops), reference[f"logits_loops{loops}"][0])
     assert diff <= TOL, f"max |dlogit| {diff:.3g} at {loops} loops"
 
 
@@ -78,7 +61,7 @@ def test_cached_decode_matches_the_reference(engine: Engine, reference: dict[str
         logits = engine.decode([seq])[0]
     finally:
         engine.free(seq)
-    diff = _max_diff(engine, logits, reference["decode_last_logits_loops4"])
+    diff = max_diff(engine, logits, reference["decode_last_logits_loops4"])
     assert diff <= TOL, f"max |dlogit| {diff:.3g}"
 
 
@@ -106,14 +89,6 @@ def test_default_initial_state_is_the_seeded_truncated_normal(tmp_path: Path) ->
 # -- refusals ----------------------------------------------------------------------------------
 
 
-def _copy(tmp_path: Path) -> Path:
-    dst = tmp_path / "hf"
-    shutil.copytree(FIXTURE, dst)
-    for f in dst.iterdir():
-        f.chmod(0o644)
-    return dst
-
-
 def _rewrite_shard(hf: Path, change: str) -> None:
     """Apply ``change`` to the second shard: drop, add or reshape one tensor (index kept in step)."""
     shard = hf / "model-00002-of-00002.safetensors"
@@ -137,7 +112,7 @@ def _rewrite_shard(hf: Path, change: str) -> None:
     ("shape", "transformer.prelude.0.mlp.fc.weight has shape [191, 64], expected [192, 64]"),
 ])
 def test_bad_tensors_are_refused_by_name(tmp_path: Path, change: str, message: str) -> None:
-    hf = _copy(tmp_path)
+    hf = writable_copy(FIXTURE, tmp_path)
     _rewrite_shard(hf, change)
     with pytest.raises(ArtifactError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
                        .replace(")", r"\)")):
@@ -146,7 +121,7 @@ def test_bad_tensors_are_refused_by_name(tmp_path: Path, change: str, message: s
 
 
 def test_untied_head_is_refused(tmp_path: Path) -> None:
-    hf = _copy(tmp_path)
+    hf = writable_copy(FIXTURE, tmp_path)
     shard = hf / "model-00001-of-00002.safetensors"
     tensors = load_file(str(shard))
     tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1
@@ -156,7 +131,7 @@ def test_untied_head_is_refused(tmp_path: Path) -> None:
 
 
 def test_unknown_model_type_is_refused(tmp_path: Path) -> None:
-    hf = _copy(tmp_path)
+    hf = writable_copy(FIXTURE, tmp_path)
     config = json.loads((hf / "config.json").read_text())
     config["model_type"], config["architectures"] = "mamba", ["MambaForCausalLM"]
     (hf / "config.json").write_text(json.dumps(config))

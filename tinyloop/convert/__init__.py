@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tinyloop.convert import huginn
+from tinyloop.convert import huginn, ouro
 from tinyloop.convert.hfdir import HFDir
 from tinyloop.convert.writer import write_streaming
 from tinyloop.errors import ConfigError, TokenizerError
@@ -26,7 +26,7 @@ from tinyloop.tokenizer import Tokenizer
 
 __all__ = ["FAMILIES", "ConvertResult", "convert", "detect_family"]
 
-FAMILIES = ("huginn",)
+FAMILIES = ("huginn", "ouro")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,10 +44,12 @@ def detect_family(config: dict[str, Any]) -> str:
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
     archs = archs if isinstance(archs, list) else [archs]
-    if model_type in huginn.MODEL_TYPES or any(a in huginn.ARCHITECTURES for a in archs if isinstance(a, str)):
-        return "huginn"
+    for name, module in (("huginn", huginn), ("ouro", ouro)):
+        if model_type in module.MODEL_TYPES or any(a in module.ARCHITECTURES for a in archs if isinstance(a, str)):
+            return name
     raise ConfigError(f"config.json: model_type {model_type!r} (architectures {archs!r}) is not a family "
-                      f"tinyloop convert knows; supported: huginn ({', '.join(huginn.MODEL_TYPES)})")
+                      f"tinyloop convert knows; supported: huginn ({', '.join(huginn.MODEL_TYPES)}), "
+                      f"ouro ({', '.join(ouro.MODEL_TYPES)})")
 
 
 def convert(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str | None = None,
@@ -62,21 +64,26 @@ def convert(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtyp
         detected = detect_family(hf.config)
         if family not in ("auto", detected):
             raise ConfigError(f"{hf.root}: is a {detected} checkpoint, not {family}")
-        config = huginn.huginn_config(hf.config, state_init=state_init, max_position=max_position)
+        if detected == "ouro":  # the loop starts from the embeddings: state_init does not apply
+            config = ouro.ouro_config(hf.config, max_position=max_position)
+        else:
+            config = huginn.huginn_config(hf.config, state_init=state_init, max_position=max_position)
         expected = {name: tuple(t.shape) for name, t in empty_model(config).state_dict().items()}
-        plan = huginn.huginn_plan(hf, config, expected)
+        plan = (ouro.ouro_plan if detected == "ouro" else huginn.huginn_plan)(hf, config, expected)
         try:
             probe = Tokenizer.from_json(hf.tokenizer_json, eos_id=0)
         except TokenizerError as exc:
             raise TokenizerError(f"{hf.root / 'tokenizer.json'}: {exc}; TinyLoop serves byte-level BPE "
                                  "tokenizers only (convert the tokenizer first)") from exc
-        special = huginn.huginn_special_tokens(hf, probe.token_to_id)
+        special = (ouro.ouro_special_tokens if detected == "ouro" else huginn.huginn_special_tokens)(
+            hf, probe.token_to_id)
         tokenizer = Tokenizer.from_json(hf.tokenizer_json, bos_id=special["bos_id"], eos_id=special["eos_id"],
                                         eos_ids=special["eos_ids"])
         template = hf.tokenizer_config.get("chat_template") or ""
         if not isinstance(template, str):
             raise ConfigError(f"{hf.root / 'tokenizer_config.json'}: chat_template must be a string")
-        target = DTYPES[dtype] if dtype else _checkpoint_dtype(hf)
+        target = DTYPES[dtype] if dtype else _checkpoint_dtype(hf, ouro.EMBED if detected == "ouro"
+                                                                   else "transformer.wte.weight")
         out_path = Path(out)
         metadata = artifact_metadata(out_path, config, tokenizer, template, special,
                                      {"tinyloop.converted_from": detected})
@@ -84,6 +91,6 @@ def convert(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtyp
     return ConvertResult(out_path, detected, config, len(plan), str(target).removeprefix("torch."))
 
 
-def _checkpoint_dtype(hf: HFDir) -> torch.dtype:
-    tag = hf.tensors["transformer.wte.weight"].dtype if "transformer.wte.weight" in hf.tensors else "F32"
+def _checkpoint_dtype(hf: HFDir, embed: str) -> torch.dtype:
+    tag = hf.tensors[embed].dtype if embed in hf.tensors else "F32"
     return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(tag, torch.float32)

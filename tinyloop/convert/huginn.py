@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tinyloop.convert.common import check_names, check_shape, config_int, special_tokens
 from tinyloop.convert.hfdir import HFDir
 from tinyloop.convert.writer import PlannedTensor
 from tinyloop.errors import ArtifactError, ConfigError
@@ -49,37 +50,27 @@ _TOP = {"transformer.wte.weight": "embed.weight", "transformer.adapter.weight": 
 _DROPPED = ("lm_head.weight", "freqs_cis")
 
 
-def _int(cfg: dict[str, Any], *keys: str, default: int | None = None) -> int:
-    for key in keys:
-        value = cfg.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    if default is not None:
-        return default
-    raise ConfigError(f"config.json: needs an integer {' or '.join(keys)}")
-
-
 def huginn_config(cfg: dict[str, Any], *, state_init: StateInit = "randn",
                   max_position: int | None = None) -> ModelConfig:
     """The ``ModelConfig`` of a Huginn ``config.json``."""
     for key, value in _FIXED.items():
         if key in cfg and cfg[key] != value:
             raise ConfigError(f"config.json: {key} is {cfg[key]!r}; the Huginn converter supports only {value!r}")
-    hidden = _int(cfg, "n_embd")
-    heads = _int(cfg, "num_attention_heads", "n_heads")
+    hidden = config_int(cfg, "n_embd")
+    heads = config_int(cfg, "num_attention_heads", "n_heads")
     init = cfg.get("init_values") or {}
     embed_scale = float(init.get("embed_scale", hidden ** 0.5))
     std = float(init.get("std", (2 / (5 * hidden)) ** 0.5))
-    loops = _int(cfg, "mean_recurrence")
-    kv_heads = _int(cfg, "num_key_value_heads", default=heads)
+    loops = config_int(cfg, "mean_recurrence")
+    kv_heads = config_int(cfg, "num_key_value_heads", default=heads)
     if kv_heads != heads:
         raise ConfigError(f"config.json: num_key_value_heads {kv_heads} != {heads} heads; Huginn is full MHA")
     return ModelConfig(
-        vocab_size=_int(cfg, "padded_vocab_size", "vocab_size"), hidden=hidden, heads=heads,
-        kv_heads=kv_heads, head_dim=_int(cfg, "head_dim", default=hidden // heads),
-        intermediate=_int(cfg, "intermediate_size"), n_prelude=_int(cfg, "n_layers_in_prelude"),
-        n_core=_int(cfg, "n_layers_in_recurrent_block"), n_coda=_int(cfg, "n_layers_in_coda"),
-        default_loops=loops, max_loops=max(64, loops), max_position=max_position or _int(cfg, "block_size"),
+        vocab_size=config_int(cfg, "padded_vocab_size", "vocab_size"), hidden=hidden, heads=heads,
+        kv_heads=kv_heads, head_dim=config_int(cfg, "head_dim", default=hidden // heads),
+        intermediate=config_int(cfg, "intermediate_size"), n_prelude=config_int(cfg, "n_layers_in_prelude"),
+        n_core=config_int(cfg, "n_layers_in_recurrent_block"), n_coda=config_int(cfg, "n_layers_in_coda"),
+        default_loops=loops, max_loops=max(64, loops), max_position=max_position or config_int(cfg, "block_size"),
         block_style="sandwich", injection="concat_linear", state_init=state_init,
         state_init_std=std * embed_scale, loop_norm="final_only", rope_theta=float(cfg.get("rope_base", 50000)),
         rope_style="interleaved", norm_eps=float(cfg.get("norm_eps", 1e-6)), tie_embeddings=True,
@@ -102,16 +93,11 @@ def _sources(config: ModelConfig) -> dict[str, tuple[str, Callable[[torch.Tensor
     return out
 
 
-def _check_shape(name: str, found: tuple[int, ...], expected: tuple[int, ...]) -> None:
-    if found != expected:
-        raise ArtifactError(f"checkpoint tensor {name} has shape {list(found)}, expected {list(expected)}")
-
-
 def _check_tied_head(hf: HFDir, rows: int = 4096) -> None:
     """``lm_head.weight`` must equal ``transformer.wte.weight`` (compared a block of rows at a time)."""
     if "lm_head.weight" not in hf.tensors:
         return
-    _check_shape("lm_head.weight", hf.tensors["lm_head.weight"].shape, hf.tensors["transformer.wte.weight"].shape)
+    check_shape("lm_head.weight", hf.tensors["lm_head.weight"].shape, hf.tensors["transformer.wte.weight"].shape)
     for head, wte in zip(hf.row_chunks("lm_head.weight", rows), hf.row_chunks("transformer.wte.weight", rows)):
         if not torch.equal(head, wte):
             raise ArtifactError("checkpoint tensor lm_head.weight differs from transformer.wte.weight; "
@@ -127,18 +113,12 @@ def huginn_plan(hf: HFDir, config: ModelConfig, expected: dict[str, tuple[int, .
     sources = _sources(config)
     if set(sources) != set(expected):  # a mapping bug, not the checkpoint's fault
         raise AssertionError(f"Huginn map and model disagree: {sorted(set(sources) ^ set(expected))}")
-    used = {src for src, _ in sources.values()}
-    unknown = sorted(set(hf.tensors) - used - set(_DROPPED))
-    if unknown:
-        raise ArtifactError(f"checkpoint has tensor(s) the Huginn converter does not know: {', '.join(unknown)}")
-    missing = sorted(used - set(hf.tensors))
-    if missing:
-        raise ArtifactError(f"checkpoint is missing tensor(s): {', '.join(missing)}")
+    check_names(hf, (src for src, _ in sources.values()), _DROPPED, "Huginn")
     plan: list[PlannedTensor] = []
     for canon, shape in expected.items():
         src, transform = sources[canon]
         want = (2, 1, config.heads, config.head_dim) if src.endswith("qk_bias") else shape
-        _check_shape(src, hf.tensors[src].shape, want)
+        check_shape(src, hf.tensors[src].shape, want)
         plan.append(PlannedTensor(canon, shape, partial(_produce, hf, src, transform)))
     _check_tied_head(hf)
     return plan
@@ -146,22 +126,4 @@ def huginn_plan(hf: HFDir, config: ModelConfig, expected: dict[str, tuple[int, .
 
 def huginn_special_tokens(hf: HFDir, vocab_ids: Callable[[str], int | None]) -> dict[str, Any]:
     """bos, eos and the stop set: bos, eos and generation_config's eos ids ({65504, 65505, 65508})."""
-    def named(key: str) -> int | None:
-        token = hf.tokenizer_config.get(key)
-        if isinstance(token, dict):
-            token = token.get("content")
-        return vocab_ids(token) if isinstance(token, str) else None
-
-    gen = hf.generation_config
-    bos = named("bos_token")
-    bos = bos if bos is not None else gen.get("bos_token_id")
-    eos = named("eos_token")
-    gen_eos = gen.get("eos_token_id")
-    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-    if eos is None:
-        eos = gen_eos[0] if gen_eos else None
-    if eos is None or bos is None:
-        raise ConfigError("tokenizer_config.json / generation_config.json: need a bos and an eos token")
-    pad = named("pad_token")
-    pad = pad if pad is not None else gen.get("pad_token_id")
-    return {"bos_id": bos, "eos_id": eos, "eos_ids": sorted({bos, eos, *gen_eos}), "pad_id": pad}
+    return special_tokens(hf, vocab_ids)

@@ -60,6 +60,7 @@ class ModelConfig:
     embed_scale: float = 1.0  # embeddings are multiplied by this (Huginn: sqrt(hidden))
     qk_bias: bool = False  # a learned bias added to q and k before RoPE (Huginn)
     fused_qkv: bool = True  # one [q;k;v] projection instead of three
+    exit_gate: bool = False  # load the exit gate even when the default rule is not ``gate`` (Ouro)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
@@ -95,6 +96,11 @@ class ModelConfig:
     def n_layers(self) -> int:
         """Distinct layers (weights): prelude + core + coda."""
         return self.n_prelude + self.n_core + self.n_coda
+
+    @property
+    def has_exit_gate(self) -> bool:
+        """Whether the model has an exit gate (``exit_gate.weight``/``.bias``): a request may ask for ``gate``."""
+        return self.exit_gate or self.exit.kind == "gate"
 
     @property
     def q_dim(self) -> int:

@@ -81,6 +81,57 @@ def _exit_fired(rule: ExitRule, new: torch.Tensor, prev: torch.Tensor,
     return torch.zeros(new.shape[0], dtype=torch.bool)
 
 
+@dataclass(slots=True)
+class _Selection:
+    """The ``gate_select`` rule over one forward (the Ouro reference's exit): after loop t, per
+    position, lambda_t = sigmoid(gate(state_t)) and p_t = lambda_t * prod_{j<t}(1 - lambda_j) in
+    the model's dtype, the row's last loop taking the remaining mass; the first loop whose
+    cumulative p reaches the threshold (from ``min_loops`` on; else the last loop) gives the
+    position's state for the head. Every loop still runs and writes KV."""
+
+    rows: list[int]  # the batch rows under the rule
+    cdf: torch.Tensor  # [B, T] cumulative exit probability
+    remaining: torch.Tensor  # [B, T] prod of (1 - lambda) so far
+    picked: torch.Tensor  # [B, T] bool: the position's state is chosen
+    chosen: torch.Tensor  # [B, T, H] the chosen states
+
+    @classmethod
+    def start(cls, state: torch.Tensor, rules: Sequence[ExitRule]) -> _Selection | None:
+        rows = [b for b, rule in enumerate(rules) if rule.kind == "gate_select"]
+        if not rows:
+            return None
+        shape = state.shape[:2]
+        return cls(rows, torch.zeros(shape, dtype=state.dtype), torch.ones(shape, dtype=state.dtype),
+                   torch.zeros(shape, dtype=torch.bool), torch.zeros_like(state))
+
+    def step(self, act: list[int], r: int, h: torch.Tensor, gate: nn.Module, rules: Sequence[ExitRule],
+             loops: Sequence[int]) -> None:
+        """After loop ``r``: ``h`` ``[len(act), T, H]`` is the (normed) state of the rows ``act``."""
+        for j, b in enumerate(act):
+            if b not in self.rows:
+                continue
+            lam = torch.sigmoid(gate(h[j]).squeeze(-1))  # [T], model dtype
+            last = r + 1 == loops[b]
+            p = self.remaining[b] if last else lam * self.remaining[b]
+            self.remaining[b] = self.remaining[b] * (1.0 - lam)
+            self.cdf[b] = self.cdf[b] + p
+            if last:
+                fires = torch.ones_like(self.picked[b])
+            elif r + 1 >= rules[b].min_loops:
+                fires = self.cdf[b] >= rules[b].threshold
+            else:
+                fires = torch.zeros_like(self.picked[b])
+            new = fires & ~self.picked[b]
+            self.chosen[b][new] = h[j][new]
+            self.picked[b] |= new
+
+    def states(self, state: torch.Tensor) -> torch.Tensor:
+        """``state`` with the selected rows' chosen states in place."""
+        out = state.clone()
+        out[self.rows] = self.chosen[self.rows]
+        return out
+
+
 class LoopedLM(nn.Module):
     """Huginn-style and Ouro-style looped transformers under one config."""
 
@@ -97,7 +148,7 @@ class LoopedLM(nn.Module):
         self.final_norm = RMSNorm(c.hidden, c.norm_eps)
         if not c.tie_embeddings:
             self.lm_head = nn.Linear(c.hidden, c.vocab_size, bias=False)
-        if c.exit.kind == "gate":
+        if c.has_exit_gate:
             self.exit_gate = nn.Linear(c.hidden, 1, bias=True)
         self.rope = Rope(c.head_dim, c.max_position, c.rope_theta, c.rope_style)
         # Work counters: tests assert compute grows with loops by counting, never by timing.
@@ -190,7 +241,8 @@ class LoopedLM(nn.Module):
         e = x
         state = self.initial_state(e, specs)
         rules = [s.exit if s.exit is not None else c.exit for s in specs]
-        can_exit = n_tok == 1 and any(r.kind != "none" for r in rules)
+        can_exit = n_tok == 1 and any(r.kind not in ("none", "gate_select") for r in rules)
+        select = _Selection.start(state, rules)
         exited = [False] * bsz
         done = [0] * bsz
         cdf = torch.zeros(bsz)
@@ -216,10 +268,12 @@ class LoopedLM(nn.Module):
             self.counters["core_row_loops"] += len(act) * n_tok
             for b in act:
                 done[b] += 1
+            if select is not None:
+                select.step(act, r, h, self.exit_gate, rules, loops)
             if can_exit:
                 self._check_exits(act, rows, r, h, prev, rules, loops, exited, cdf, remaining,
                                   logp_prev, ctx, windows)
-        logits = self.tail(state, ctx, windows, None, last_only)
+        logits = self.tail(state if select is None else select.states(state), ctx, windows, None, last_only)
         return ForwardOutput(logits=logits, state=state, loops_used=done)
 
     def _check_exits(self, act: list[int], rows: torch.Tensor | None, r: int, h: torch.Tensor,

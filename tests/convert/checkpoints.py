@@ -1,0 +1,41 @@
+"""What the converter tests share: the tiny reference checkpoints, a writable copy of one, and
+the logits comparison over the tokenizer's ids."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from tinyloop.engine.engine import Engine
+from tinyloop.requests import GenerationRequest
+
+CHECKPOINTS = Path(__file__).parent.parent / "data" / "checkpoints"
+TOL = 1e-4  # max |dlogit| in fp32 (the fixtures' README expects ~1e-6)
+
+
+def max_diff(engine: Engine, logits: torch.Tensor, ref: torch.Tensor) -> float:
+    """Over the tokenizer's ids: the engine masks the checkpoint's padding rows (-inf)."""
+    n = engine.tokenizer.vocab_size
+    assert torch.isneginf(logits[..., n:]).all()
+    return (logits[..., :n].float() - ref[..., :n]).abs().max().item()
+
+
+def writable_copy(fixture: Path, tmp_path: Path) -> Path:
+    """A copy of ``fixture`` under ``tmp_path`` whose files a test may rewrite."""
+    dst = tmp_path / "hf"
+    shutil.copytree(fixture, dst)
+    for f in dst.iterdir():
+        f.chmod(0o644)
+    return dst
+
+
+def full_logits(engine: Engine, ids: list[int], loops: int) -> torch.Tensor:
+    """Logits at every position of ``ids`` from one forward (the engine's verify path)."""
+    seq = engine.start(GenerationRequest(prompt_tokens=tuple(ids), loops=loops, max_tokens=1))
+    try:
+        seq.kv.reserve(len(ids))
+        return engine.verify([seq], [ids])[0]
+    finally:
+        engine.free(seq)

@@ -1,0 +1,64 @@
+"""What every checkpoint family's mapping shares: config integers, shape and name checks, and
+the special tokens read from ``tokenizer_config.json`` / ``generation_config.json``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+from tinyloop.convert.hfdir import HFDir
+from tinyloop.errors import ArtifactError, ConfigError
+
+__all__ = ["check_names", "check_shape", "config_int", "special_tokens"]
+
+
+def config_int(cfg: dict[str, Any], *keys: str, default: int | None = None) -> int:
+    """The first of ``keys`` that ``config.json`` holds as an integer (else ``default``)."""
+    for key in keys:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    if default is not None:
+        return default
+    raise ConfigError(f"config.json: needs an integer {' or '.join(keys)}")
+
+
+def check_shape(name: str, found: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if found != expected:
+        raise ArtifactError(f"checkpoint tensor {name} has shape {list(found)}, expected {list(expected)}")
+
+
+def check_names(hf: HFDir, used: Iterable[str], dropped: Collection[str], family: str) -> None:
+    """Refuse, by name, a checkpoint tensor the mapping does not use or drop, and a missing one."""
+    used = set(used)
+    unknown = sorted(set(hf.tensors) - used - set(dropped))
+    if unknown:
+        raise ArtifactError(f"checkpoint has tensor(s) the {family} converter does not know: {', '.join(unknown)}")
+    missing = sorted(used - set(hf.tensors))
+    if missing:
+        raise ArtifactError(f"checkpoint is missing tensor(s): {', '.join(missing)}")
+
+
+def special_tokens(hf: HFDir, vocab_ids: Callable[[str], int | None], *stops: str) -> dict[str, Any]:
+    """bos, eos, pad and the stop set: bos, eos, generation_config's eos ids and the tokens
+    ``stops`` names that the vocabulary has."""
+    def named(key: str) -> int | None:
+        token = hf.tokenizer_config.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        return vocab_ids(token) if isinstance(token, str) else None
+
+    gen = hf.generation_config
+    bos = named("bos_token")
+    bos = bos if bos is not None else gen.get("bos_token_id")
+    eos = named("eos_token")
+    gen_eos = gen.get("eos_token_id")
+    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    if eos is None:
+        eos = gen_eos[0] if gen_eos else None
+    if eos is None or bos is None:
+        raise ConfigError("tokenizer_config.json / generation_config.json: need a bos and an eos token")
+    pad = named("pad_token")
+    pad = pad if pad is not None else gen.get("pad_token_id")
+    extra = [i for i in map(vocab_ids, stops) if i is not None]
+    return {"bos_id": bos, "eos_id": eos, "eos_ids": sorted({bos, eos, *gen_eos, *extra}), "pad_id": pad}
