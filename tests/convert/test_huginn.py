@@ -167,7 +167,7 @@ def test_huginn_chat_template_renders_without_the_generation_tags(engine: Engine
 
 
 def test_a_tokenizer_that_is_not_byte_level_is_refused(tmp_path: Path) -> None:
-    hf = _copy(tmp_path)
+    hf = writable_copy(FIXTURE, tmp_path)
     tok = json.loads((hf / "tokenizer.json").read_text())
     metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True}
     tok["pre_tokenizer"], tok["decoder"] = metaspace, metaspace  # a sentencepiece-style pipeline

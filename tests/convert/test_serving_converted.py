@@ -57,3 +57,28 @@ def test_serve_loads_a_model_directory_converting_it_once(tmp_path: Path, monkey
     monkeypatch.setattr(cache, "convert", no_second_conversion)
     again = load_engine(settings)
     assert again.name == "huginn-tiny" and list((tmp_path / "cache").glob("*.tinyloop")) == [artifact]
+
+
+async def test_ouro_exit_selection_over_http_is_the_references(tmp_path: Path) -> None:
+    """``exit: {"kind": "gate_select"}`` on ``/generate``: the first token's logprob is the one the
+    reference's exit selection gives at threshold 0.5, and differs from the last-step one."""
+    ouro = HUGINN.parent / "ouro-tiny"
+    reference = load_file(str(ouro / "reference_outputs.safetensors"))
+    prompt = reference["input_ids"][0].tolist()
+    out = tmp_path / "ouro-tiny.tinyloop"
+    convert(ouro, out)
+    engine = Engine.load(out, dtype=torch.float32, kv_cache_mb=4)
+    got = {}
+    with trio.fail_after(60):
+        async with running_server(Settings(port=0), engine) as srv, httpx.AsyncClient(base_url=srv.url) as client:
+            for name, exit_rule in (("select", {"kind": "gate_select", "threshold": 0.5}), ("last", None)):
+                body = {"prompt_tokens": prompt, "max_tokens": 1, "loops": 4, "logprobs": True, "exit": exit_rule}
+                resp = await client.post("/generate", json=body)
+                assert resp.status_code == 200, resp.text
+                got[name] = resp.json()["logprobs"][0]
+    for name, key in (("select", "logits_threshold0.5_loops4"), ("last", "logits_last_step_loops4")):
+        expected = torch.log_softmax(reference[key][0, -1, :engine.tokenizer.vocab_size], -1)
+        token = got[name]["token_id"]
+        assert token == int(expected.argmax())
+        assert abs(got[name]["logprob"] - float(expected[token])) <= 1e-4
+    assert got["select"]["logprob"] != pytest.approx(got["last"]["logprob"], abs=1e-3)

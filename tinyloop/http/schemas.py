@@ -36,9 +36,12 @@ class Strict(BaseModel):
 
 
 class ExitSpec(Strict):
-    """A per-request adaptive exit rule: stop a token's loops early once it has converged."""
+    """A per-request adaptive exit rule: stop a token's loops early once it has converged
+    (``gate``, ``latent_diff``, ``kl``), or run every loop and feed the head the state of the
+    first loop whose cumulative exit probability reaches ``threshold`` (``gate_select``, Ouro's
+    reference semantics)."""
 
-    kind: Literal["none", "gate", "latent_diff", "kl"]
+    kind: Literal["none", "gate", "gate_select", "latent_diff", "kl"]
     threshold: Float = Field(0.0, ge=0)
     min_loops: int = Field(1, ge=1)
 

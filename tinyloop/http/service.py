@@ -66,12 +66,13 @@ class ServedModel:
     exit: ExitRule = field(default_factory=ExitRule)  # the model's own rule (gate: it has a gate)
     kv: KVLimits | None = None  # the KV pool (None: the KV worst case is left to the engine)
     parameters: int | None = None  # the model's parameter count (None: not known)
+    gate: bool = False  # the model has an exit gate although its own rule is not ``gate`` (Ouro)
     limits: ModelLimits = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "limits", ModelLimits(
             max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, default_loops=self.default_loops,
-            max_loops=self.max_loops, exit=self.exit, kv=self.kv))
+            max_loops=self.max_loops, exit=self.exit, kv=self.kv, gate=self.gate))
 
     @classmethod
     def from_engine(cls, engine: Any, settings: Settings, name: str | None = None) -> ServedModel:
@@ -86,7 +87,7 @@ class ServedModel:
                    vocab_size=limits.vocab_size, arch=f"tinyloop-{style}",
                    quant=str(engine.dtype).removeprefix("torch."),
                    kv_cache_mode=settings.kv_cache_mode if kv_mode is None else kv_mode.name,
-                   exit=limits.exit, kv=limits.kv, parameters=_parameters(engine))
+                   exit=limits.exit, kv=limits.kv, parameters=_parameters(engine), gate=limits.gate)
 
     def check_name(self, name: str | None) -> None:
         if name is not None and name != self.id:
