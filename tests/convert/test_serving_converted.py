@@ -26,6 +26,8 @@ async def test_v1_completions_greedy_on_converted_huginn_is_the_references(tmp_p
     out = tmp_path / "huginn-tiny.tinyloop"
     convert(HUGINN, out, state_init="zeros")  # the reference ran with init_scale=0
     engine = Engine.load(out, dtype=torch.float32, kv_cache_mb=4)
+    c = engine.config  # Huginn's reference numerics: float32 tables, rotation in float32, cast then weight
+    assert (c.rope_tables, c.rope_compute, c.norm_order) == ("float32", "float32", "cast_then_weight")
     body = {"prompt": prompt, "max_tokens": len(expected), "temperature": 0, "loops": 4, "ignore_eos": True}
     with trio.fail_after(60):
         async with running_server(Settings(port=0), engine) as srv, httpx.AsyncClient(base_url=srv.url) as client:
@@ -68,6 +70,8 @@ async def test_ouro_exit_selection_over_http_is_the_references(tmp_path: Path) -
     out = tmp_path / "ouro-tiny.tinyloop"
     convert(ouro, out)
     engine = Engine.load(out, dtype=torch.float32, kv_cache_mb=4)
+    c = engine.config  # Ouro's reference numerics: float32 tables, rotation in the model dtype, cast then weight
+    assert (c.rope_tables, c.rope_compute, c.norm_order) == ("float32", "input", "cast_then_weight")
     got = {}
     with trio.fail_after(60):
         async with running_server(Settings(port=0), engine) as srv, httpx.AsyncClient(base_url=srv.url) as client:

@@ -30,6 +30,10 @@ class Recording:
         self.calls["rms_norm"] += 1
         return TORCH.rms_norm(x, weight, eps)
 
+    def rms_norm_cast_first(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        self.calls["rms_norm"] += 1
+        return TORCH.rms_norm_cast_first(x, weight, eps)
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
         self.calls["rope"] += 1
         return TORCH.rope(x, cos, sin, style)

@@ -73,7 +73,9 @@ def huginn_config(cfg: dict[str, Any], *, state_init: StateInit = "randn",
         default_loops=loops, max_loops=max(64, loops), max_position=max_position or config_int(cfg, "block_size"),
         block_style="sandwich", injection="concat_linear", state_init=state_init,
         state_init_std=std * embed_scale, loop_norm="final_only", rope_theta=float(cfg.get("rope_base", 50000)),
-        rope_style="interleaved", norm_eps=float(cfg.get("norm_eps", 1e-6)), tie_embeddings=True,
+        rope_style="interleaved",
+        rope_tables="float32", rope_compute="float32", norm_order="cast_then_weight",  # the reference's numerics
+        norm_eps=float(cfg.get("norm_eps", 1e-6)), tie_embeddings=True,
         embed_scale=embed_scale, qk_bias=bool(cfg.get("qk_bias", False)), fused_qkv=True,
     )
 

@@ -66,6 +66,7 @@ def ouro_config(cfg: dict[str, Any], *, max_position: int | None = None) -> Mode
         max_position=max_position or config_int(cfg, "max_position_embeddings"),
         block_style="peri_ln", injection="none", state_init="embed", loop_norm="every_loop",
         rope_theta=float(cfg.get("rope_theta", 10000.0)), rope_style="half",
+        rope_tables="float32", norm_order="cast_then_weight",  # the reference's numerics
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=False, fused_qkv=False, exit_gate=True,
     )
 

@@ -30,6 +30,11 @@ class Backend(Protocol):
         """x ``[..., H]`` normalised in float32, scaled by ``weight`` ``[H]``, in x's dtype."""
         ...
 
+    def rms_norm_cast_first(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """As ``rms_norm``, the reference order: x normalised in float32, cast to x's dtype, then
+        scaled by ``weight``."""
+        ...
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
         """x ``[R, H, T, D]`` rotated by cos/sin ``[R, T, D]``; ``style`` ``half`` or ``interleaved``."""
         ...
@@ -63,6 +68,11 @@ class TorchBackend:
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (out * weight.float()).to(x.dtype)
+
+    def rms_norm_cast_first(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return out * weight.to(x.dtype)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
         cos = cos[:, None].to(x.dtype)

@@ -28,6 +28,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "state_init": ("zeros", "randn", "embed"),
     "loop_norm": ("final_only", "every_loop"),
     "rope_style": ("half", "interleaved"),
+    "rope_tables": ("float64", "float32"),
+    "rope_compute": ("input", "float32"),
+    "norm_order": ("weight_in_float32", "cast_then_weight"),
 }
 
 
@@ -55,6 +58,11 @@ class ModelConfig:
     exit: ExitRule = field(default_factory=ExitRule)  # adaptive exit rule
     rope_theta: float = 10000.0  # RoPE base
     rope_style: RopeStyle = "half"  # rotate-half (Llama/Ouro) or adjacent pairs (Huginn)
+    # Numerics a converted checkpoint's reference uses (the defaults are TinyLoop's own):
+    rope_tables: Literal["float64", "float32"] = "float64"  # precision the cos/sin tables are built in
+    rope_compute: Literal["input", "float32"] = "input"  # dtype q and k are rotated in (Huginn: float32)
+    norm_order: Literal["weight_in_float32", "cast_then_weight"] = "weight_in_float32"  # RMSNorm: scale
+    # by the weight in float32 then cast, or cast the normalised x to the input dtype first (both refs)
     norm_eps: float = 1e-6  # RMSNorm epsilon
     tie_embeddings: bool = True  # lm_head shares the embedding matrix
     embed_scale: float = 1.0  # embeddings are multiplied by this (Huginn: sqrt(hidden))

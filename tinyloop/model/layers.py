@@ -40,12 +40,15 @@ class AttentionContext(Protocol):
 class RMSNorm(nn.Module):
     backend: Backend = TORCH
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, cast_first: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.cast_first = cast_first  # the reference order: cast to x's dtype, then the weight
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cast_first:
+            return self.backend.rms_norm_cast_first(x, self.weight, self.eps)
         return self.backend.rms_norm(x, self.weight, self.eps)
 
 
@@ -54,10 +57,15 @@ class Rope:
 
     backend: Backend = TORCH
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, style: str) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, style: str,
+                 tables: str = "float64", compute: str = "input") -> None:
         self.style = style
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv)  # [P, D/2]
+        self.compute_float32 = compute == "float32"
+        # The references build their tables in float32: at position 4k an fp64 table's cos
+        # differs by 3.6e-4, at 64k by 4.7e-3, so a converted model builds them as its reference.
+        width = torch.float64 if tables == "float64" else torch.float32
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=width) / head_dim))
+        angles = torch.outer(torch.arange(max_position, dtype=width), inv)  # [P, D/2]
         if style == "half":
             angles = torch.cat([angles, angles], dim=-1)  # [P, D]
         else:
@@ -70,7 +78,15 @@ class Rope:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x ``[R, H, T, D]``; cos/sin ``[R, T, D]``."""
+        if self.compute_float32 and x.dtype != torch.float32:
+            return self.backend.rope(x.float(), cos, sin, self.style).to(x.dtype)
         return self.backend.rope(x, cos, sin, self.style)
+
+
+def rope_for(config: ModelConfig) -> Rope:
+    """The RoPE of a config, with the numerics it names."""
+    return Rope(config.head_dim, config.max_position, config.rope_theta, config.rope_style,
+                tables=config.rope_tables, compute=config.rope_compute)
 
 
 class Attention(nn.Module):
@@ -164,11 +180,12 @@ class Block(nn.Module):
         super().__init__()
         self.style = config.block_style
         eps = config.norm_eps
-        self.attn_norm = RMSNorm(config.hidden, eps)
-        self.mlp_norm = RMSNorm(config.hidden, eps)
+        cast_first = config.norm_order == "cast_then_weight"
+        self.attn_norm = RMSNorm(config.hidden, eps, cast_first)
+        self.mlp_norm = RMSNorm(config.hidden, eps, cast_first)
         if self.style != "pre_ln":
-            self.attn_post_norm = RMSNorm(config.hidden, eps)
-            self.mlp_post_norm = RMSNorm(config.hidden, eps)
+            self.attn_post_norm = RMSNorm(config.hidden, eps, cast_first)
+            self.mlp_post_norm = RMSNorm(config.hidden, eps, cast_first)
         self.attn = Attention(config)
         self.mlp = MLP(config)
 

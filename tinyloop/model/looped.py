@@ -25,7 +25,7 @@ from torch import nn
 
 from tinyloop.model.backend import TORCH, Backend
 from tinyloop.model.config import ModelConfig
-from tinyloop.model.layers import AttentionContext, Block, RMSNorm, Rope
+from tinyloop.model.layers import AttentionContext, Block, RMSNorm, rope_for
 from tinyloop.vocabulary import ExitRule
 
 __all__ = ["LoopedLM", "RowSpec", "ForwardOutput"]
@@ -145,12 +145,12 @@ class LoopedLM(nn.Module):
         self.coda = nn.ModuleList(Block(c) for _ in range(c.n_coda))
         if c.injection == "concat_linear":
             self.adapter = nn.Linear(2 * c.hidden, c.hidden, bias=False)
-        self.final_norm = RMSNorm(c.hidden, c.norm_eps)
+        self.final_norm = RMSNorm(c.hidden, c.norm_eps, c.norm_order == "cast_then_weight")
         if not c.tie_embeddings:
             self.lm_head = nn.Linear(c.hidden, c.vocab_size, bias=False)
         if c.has_exit_gate:
             self.exit_gate = nn.Linear(c.hidden, 1, bias=True)
-        self.rope = Rope(c.head_dim, c.max_position, c.rope_theta, c.rope_style)
+        self.rope = rope_for(c)
         # Work counters: tests assert compute grows with loops by counting, never by timing.
         self.counters: Counter[str] = Counter()
         self.backend: Backend = TORCH

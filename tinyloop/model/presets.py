@@ -16,7 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tinyloop.model.config import ModelConfig
-from tinyloop.model.layers import MLP, Attention, Rope
+from tinyloop.model.layers import MLP, Attention, rope_for
 from tinyloop.model.looped import LoopedLM
 from tinyloop.vocabulary import ExitRule
 
@@ -80,7 +80,7 @@ def empty_model(config: ModelConfig, device: torch.device | str = "cpu") -> Loop
         model = LoopedLM(config)
     if torch.device(device).type != "cpu":
         with torch.device(device):
-            model.rope = Rope(config.head_dim, config.max_position, config.rope_theta, config.rope_style)
+            model.rope = rope_for(config)
     return model
 
 
