@@ -176,7 +176,7 @@ class FakeEngine:
         used = min(self.held_blocks, self.kv_blocks)
         return KVPoolStats(self.kv_blocks, used, self.kv_blocks - used, 1, 0)
 
-    def kv_start_blocks(self, req: GenerationRequest) -> int | None:
+    def kv_start_blocks(self, req: GenerationRequest, resolved: Resolved | None = None) -> int | None:
         """Every FakeEngine request holds its worst case from the start (one block per prompt
         and output token), like the real engine's warm-start, exit and beam requests."""
         return None if self.kv_blocks is None else len(req.prompt_tokens) + req.max_tokens

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from tinyloop.convert import convert
 from tinyloop.engine.engine import Engine
 from tinyloop.requests import GenerationRequest
 
@@ -29,6 +31,13 @@ def writable_copy(fixture: Path, tmp_path: Path) -> Path:
     for f in dst.iterdir():
         f.chmod(0o644)
     return dst
+
+
+def converted_engine(fixture: Path, out_dir: Path, **options: Any) -> Engine:
+    """``fixture`` converted (``options`` go to ``convert``) and loaded in float32."""
+    out = out_dir / f"{fixture.name}.tinyloop"
+    convert(fixture, out, **options)
+    return Engine.load(out, dtype=torch.float32, kv_cache_mb=4)
 
 
 def full_logits(engine: Engine, ids: list[int], loops: int) -> torch.Tensor:

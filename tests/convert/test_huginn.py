@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.convert.checkpoints import CHECKPOINTS, TOL, full_logits, max_diff, writable_copy
+from tests.convert.checkpoints import CHECKPOINTS, TOL, converted_engine, full_logits, max_diff, writable_copy
 from tinyloop.cli import main
 from tinyloop.convert import convert
 from tinyloop.engine.engine import Engine
@@ -31,9 +31,8 @@ def reference() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    out = tmp_path_factory.mktemp("huginn") / "huginn-tiny.tinyloop"
-    convert(FIXTURE, out, state_init="zeros")  # the reference ran with init_scale=0
-    return Engine.load(out, dtype=torch.float32, kv_cache_mb=4)
+    # the reference ran with init_scale=0
+    return converted_engine(FIXTURE, tmp_path_factory.mktemp("huginn"), state_init="zeros")
 
 
 @pytest.mark.parametrize("loops", [1, 4, 8])

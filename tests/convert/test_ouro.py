@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.convert.checkpoints import CHECKPOINTS, TOL, full_logits, max_diff, writable_copy
+from tests.convert.checkpoints import CHECKPOINTS, TOL, converted_engine, full_logits, max_diff, writable_copy
 from tinyloop.cli import main
 from tinyloop.convert import convert, detect_family
 from tinyloop.engine.engine import Engine
@@ -32,9 +32,7 @@ def reference() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    out = tmp_path_factory.mktemp("ouro") / "ouro-tiny.tinyloop"
-    convert(FIXTURE, out)
-    return Engine.load(out, dtype=torch.float32, kv_cache_mb=4)
+    return converted_engine(FIXTURE, tmp_path_factory.mktemp("ouro"))
 
 
 @pytest.mark.parametrize("loops", [1, 2, 4, 6])

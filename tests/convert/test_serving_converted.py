@@ -11,21 +11,18 @@ import torch
 import trio
 from safetensors.torch import load_file
 
+from tests.convert.checkpoints import CHECKPOINTS, converted_engine
 from tests.http.conftest import running_server
-from tinyloop.convert import convert
-from tinyloop.engine.engine import Engine
 from tinyloop.settings import Settings
 
-HUGINN = Path(__file__).parent.parent / "data" / "checkpoints" / "huginn-tiny"
+HUGINN = CHECKPOINTS / "huginn-tiny"
 
 
 async def test_v1_completions_greedy_on_converted_huginn_is_the_references(tmp_path: Path) -> None:
     reference = load_file(str(HUGINN / "reference_outputs.safetensors"))
     prompt = reference["input_ids"][0].tolist()
     expected = reference["greedy_loops4"].tolist()
-    out = tmp_path / "huginn-tiny.tinyloop"
-    convert(HUGINN, out, state_init="zeros")  # the reference ran with init_scale=0
-    engine = Engine.load(out, dtype=torch.float32, kv_cache_mb=4)
+    engine = converted_engine(HUGINN, tmp_path, state_init="zeros")  # the reference ran with init_scale=0
     c = engine.config  # Huginn's reference numerics: float32 tables, rotation in float32, cast then weight
     assert (c.rope_tables, c.rope_compute, c.norm_order) == ("float32", "float32", "cast_then_weight")
     body = {"prompt": prompt, "max_tokens": len(expected), "temperature": 0, "loops": 4, "ignore_eos": True}
@@ -67,9 +64,7 @@ async def test_ouro_exit_selection_over_http_is_the_references(tmp_path: Path) -
     ouro = HUGINN.parent / "ouro-tiny"
     reference = load_file(str(ouro / "reference_outputs.safetensors"))
     prompt = reference["input_ids"][0].tolist()
-    out = tmp_path / "ouro-tiny.tinyloop"
-    convert(ouro, out)
-    engine = Engine.load(out, dtype=torch.float32, kv_cache_mb=4)
+    engine = converted_engine(ouro, tmp_path)
     c = engine.config  # Ouro's reference numerics: float32 tables, rotation in the model dtype, cast then weight
     assert (c.rope_tables, c.rope_compute, c.norm_order) == ("float32", "input", "cast_then_weight")
     got = {}

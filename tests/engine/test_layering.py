@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import tinyloop
+from tests.test_layers import find_cycle
 
 PACKAGE = Path(tinyloop.__file__).parent
 
@@ -29,38 +30,10 @@ def graph(*packages: str) -> dict[str, set[str]]:
     return {name: imports(path) & modules.keys() - {name} for name, path in modules.items()}
 
 
-def circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in edges[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = stack[stack.index(v):]
-            del stack[stack.index(v):]
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
-
-
 def test_no_import_circle_among_the_engine_and_model_modules() -> None:
     edges = graph("engine", "model")
     assert "tinyloop.engine.speculative" in edges and "tinyloop.model.backend" in edges
-    assert circles(edges) == []
+    assert find_cycle(edges) is None, find_cycle(edges)
 
 
 def test_nothing_in_the_engine_package_imports_the_core_back() -> None:

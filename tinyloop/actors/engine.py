@@ -106,7 +106,6 @@ class _Entry:
     seq: Any = None
     order: int = 0  # dispatch order: a higher one is younger (preempted first)
     since: float = 0.0  # when it began waiting (trio time)
-    started: bool = False  # has run before (a Started event was sent)
     dispatched_at: float | None = None  # when the engine started it (trio time)
     first_token_at: float | None = None
 
@@ -167,7 +166,7 @@ class EngineState:
                 return self.engine.kv_prefix_blocks(entry.prefix.tokens, entry.prefix.loops,
                                                     entry.prefix.cache_window) or 0
             assert entry.ticket is not None
-            return self.engine.kv_start_blocks(entry.ticket.request) or 0
+            return self.engine.kv_start_blocks(entry.ticket.request, entry.ticket.resolved) or 0
         except TinyLoopError:
             return 0  # starting raises the same error for the caller
 

@@ -71,7 +71,7 @@ class EnginePort(Protocol):
 
     def kv_bytes_per_token(self) -> int | None: ...
 
-    def kv_start_blocks(self, req: GenerationRequest) -> int | None:
+    def kv_start_blocks(self, req: GenerationRequest, resolved: Resolved | None = None) -> int | None:
         """Blocks ``req`` needs to start (None: the engine does not count blocks)."""
         ...
 
@@ -149,8 +149,8 @@ class ThreadedEngine:
     def kv_bytes_per_token(self) -> int:
         return self.engine.kv_bytes_per_token()
 
-    def kv_start_blocks(self, req: GenerationRequest) -> int:
-        return self.engine.kv_start_blocks(req)
+    def kv_start_blocks(self, req: GenerationRequest, resolved: Resolved | None = None) -> int:
+        return self.engine.kv_start_blocks(req, resolved)
 
     def kv_prefix_blocks(self, tokens: Sequence[int], loops: int | None, cache_window: int | None) -> int:
         return self.engine.kv_prefix_blocks(tokens, loops, cache_window)

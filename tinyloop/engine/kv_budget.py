@@ -13,7 +13,7 @@ import torch
 
 from tinyloop.engine.prefix_cache import PrefixCache, prefix_request
 from tinyloop.engine.sequence import Sequence
-from tinyloop.limits import KVLimits
+from tinyloop.limits import KVLimits, Resolved
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.kvcache import KVDemand, KVPool, KVPoolStats, slot_count
 from tinyloop.requests import GenerationRequest
@@ -118,7 +118,6 @@ class KVAccounting:
             raise ValueError(f"{seq!r} cannot be preempted: a recompute would change its KV")
         self.free(seq)
         seq.resumed = bool(seq.output)  # none yet: the prompt's last logits are still to sample
-        seq.preemptions += 1
 
     def resume(self: _Engine, seq: Sequence) -> None:
         """Before a preempted sequence runs again: take what the prefix cache kept of it."""
@@ -131,14 +130,11 @@ class KVAccounting:
         """KV blocks ``req`` holds at most (``KVBudget.worst_blocks``)."""
         return self.budget.worst_blocks(req, *self.validate(req))
 
-    def _worst_blocks(self: _Engine, req: GenerationRequest, loops: int, window: int) -> int:
-        return self.budget.worst_blocks(req, loops, window)
-
-    def reserves_worst_case(self: _Engine, req: GenerationRequest) -> bool:
-        return self.budget.reserves_worst_case(req)
-
-    def kv_start_blocks(self: _Engine, req: GenerationRequest) -> int:
-        return self.budget.start_blocks(req, *self.validate(req))
+    def kv_start_blocks(self: _Engine, req: GenerationRequest, resolved: Resolved | None = None) -> int:
+        """Blocks ``req`` needs to start, at the loops and window ``resolved`` (admission's check)
+        gives; checked here when the caller has none."""
+        loops, window = (resolved.loops, resolved.window) if resolved is not None else self.validate(req)
+        return self.budget.start_blocks(req, loops, window)
 
     def kv_prefix_blocks(self: _Engine, tokens: Seq[int], loops: int | None = None,
                          cache_window: int | None = None) -> int:

@@ -72,13 +72,14 @@ class PlainDecoding:
         good = [seqs[i] for i in keep]
         if not good:
             return []
-        states = [s.generator.get_state() for s in good]
+        # Greedy rows draw nothing: only the others' generators need saving for a retry.
+        states = [(s, s.generator.get_state()) for s in good if not s.request.sampling.greedy]
         try:
             results: list[Any] = sample_batch(logits[keep], [s.request.sampling for s in good],
                                               [s.generator for s in good], [s.prompt for s in good],
                                               [s.output for s in good])
         except Exception:  # find the row that raised: every other row samples as it would have
-            for s, state in zip(good, states):
+            for s, state in states:
                 s.generator.set_state(state)  # rows before the one that raised drew already
             results = [guard(s, _sample_one, s, logits[i]) for s, i in zip(good, keep)]
         events = []

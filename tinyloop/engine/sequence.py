@@ -76,7 +76,6 @@ class Sequence:
     stop_reason: StopReason | None = None
     error: BaseException | None = None
     resumed: bool = False  # preempted: rebuilding its KV, the pending token decodes next
-    preemptions: int = 0
     prefill_only: bool = False
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
