@@ -75,7 +75,8 @@ def reference_validate(engine: Engine, req: GenerationRequest) -> tuple[int, int
                            f"vocabulary ({c.vocab_size})", param="prompt")
     rule = req.exit or c.exit
     if rule.kind == "gate" and c.exit.kind != "gate":
-        raise RequestError("this model has no exit gate: use exit kind latent_diff or kl", param="exit")
+        raise RequestError(f"this model has no exit gate: exit kind {rule.kind} needs one; use "
+                           "kl, minp_kl, entropy_diff, latent_diff, cosine or argmax_stability", param="exit")
     if rule.min_loops > loops and rule.kind != "none":
         raise RequestError(f"exit.min_loops ({rule.min_loops}) exceeds loops ({loops})", param="exit")
     if req.speculation is not None:

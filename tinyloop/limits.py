@@ -86,7 +86,7 @@ class ModelLimits:
     @property
     def has_gate(self) -> bool:
         """Whether the model has an exit gate (a request may then ask for the ``gate`` rule)."""
-        return self.gate or self.exit.kind == "gate"
+        return self.gate or self.exit.needs_gate
 
     def loops(self, asked: int | None) -> int:
         """The loops a request runs at: what it asked, or the model's default."""
@@ -110,8 +110,9 @@ class ModelLimits:
             raise RequestError(f"prompt token id {max(req.prompt_tokens)} is outside the "
                                f"vocabulary ({self.vocab_size})", param="prompt")
         rule = req.exit or self.exit
-        if rule.kind in ("gate", "gate_select") and not self.has_gate:
-            raise RequestError("this model has no exit gate: use exit kind latent_diff or kl",
+        if rule.needs_gate and not self.has_gate:
+            raise RequestError(f"this model has no exit gate: exit kind {rule.kind} needs one; use "
+                               "kl, minp_kl, entropy_diff, latent_diff, cosine or argmax_stability",
                                param="exit")
         if rule.min_loops > loops and rule.kind != "none":
             raise RequestError(f"exit.min_loops ({rule.min_loops}) exceeds loops ({loops})",
@@ -137,7 +138,7 @@ class ModelLimits:
 def _check_speculation(draft_loops: int, rule: ExitRule, loops: int, window: int) -> None:
     # A multi-token verify forward runs every token to its full loops: with an adaptive exit
     # rule plain decoding would stop some tokens earlier and emit other tokens.
-    if rule.kind != "none":
+    if rule.stops:
         raise RequestError("speculative decoding is not available with an "
                            f"adaptive exit rule ({rule.kind}): verification "
                            "cannot exit per token, so the output would differ from plain "

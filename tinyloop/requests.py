@@ -146,7 +146,9 @@ class GenerationRequest:
     """One generation: a tokenised prompt, how much to generate, and how.
 
     ``loops``/``cache_window`` default to the model's default loops and a full cache.
-    ``warm_start`` starts each decoded token's core state from the previous token's final state.
+    ``warm_start`` starts each decoded token's core state from the previous token's final state:
+    its raw core state (``warm_start_from="raw"``, Huginn's adaptive-compute generate) or that
+    state after the final norm (``"normed"``, Huginn's other generate paths).
     ``mode`` is ``generate`` (plain, or through the prefix pool), ``speculative``, ``tree`` or
     ``beam``.
 
@@ -172,6 +174,7 @@ class GenerationRequest:
     loops: int | None = None
     cache_window: int | None = None
     warm_start: bool = False
+    warm_start_from: str = "raw"
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     draft_loops: int | None = None
@@ -190,6 +193,7 @@ class GenerationRequest:
                "prompt tokens must be non-negative integers", "prompt")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an integer >= 1", "max_tokens")
         _check(self.exit is None or isinstance(self.exit, ExitRule), "exit must be an ExitRule", "exit")
+        _check(self.warm_start_from in ("raw", "normed"), "warm_start must be raw or normed", "warm_start")
         _check(self.mode in ("generate", "speculative", "tree", "beam"),
                "mode must be one of generate, speculative, tree, beam", "mode")
         _check(self.loops is None or (_is_int(self.loops) and self.loops >= 1),

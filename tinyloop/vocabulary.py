@@ -31,10 +31,24 @@ from typing import Literal, Protocol
 
 from tinyloop.errors import ConfigError
 
-__all__ = ["ExitKind", "ExitRule", "INT4_GROUP_SIZES", "KVMode", "KV_MODES", "LayerShape",
-           "kv_slots_per_token"]
+__all__ = ["EXIT_DEFAULT_THRESHOLDS", "EXIT_KINDS", "ExitKind", "ExitRule", "ExitedKV", "GATE_KINDS",
+           "INT4_GROUP_SIZES", "KVMode", "KV_MODES", "LayerShape", "STOP_KINDS", "kv_slots_per_token"]
 
-ExitKind = Literal["none", "gate", "latent_diff", "kl", "gate_select"]
+ExitKind = Literal["none", "gate", "gate_select", "gate_expected", "kl", "minp_kl", "entropy_diff",
+                   "latent_diff", "cosine", "argmax_stability"]
+ExitedKV = Literal["copy_latest", "skip"]
+
+EXIT_KINDS: tuple[str, ...] = ("none", "gate", "gate_select", "gate_expected", "kl", "minp_kl",
+                               "entropy_diff", "latent_diff", "cosine", "argmax_stability")
+GATE_KINDS = ("gate", "gate_select", "gate_expected")  # rules that need a model with an exit gate
+STOP_KINDS = ("gate", "kl", "minp_kl", "entropy_diff", "latent_diff", "cosine", "argmax_stability")
+"""Rules that stop a decoded token's loops early (the others run every loop)."""
+
+EXIT_DEFAULT_THRESHOLDS: dict[str, float] = {
+    "kl": 1e-3, "minp_kl": 1e-5, "entropy_diff": 1e-3, "latent_diff": 0.03, "cosine": 1e-3,
+    "argmax_stability": 5.0, "gate": 0.5, "gate_select": 0.5, "gate_expected": 1.0,
+}
+"""The threshold a rule takes when a request names none (Huginn's reference defaults)."""
 
 
 class LayerShape(Protocol):
@@ -56,32 +70,77 @@ class LayerShape(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ExitRule:
-    """When a token may stop looping early.
+    """When a token may stop looping early, or which loop feeds the head.
 
-    ``gate``: Ouro's rule, exit at the first loop whose cumulative exit probability reaches
-    ``threshold``. ``gate_select``: the same rule as the Ouro reference (HF) applies it: every
-    loop runs and writes KV, and per position (prompt positions included) the state of the loop
-    the rule picks feeds the head (the last loop when none reaches ``threshold``).
-    ``latent_diff``: exit when ``||s_r - s_{r-1}|| / ||s_r|| < threshold``.
-    ``kl``: exit when KL(p_r || p_{r-1}) of successive output distributions < threshold.
-    Never before ``min_loops``.
+    Stop rules (``STOP_KINDS``) end a decoded token's loops once they fire. Huginn's reference
+    criteria, each compared after a checked loop against its value at the previous check:
+
+    - ``kl``: KL(p_prev || p_new) of the output distributions (the coda runs at every check),
+      the first check against a uniform distribution; fires below ``threshold``.
+    - ``minp_kl``: the same on min-p-filtered distributions (probabilities under 0.1 * max set to
+      1/V, renormalised).
+    - ``entropy_diff``: |H(p_new) - H(p_prev)|, the first check against 100.
+    - ``latent_diff``: ``||s_new - s_prev|| / ||s_new||``, the first check against the initial state.
+    - ``cosine``: 1 - cos(s_new, s_prev), the first check against the initial state.
+    - ``argmax_stability``: the argmax has not changed for ``threshold`` checks in a row.
+    - ``gate``: Ouro's gate, exit once the cumulative exit probability reaches ``threshold``.
+
+    A check runs after loop ``d`` (1-based) when ``d >= min_loops`` and ``(d - min_loops) %
+    check_every == 0`` (the reference's ``min_steps`` is ``min_loops - 1``, its
+    ``check_criterion_every_n_steps`` is ``check_every``). ``exited_kv`` is what later tokens read
+    in the loop slots an exited token never wrote: ``copy_latest`` (its last written K,V are copied
+    into them) or ``skip`` (those keys are left out of attention at those loops: the reference's
+    default lookup).
+
+    Rules that run every loop: ``gate_select``, the Ouro reference's exit selection (per position,
+    prompt positions included, the state of the first loop whose cumulative exit probability
+    reaches ``threshold`` feeds the head, the last loop when none does); ``gate_expected``, the
+    Ouro reference's ``use_weighted_exit`` (the head's logits averaged over the loops, weighted by
+    the exit distribution).
     """
 
     kind: ExitKind = "none"
     threshold: float = 0.0
     min_loops: int = 1
+    check_every: int = 1
+    exited_kv: ExitedKV = "copy_latest"
 
     def __post_init__(self) -> None:
-        if self.kind not in ("none", "gate", "latent_diff", "kl", "gate_select"):
-            raise ConfigError("exit.kind must be one of none, gate, latent_diff, kl, gate_select; "
-                              f"got {self.kind!r}")
-        if self.kind != "none" and not self.threshold > 0:
-            raise ConfigError(f"exit.threshold must be > 0 for exit.kind={self.kind!r}")
-        if self.kind in ("gate", "gate_select") and self.threshold > 1:
-            raise ConfigError("exit.threshold must be in (0, 1] for the gate rule")
+        kind = str(self.kind).replace("-", "_")
+        if kind not in EXIT_KINDS:
+            raise ConfigError(f"exit.kind must be one of {', '.join(EXIT_KINDS)}; got {self.kind!r}")
+        object.__setattr__(self, "kind", kind)
+        if kind not in ("none", "gate_expected") and not self.threshold > 0:
+            raise ConfigError(f"exit.threshold must be > 0 for exit.kind={kind!r}")
+        if kind in ("gate", "gate_select") and self.threshold > 1:
+            raise ConfigError("exit.threshold must be in (0, 1] for the gate rules")
         if self.min_loops < 1:
             raise ConfigError("exit.min_loops must be >= 1")
+        if self.check_every < 1:
+            raise ConfigError("exit.check_every must be >= 1")
+        if self.exited_kv not in ("copy_latest", "skip"):
+            raise ConfigError(f"exit.exited_kv must be copy_latest or skip; got {self.exited_kv!r}")
 
+    @classmethod
+    def of(cls, kind: str, threshold: float | None = None, **fields: object) -> ExitRule:
+        """A rule whose threshold, when None, is the kind's default (``EXIT_DEFAULT_THRESHOLDS``)."""
+        kind = kind.replace("-", "_")
+        if threshold is None:
+            threshold = EXIT_DEFAULT_THRESHOLDS.get(kind, 0.0)
+        return cls(kind, threshold, **fields)  # type: ignore[arg-type]
+
+    @property
+    def stops(self) -> bool:
+        """Whether a decoded token may run fewer loops than asked (its KV then has gaps)."""
+        return self.kind in STOP_KINDS
+
+    @property
+    def needs_gate(self) -> bool:
+        return self.kind in GATE_KINDS
+
+    def checks_after(self, done: int) -> bool:
+        """Whether the rule is checked after ``done`` loops (1-based)."""
+        return done >= self.min_loops and (done - self.min_loops) % self.check_every == 0
 
 
 def kv_slots_per_token(config: LayerShape, loops: int, cache_window: int | None = None) -> int:

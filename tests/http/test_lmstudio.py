@@ -62,7 +62,8 @@ def check_extras(out: dict[str, Any], *, stop_reason: str, loops: int, context: 
     # the model itself: family, size, dtype, the loop dial, the default exit rule
     assert info["family"] == "huginn" and info["parameters"] > 0 and info["quantization"] == "float32"
     assert (info["default_loops"], info["max_loops"]) == (4, 16)
-    assert info["exit"] == {"kind": "none", "threshold": 0.0, "min_loops": 1}
+    assert info["exit"] == {"kind": "none", "threshold": 0.0, "min_loops": 1, "check_every": 1,
+                            "exited_kv": "copy_latest"}
     assert out["runtime"] == {"name": "tinyloop", "version": tinyloop.__version__,
                               "supported_formats": ["tinyloop"], "commit": "abc123"}
 

@@ -140,8 +140,11 @@ def test_gate_and_kl_exit_rules_respect_min_loops() -> None:
     ctx = FullContext(model.rope, 1, 1)
     out = model(torch.tensor([[3]]), ctx, [RowSpec(loops=8, window=8)])
     assert out.loops_used == [3]
-    kl = ExitRule(kind="kl", threshold=1e9, min_loops=1)  # KL needs two loops to compare
+    kl = ExitRule(kind="kl", threshold=1e9, min_loops=1)  # the first check is against uniform
     out = model(torch.tensor([[3]]), FullContext(model.rope, 1, 1), [RowSpec(loops=8, window=8, exit=kl)])
+    assert out.loops_used == [1]
+    late = ExitRule(kind="kl", threshold=1e9, min_loops=2, check_every=3)  # checked after loop 2, 5, 8
+    out = model(torch.tensor([[3]]), FullContext(model.rope, 1, 1), [RowSpec(loops=8, window=8, exit=late)])
     assert out.loops_used == [2]
     out = model(torch.tensor([[3, 4]]), FullContext(model.rope, 1, 2), [RowSpec(loops=8, window=8, exit=kl)])
     assert out.loops_used == [8], "exits apply to single-token rows (decode) only"

@@ -37,7 +37,7 @@ from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
 from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
 from tinyloop.requests import GenerationRequest, TokenLogprob
 from tinyloop.tokenizer import Tokenizer
-from tinyloop.vocabulary import KVMode
+from tinyloop.vocabulary import ExitRule, KVMode
 
 __all__ = ["Engine"]
 
@@ -186,11 +186,19 @@ class Engine(KVAccounting, PrefixEntries):
                  for s, st in zip(seqs, starts)]
         out = self.run_model(tokens.to(self.device), ctx, specs)
         for row, (s, used) in enumerate(zip(seqs, out.loops_used)):
+            s.kv.gaps.pop(s.kv.length, None)  # a retried step rewrites the position
+            if used < s.loops and n_new == 1 and self._exit_rule(s).exited_kv == "skip":
+                s.kv.gaps[s.kv.length] = used  # its later loop slots stay unwritten
             s.kv.length += n_new
             s.last_loops = used
             if s.request.warm_start:
-                s.warm_state = out.state[row, -1].clone()
+                final = out.state[row, -1]
+                s.warm_state = (self.model.final_norm(final) if s.request.warm_start_from == "normed"
+                                else final).clone()
         return out
+
+    def _exit_rule(self, seq: Sequence) -> ExitRule:
+        return seq.request.exit or self.config.exit
 
     @torch.inference_mode()
     def prefill_step(self, seq: Sequence) -> torch.Tensor | None:
@@ -237,7 +245,7 @@ class Engine(KVAccounting, PrefixEntries):
         ctx = self.context([s.kv for s in seqs], starts, len(tokens[0]),
                            extra_mask=None if mask is None else mask.to(self.device), positions=pos)
         specs = [RowSpec(loops=s.loops, window=s.window, start=st, noise_seed=s.noise_seed,
-                         positions=None if positions is None else positions[b])
+                         positions=None if positions is None else positions[b], exit=s.request.exit)
                  for b, (s, st) in enumerate(zip(seqs, starts))]
         out = self.run_model(torch.tensor([list(t) for t in tokens], dtype=torch.long, device=self.device),
                              ctx, specs, last_only=False)

@@ -64,7 +64,7 @@ class KVBudget:
         adaptive-exit sequence (decoding ran each token differently from a prefill), and a beam
         search's beams are not one sequence."""
         rule = req.exit or self.config.exit
-        return req.warm_start or rule.kind != "none" or req.mode == "beam"
+        return req.warm_start or rule.stops or req.mode == "beam"
 
     def start_blocks(self, req: GenerationRequest, loops: int, window: int) -> int:
         """Blocks ``req`` needs to start: its worst case when it reserves one, else its prompt

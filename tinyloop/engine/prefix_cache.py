@@ -86,6 +86,8 @@ class PrefixCache:
         # a beam sequence's output need not be the tokens its KV was decoded from.
         prompt_only = seq.request.warm_start or seq.request.mode == "beam"
         n = min(seq.kv.length, len(seq.prompt) if prompt_only else len(tokens))
+        if seq.kv.gaps:  # a token that skipped loop slots: the cache keeps no gap map
+            n = min(n, min(seq.kv.gaps))
         n_blocks = min(n // self.pool.block_size, seq.kv.blocks_per_slot)
         if n_blocks:
             keys = block_keys(tokens, self.pool.block_size, n_blocks, self._salt(seq))

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tinyloop.requests import MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MIN_REPETITION_PENALTY
+from tinyloop.vocabulary import EXIT_KINDS
 
 __all__ = [
     "FieldError", "Knobs", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions",
@@ -36,14 +37,36 @@ class Strict(BaseModel):
 
 
 class ExitSpec(Strict):
-    """A per-request adaptive exit rule: stop a token's loops early once it has converged
-    (``gate``, ``latent_diff``, ``kl``), or run every loop and feed the head the state of the
-    first loop whose cumulative exit probability reaches ``threshold`` (``gate_select``, Ouro's
-    reference semantics)."""
+    """A per-request exit rule (``ExitRule`` in ``tinyloop/vocabulary.py``): stop a token's loops
+    once it has converged (``kl``, ``minp_kl``, ``entropy_diff``, ``latent_diff``, ``cosine``,
+    ``argmax_stability``: Huginn's criteria; ``gate``: Ouro's gate), or run every loop and choose
+    what feeds the head (``gate_select``, ``gate_expected``: Ouro's reference semantics). The
+    reference's hyphenated names (``minp-kl``) are accepted. ``threshold`` defaults to the
+    reference's default for the kind; ``min_steps`` is the reference's name for ``min_loops - 1``."""
 
-    kind: Literal["none", "gate", "gate_select", "latent_diff", "kl"]
-    threshold: Float = Field(0.0, ge=0)
-    min_loops: int = Field(1, ge=1)
+    kind: str
+    threshold: Float | None = Field(None, gt=0)
+    min_loops: int | None = Field(None, ge=1)
+    min_steps: int | None = Field(None, ge=0)
+    check_every: int = Field(1, ge=1, description="check the rule every n loops")
+    exited_kv: Literal["copy_latest", "skip"] = Field(
+        "copy_latest", description="what later tokens read in an exited token's unwritten loop slots")
+
+    @model_validator(mode="after")
+    def _checks(self) -> ExitSpec:
+        kind = self.kind.replace("-", "_")
+        if kind not in EXIT_KINDS:
+            raise FieldError("exit", f"exit.kind must be one of {', '.join(EXIT_KINDS)}; got {self.kind!r}")
+        if self.min_loops is not None and self.min_steps is not None:
+            raise FieldError("exit", "give exit.min_loops or exit.min_steps (= min_loops - 1), not both")
+        self.kind = kind
+        return self
+
+    def first_loop(self) -> int:
+        """``min_loops`` (1 when neither it nor ``min_steps`` is given)."""
+        if self.min_steps is not None:
+            return self.min_steps + 1
+        return self.min_loops or 1
 
 
 class Knobs(Strict):
@@ -51,7 +74,8 @@ class Knobs(Strict):
 
     loops: int | None = Field(None, ge=1, description="loops per token (default: the model's)")
     cache_window: int | None = Field(None, ge=1, description="KV slots kept per core layer")
-    warm_start: bool = False
+    warm_start: bool | Literal["raw", "normed"] = Field(
+        False, description="start each token from the previous token's final state (true = raw)")
     priority: int = Field(0, ge=-1000, le=1000, description="higher runs first")
     slo_ms: Float | None = Field(None, gt=0, description="reject with 503 if the queue wait would exceed it")
     top_k: int = Field(0, ge=0)

@@ -122,7 +122,8 @@ def describe(model: ServedModel) -> dict[str, Any]:
     return {"family": model.arch.removeprefix("tinyloop-"), "parameters": model.parameters,
             "quantization": model.quant, "default_loops": model.default_loops, "max_loops": model.max_loops,
             "exit": {"kind": model.exit.kind, "threshold": model.exit.threshold,
-                     "min_loops": model.exit.min_loops}}
+                     "min_loops": model.exit.min_loops, "check_every": model.exit.check_every,
+                     "exited_kv": model.exit.exited_kv}}
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,8 @@ def exit_rule(body: Any) -> ExitRule | None:
     if spec is None:
         return None
     try:
-        return ExitRule(kind=spec.kind, threshold=spec.threshold, min_loops=spec.min_loops)
+        return ExitRule.of(spec.kind, spec.threshold, min_loops=spec.first_loop(),
+                           check_every=spec.check_every, exited_kv=spec.exited_kv)
     except ConfigError as exc:
         raise ApiError(400, f"Invalid value for 'exit': {exc}", param="exit", code="invalid_value") from None
 
@@ -203,7 +205,9 @@ def make_requests(body: Any, model: ServedModel, tokens: list[int], *, prompt_pa
                                      top_logprobs=top_logprobs)
             out.append(GenerationRequest(prompt_tokens=tuple(tokens), max_tokens=limit, mode=mode,
                                          loops=body.loops, cache_window=body.cache_window,
-                                         warm_start=body.warm_start, sampling=sampling,
+                                         warm_start=bool(body.warm_start),
+                                         warm_start_from="normed" if body.warm_start == "normed" else "raw",
+                                         sampling=sampling,
                                          exit=exit_rule(body), **fields))
     return Choices(out, blame)
 

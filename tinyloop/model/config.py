@@ -108,7 +108,7 @@ class ModelConfig:
     @property
     def has_exit_gate(self) -> bool:
         """Whether the model has an exit gate (``exit_gate.weight``/``.bias``): a request may ask for ``gate``."""
-        return self.exit_gate or self.exit.kind == "gate"
+        return self.exit_gate or self.exit.needs_gate
 
     @property
     def q_dim(self) -> int:
@@ -141,8 +141,8 @@ class ModelConfig:
         if "exit" in kwargs and not isinstance(kwargs["exit"], ExitRule):
             raw = kwargs["exit"]
             if not isinstance(raw, dict):
-                raise ConfigError("exit must be an object with kind, threshold, min_loops")
-            bad = sorted(set(raw) - {"kind", "threshold", "min_loops"})
+                raise ConfigError("exit must be an object with kind, threshold, min_loops, check_every, exited_kv")
+            bad = sorted(set(raw) - {"kind", "threshold", "min_loops", "check_every", "exited_kv"})
             if bad:
                 raise ConfigError(f"unknown exit field(s): {', '.join(bad)}")
             kwargs["exit"] = ExitRule(**raw)

@@ -31,7 +31,8 @@ class PagedContext:
 
     The caller reserves the blocks first (``SeqKV.reserve``) and advances ``SeqKV.length`` after.
     ``extra_mask`` (``[B, T, T]``, True = may attend) restricts attention among the new tokens,
-    for tree verification; by default they are causal.
+    for tree verification; by default they are causal. A key whose token exited early and left a
+    core slot unwritten (``SeqKV.gaps``) is masked out at that slot.
     """
 
     def __init__(self, pool: KVPool, rope: Rope, seqs: Sequence[SeqKV], starts: Sequence[int],
@@ -65,6 +66,32 @@ class PagedContext:
         self.mask = mask[:, None]  # [B, 1, T, L]
         rope_pos = slots_pos if positions is None else positions  # tree tokens share depths
         self.cos, self.sin = rope.tables(rope_pos)  # [B, T, D]
+        self._gaps = self._gap_depths(seqs, key_len)
+
+    def _gap_depths(self, seqs: Sequence[SeqKV], key_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per row and key, the loop slots the key wrote ``[B, L]`` (a large number where all),
+        and per row the slot index where the coda starts ``[B]``; None when no key has a gap."""
+        if not any(s.gaps for s in seqs):
+            return None
+        written = torch.full((len(seqs), key_len), 1 << 30, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            for pos, done in s.gaps.items():
+                if pos < key_len:
+                    written[b, pos] = done
+        config = self.pool.config
+        coda_start = torch.tensor([s.n_slots - config.n_coda for s in seqs], dtype=torch.long)
+        return written, coda_start
+
+    def _mask(self, rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        """The attention mask ``[R, 1, T, L]`` of ``rows`` at ``slots`` (one per row)."""
+        mask = _take(self.mask, rows)
+        if self._gaps is None:
+            return mask
+        written, coda_start = (_take(t, rows) for t in self._gaps)
+        config = self.pool.config
+        core = (slots >= config.n_prelude) & (slots < coda_start)
+        depth = torch.where(core, (slots - config.n_prelude) // config.n_core, -1)  # [R] the loop slot
+        return mask & (written > depth[:, None])[:, None, None, :]
 
     def rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return _take(self.cos, rows), _take(self.sin, rows)
@@ -115,7 +142,7 @@ class PagedContext:
                              v=v.transpose(1, 2).reshape(r * t, kvh, d))
             keys_k = kernels.kv_read(store, "k", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
             keys_v = kernels.kv_read(store, "v", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
-        return kernels.attention(q, keys_k, keys_v, _take(self.mask, rows))
+        return kernels.attention(q, keys_k, keys_v, self._mask(rows, slots))
 
     def copy_new(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy what the new tokens of ``rows`` stored (K and V, or h) from slot ``src`` to slot

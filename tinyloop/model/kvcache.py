@@ -177,13 +177,19 @@ class KVPool:
 
 
 class SeqKV:
-    """One sequence's block tables: ``n_slots`` tables of equal length over a shared pool."""
+    """One sequence's block tables: ``n_slots`` tables of equal length over a shared pool.
+
+    ``gaps`` maps a position to the loops its token ran when it exited early and left the core
+    slots of the later loops unwritten (``ExitRule.exited_kv == "skip"``): attention leaves that
+    key out at those slots (``PagedContext``).
+    """
 
     def __init__(self, pool: KVPool, n_slots: int) -> None:
         self.pool = pool
         self.n_slots = n_slots
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.length = 0  # positions written (the same in every slot)
+        self.gaps: dict[int, int] = {}
 
     @property
     def blocks_per_slot(self) -> int:
@@ -241,12 +247,14 @@ class SeqKV:
             self.pool.release(table[keep:])
             del table[keep:]
         self.length = new_length
+        self.gaps = {pos: done for pos, done in self.gaps.items() if pos < new_length}
 
     def fork(self) -> SeqKV:
         """A new sequence sharing every block (copy-on-write on the next write)."""
         other = SeqKV(self.pool, self.n_slots)
         other.tables = [list(t) for t in self.tables]
         other.length = self.length
+        other.gaps = dict(self.gaps)
         for t in other.tables:
             self.pool.incref(t)
         return other
@@ -269,6 +277,7 @@ class SeqKV:
             self.pool.release(table)
             table.clear()
         self.length = 0
+        self.gaps.clear()
 
     def table_tensor(self, max_blocks: int, n_slots: int) -> torch.Tensor:
         """Block ids as ``[n_slots, max_blocks]`` int64, zero-padded (padding is masked)."""

@@ -15,7 +15,7 @@ loops, or whose exit rule fired, costs nothing more.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch import nn
 
 from tinyloop.model.backend import TORCH, Backend
 from tinyloop.model.config import ModelConfig
+from tinyloop.model.exits import Selection, StopTracker
 from tinyloop.model.layers import AttentionContext, Block, RMSNorm, rope_for
 from tinyloop.vocabulary import ExitRule
 
@@ -61,75 +62,6 @@ class ForwardOutput:
     logits: torch.Tensor  # [B, T', V] (T' = 1 when last_only)
     state: torch.Tensor  # [B, T, H] final core state, before the final norm (for warm start)
     loops_used: list[int] = field(default_factory=list)  # loops run by each row
-
-
-def _exit_fired(rule: ExitRule, new: torch.Tensor, prev: torch.Tensor,
-                logp_new: torch.Tensor | None, logp_prev: torch.Tensor | None,
-                cdf: torch.Tensor | None) -> torch.Tensor:
-    """Per row: did the rule fire after this loop? new/prev ``[R, H]``; returns ``[R]`` bool."""
-    if rule.kind == "latent_diff":
-        diff = (new.float() - prev.float()).norm(dim=-1)
-        fired: torch.Tensor = diff / new.float().norm(dim=-1).clamp_min(1e-12) < rule.threshold
-        return fired
-    if rule.kind == "kl":
-        assert logp_new is not None and logp_prev is not None
-        kl = (logp_new.exp() * (logp_new - logp_prev)).sum(-1)
-        return kl < rule.threshold
-    if rule.kind == "gate":
-        assert cdf is not None
-        return cdf >= rule.threshold
-    return torch.zeros(new.shape[0], dtype=torch.bool)
-
-
-@dataclass(slots=True)
-class _Selection:
-    """The ``gate_select`` rule over one forward (the Ouro reference's exit): after loop t, per
-    position, lambda_t = sigmoid(gate(state_t)) and p_t = lambda_t * prod_{j<t}(1 - lambda_j) in
-    the model's dtype, the row's last loop taking the remaining mass; the first loop whose
-    cumulative p reaches the threshold (from ``min_loops`` on; else the last loop) gives the
-    position's state for the head. Every loop still runs and writes KV."""
-
-    rows: list[int]  # the batch rows under the rule
-    cdf: torch.Tensor  # [B, T] cumulative exit probability
-    remaining: torch.Tensor  # [B, T] prod of (1 - lambda) so far
-    picked: torch.Tensor  # [B, T] bool: the position's state is chosen
-    chosen: torch.Tensor  # [B, T, H] the chosen states
-
-    @classmethod
-    def start(cls, state: torch.Tensor, rules: Sequence[ExitRule]) -> _Selection | None:
-        rows = [b for b, rule in enumerate(rules) if rule.kind == "gate_select"]
-        if not rows:
-            return None
-        shape = state.shape[:2]
-        return cls(rows, torch.zeros(shape, dtype=state.dtype), torch.ones(shape, dtype=state.dtype),
-                   torch.zeros(shape, dtype=torch.bool), torch.zeros_like(state))
-
-    def step(self, act: list[int], r: int, h: torch.Tensor, gate: nn.Module, rules: Sequence[ExitRule],
-             loops: Sequence[int]) -> None:
-        """After loop ``r``: ``h`` ``[len(act), T, H]`` is the (normed) state of the rows ``act``."""
-        for j, b in enumerate(act):
-            if b not in self.rows:
-                continue
-            lam = torch.sigmoid(gate(h[j]).squeeze(-1))  # [T], model dtype
-            last = r + 1 == loops[b]
-            p = self.remaining[b] if last else lam * self.remaining[b]
-            self.remaining[b] = self.remaining[b] * (1.0 - lam)
-            self.cdf[b] = self.cdf[b] + p
-            if last:
-                fires = torch.ones_like(self.picked[b])
-            elif r + 1 >= rules[b].min_loops:
-                fires = self.cdf[b] >= rules[b].threshold
-            else:
-                fires = torch.zeros_like(self.picked[b])
-            new = fires & ~self.picked[b]
-            self.chosen[b][new] = h[j][new]
-            self.picked[b] |= new
-
-    def states(self, state: torch.Tensor) -> torch.Tensor:
-        """``state`` with the selected rows' chosen states in place."""
-        out = state.clone()
-        out[self.rows] = self.chosen[self.rows]
-        return out
 
 
 class LoopedLM(nn.Module):
@@ -241,13 +173,12 @@ class LoopedLM(nn.Module):
         e = x
         state = self.initial_state(e, specs)
         rules = [s.exit if s.exit is not None else c.exit for s in specs]
-        can_exit = n_tok == 1 and any(r.kind not in ("none", "gate_select") for r in rules)
-        select = _Selection.start(state, rules)
+        stops = None  # rules that stop a decoded token early run one token per row
+        if n_tok == 1 and any(rule.stops for rule in rules):
+            stops = StopTracker(rules, loops, state[:, -1], self.head_width)
+        select = Selection.start(state, rules)
         exited = [False] * bsz
         done = [0] * bsz
-        cdf = torch.zeros(bsz)
-        remaining = torch.ones(bsz)
-        logp_prev: list[torch.Tensor | None] = [None] * bsz
         for r in range(max(loops)):
             act = [b for b in range(bsz) if loops[b] > r and not exited[b]]
             if not act:
@@ -259,62 +190,53 @@ class LoopedLM(nn.Module):
                 h = layer(h, ctx, self.rope, rows, c.n_prelude + (r % win) * c.n_core + i)
             if c.loop_norm == "every_loop":
                 h = self.final_norm(h)
-            prev = state if rows is None else state[rows]
-            if rows is None:
-                state = h
-            else:
-                state = state.index_copy(0, rows, h)
+            state = h if rows is None else state.index_copy(0, rows, h)
             self.counters["core_block_calls"] += 1
             self.counters["core_row_loops"] += len(act) * n_tok
             for b in act:
                 done[b] += 1
             if select is not None:
-                select.step(act, r, h, self.exit_gate, rules, loops)
-            if can_exit:
-                self._check_exits(act, rows, r, h, prev, rules, loops, exited, cdf, remaining,
-                                  logp_prev, ctx, windows)
+                select.step(act, r, h, self.exit_gate, rules, loops,
+                            lambda b, hb: self.tail(hb, ctx, windows[b:b + 1], torch.tensor([b]), last_only))
+            if stops is not None:
+                fired = stops.check(act, r + 1, h[:, -1], self._logits_of(act, h, ctx, windows),
+                                    self._gate_of(h))
+                for b in fired:
+                    exited[b] = True
+                copies = [b for b in fired if rules[b].exited_kv == "copy_latest"]
+                if copies:
+                    self._fill_skipped_slots(copies, r, loops, windows, ctx)
         logits = self.tail(state if select is None else select.states(state), ctx, windows, None, last_only)
+        if select is not None:
+            logits = select.logits(logits)
         return ForwardOutput(logits=logits, state=state, loops_used=done)
 
-    def _check_exits(self, act: list[int], rows: torch.Tensor | None, r: int, h: torch.Tensor,
-                     prev: torch.Tensor, rules: list[ExitRule], loops: list[int], exited: list[bool],
-                     cdf: torch.Tensor, remaining: torch.Tensor, logp_prev: list[torch.Tensor | None],
-                     ctx: AttentionContext, windows: torch.Tensor) -> None:
-        """Mark rows whose exit rule fired after loop ``r`` and fill the slots they skip."""
-        c = self.config
-        idx = torch.tensor(act, dtype=torch.long)
-        kinds = {rules[b].kind for b in act}
-        logp_new = None
-        if "kl" in kinds:
-            logp_new = self.tail(h, ctx, windows[idx], rows, True)[:, -1].float().log_softmax(-1)
-        if "gate" in kinds:
-            normed = self.final_norm(h) if c.loop_norm == "final_only" else h
-            lam = torch.sigmoid(self.exit_gate(normed[:, -1]).float().squeeze(-1))  # [R]
-            cdf[idx] += lam * remaining[idx]
-            remaining[idx] *= 1 - lam
-        fired_rows = []
-        for j, b in enumerate(act):
-            rule = rules[b]
-            lp_prev = logp_prev[b]
-            if logp_new is not None:
-                logp_prev[b] = logp_new[j]
-            if rule.kind == "none" or r + 1 < rule.min_loops or r + 1 >= loops[b]:
-                continue
-            if rule.kind == "kl" and lp_prev is None:
-                continue  # KL compares two successive loops
-            fired = _exit_fired(rule, h[j:j + 1, -1], prev[j:j + 1, -1],
-                                None if logp_new is None else logp_new[j:j + 1],
-                                None if lp_prev is None else lp_prev[None],
-                                cdf[b:b + 1])
-            if bool(fired[0]):
-                exited[b] = True
-                fired_rows.append(b)
-        if fired_rows:
-            self._fill_skipped_slots(fired_rows, r, loops, windows, ctx)
+    @property
+    def head_width(self) -> int:
+        """The width of the logits (the embedding's rows)."""
+        return self.config.vocab_size
+
+    def _logits_of(self, act: list[int], h: torch.Tensor, ctx: AttentionContext,
+                   windows: torch.Tensor) -> Callable[[list[int]], torch.Tensor]:
+        """For a stop rule: the logits ``[len(js), V]`` of the active rows at indices ``js``, the
+        coda run on their current state."""
+        def logits_of(js: list[int]) -> torch.Tensor:
+            rows = torch.tensor([act[j] for j in js], dtype=torch.long)
+            return self.tail(h[js], ctx, windows[rows], rows, True)[:, -1]
+        return logits_of
+
+    def _gate_of(self, h: torch.Tensor) -> Callable[[list[int]], torch.Tensor]:
+        """For the ``gate`` stop rule: the exit gate's logit ``[len(js)]`` of the rows at ``js``."""
+        def gate_of(js: list[int]) -> torch.Tensor:
+            x = h[js][:, -1]
+            normed = self.final_norm(x) if self.config.loop_norm == "final_only" else x
+            logit: torch.Tensor = self.exit_gate(normed).squeeze(-1)
+            return logit
+        return gate_of
 
     def _fill_skipped_slots(self, rows: list[int], r: int, loops: list[int],
                             windows: torch.Tensor, ctx: AttentionContext) -> None:
-        """An exited token's unwritten loop slots get its last written K,V (DESIGN.md)."""
+        """An exited token's unwritten loop slots get its last written K,V (``copy_latest``)."""
         c = self.config
         for b in rows:
             w = int(windows[b])
