@@ -3,10 +3,12 @@ the logits comparison over the tokenizer's ids."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tinyloop.convert import convert
@@ -48,3 +50,11 @@ def full_logits(engine: Engine, ids: list[int], loops: int) -> torch.Tensor:
         return engine.verify([seq], [ids])[0]
     finally:
         engine.free(seq)
+
+
+def assert_refused(hf: Path, out_dir: Path, error: type[Exception], message: str) -> None:
+    """Converting ``hf`` raises ``error`` whose text holds ``message`` and writes no artifact."""
+    out = out_dir / "out.tinyloop"
+    with pytest.raises(error, match=re.escape(message)):
+        convert(hf, out)
+    assert not out.exists()

@@ -18,13 +18,18 @@ from tinyloop.settings import Settings
 HUGINN = CHECKPOINTS / "huginn-tiny"
 
 
-async def test_v1_completions_greedy_on_converted_huginn_is_the_references(tmp_path: Path) -> None:
-    reference = load_file(str(HUGINN / "reference_outputs.safetensors"))
+@pytest.mark.parametrize(("name", "family", "rotation"), [
+    ("huginn-tiny", "huginn", "float32"), ("retrofit-llama-tiny", "retrofit", "input"),
+    ("retrofit-olmo-tiny", "retrofit", "float32")])
+async def test_v1_completions_greedy_on_a_converted_checkpoint_is_the_references(
+        tmp_path: Path, name: str, family: str, rotation: str) -> None:
+    fixture = CHECKPOINTS / name
+    reference = load_file(str(fixture / "reference_outputs.safetensors"))
     prompt = reference["input_ids"][0].tolist()
     expected = reference["greedy_loops4"].tolist()
-    engine = converted_engine(HUGINN, tmp_path, state_init="zeros")  # the reference ran with init_scale=0
-    c = engine.config  # Huginn's reference numerics: float32 tables, rotation in float32, cast then weight
-    assert (c.rope_tables, c.rope_compute, c.norm_order) == ("float32", "float32", "cast_then_weight")
+    engine = converted_engine(fixture, tmp_path, state_init="zeros")  # the references ran with init_scale=0
+    c = engine.config  # the reference's numerics: float32 tables, its rotation dtype, cast then weight
+    assert (c.rope_tables, c.rope_compute, c.norm_order) == ("float32", rotation, "cast_then_weight")
     body = {"prompt": prompt, "max_tokens": len(expected), "temperature": 0, "loops": 4, "ignore_eos": True}
     with trio.fail_after(60):
         async with running_server(Settings(port=0), engine) as srv, httpx.AsyncClient(base_url=srv.url) as client:
@@ -36,7 +41,7 @@ async def test_v1_completions_greedy_on_converted_huginn_is_the_references(tmp_p
     assert resp.json()["choices"][0]["text"] == engine.tokenizer.decode(expected)
     assert native.json()["tokens"] == expected
     params = sum(p.numel() for p in engine.model.parameters())
-    assert card["family"] == "huginn" and card["parameters"] == params and card["quantization"] == "float32"
+    assert card["family"] == family and card["parameters"] == params and card["quantization"] == "float32"
     assert (card["default_loops"], card["max_loops"], card["max_model_len"]) == (
         engine.config.default_loops, engine.config.max_loops, engine.max_seq_len)
     assert card["exit"]["kind"] == engine.config.exit.kind
@@ -81,3 +86,4 @@ async def test_ouro_exit_selection_over_http_is_the_references(tmp_path: Path) -
         assert token == int(expected.argmax())
         assert abs(got[name]["logprob"] - float(expected[token])) <= 1e-4
     assert got["select"]["logprob"] != pytest.approx(got["last"]["logprob"], abs=1e-3)
+

@@ -71,8 +71,10 @@ def test_h_mode_decodes_exactly_like_full_mode_in_fp32(model: LoopedLM, window: 
 
 @pytest.mark.parametrize("layout", [dict(qk_bias=True, rope_style="interleaved", fused_qkv=False),
                                     dict(n_prelude=0, n_coda=0, block_style="peri_ln", injection="none",
-                                         state_init="embed", loop_norm="every_loop")],
-                         ids=["bias-interleaved-unfused", "ouro"])
+                                         state_init="embed", loop_norm="every_loop"),
+                                    dict(block_style="post_ln", qk_norm=True, loop_norm="none", rope_scaling="llama3",
+                                         rope_original_max_position=64)],
+                         ids=["bias-interleaved-unfused", "ouro", "retrofit-olmo"])
 @torch.inference_mode()
 def test_h_mode_recomputes_bias_and_rope_of_every_layout(layout: dict[str, object]) -> None:
     m = init_model(CFG.replace(**layout), seed=2)  # type: ignore[arg-type]
@@ -80,6 +82,8 @@ def test_h_mode_recomputes_bias_and_rope_of_every_layout(layout: dict[str, objec
         for name, p in m.named_parameters():
             if name.endswith("k_bias"):
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+            elif name.endswith("k_norm.weight"):  # h-mode must recompute K through the QK-norm
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(3))
     toks = tokens(20, seed=4)
     torch.testing.assert_close(run(m, toks, "h-mode", loops=3, window=3),
                                run(m, toks, "full", loops=3, window=3), rtol=1e-4, atol=1e-5)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tinyloop.convert import huginn, ouro
+from tinyloop.convert import huginn, ouro, retrofit
 from tinyloop.convert.hfdir import HFDir
 from tinyloop.convert.writer import write_streaming
 from tinyloop.errors import ConfigError, TokenizerError
@@ -26,7 +26,7 @@ from tinyloop.tokenizer import Tokenizer
 
 __all__ = ["FAMILIES", "ConvertResult", "convert", "detect_family"]
 
-FAMILIES = ("huginn", "ouro")
+FAMILIES = ("huginn", "ouro", "retrofit")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,10 +46,10 @@ def detect_family(config: dict[str, Any]) -> str:
     archs = archs if isinstance(archs, list) else [archs]
     for name, module in (("huginn", huginn), ("ouro", ouro)):
         if model_type in module.MODEL_TYPES or any(a in module.ARCHITECTURES for a in archs if isinstance(a, str)):
-            return name
+            return "retrofit" if name == "huginn" and retrofit.is_retrofit(config) else name
     raise ConfigError(f"config.json: model_type {model_type!r} (architectures {archs!r}) is not a family "
                       f"tinyloop convert knows; supported: huginn ({', '.join(huginn.MODEL_TYPES)}), "
-                      f"ouro ({', '.join(ouro.MODEL_TYPES)})")
+                      f"ouro ({', '.join(ouro.MODEL_TYPES)}), retrofit (huginn_raven with rope_theta)")
 
 
 def convert(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str | None = None,
@@ -66,24 +66,28 @@ def convert(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtyp
             raise ConfigError(f"{hf.root}: is a {detected} checkpoint, not {family}")
         if detected == "ouro":  # the loop starts from the embeddings: state_init does not apply
             config = ouro.ouro_config(hf.config, max_position=max_position)
+            plan_of, specials_of, embed = ouro.ouro_plan, ouro.ouro_special_tokens, ouro.EMBED
+        elif detected == "retrofit":
+            config = retrofit.retrofit_config(hf.config, hf.tensors, state_init=state_init,
+                                              max_position=max_position)
+            plan_of, specials_of, embed = retrofit.retrofit_plan, retrofit.retrofit_special_tokens, retrofit.EMBED
         else:
             config = huginn.huginn_config(hf.config, state_init=state_init, max_position=max_position)
+            plan_of, specials_of, embed = huginn.huginn_plan, huginn.huginn_special_tokens, "transformer.wte.weight"
         expected = {name: tuple(t.shape) for name, t in empty_model(config).state_dict().items()}
-        plan = (ouro.ouro_plan if detected == "ouro" else huginn.huginn_plan)(hf, config, expected)
+        plan = plan_of(hf, config, expected)
         try:
             probe = Tokenizer.from_json(hf.tokenizer_json, eos_id=0)
         except TokenizerError as exc:
             raise TokenizerError(f"{hf.root / 'tokenizer.json'}: {exc}; TinyLoop serves byte-level BPE "
                                  "tokenizers only (convert the tokenizer first)") from exc
-        special = (ouro.ouro_special_tokens if detected == "ouro" else huginn.huginn_special_tokens)(
-            hf, probe.token_to_id)
+        special = specials_of(hf, probe.token_to_id)
         tokenizer = Tokenizer.from_json(hf.tokenizer_json, bos_id=special["bos_id"], eos_id=special["eos_id"],
                                         eos_ids=special["eos_ids"])
         template = hf.tokenizer_config.get("chat_template") or ""
         if not isinstance(template, str):
             raise ConfigError(f"{hf.root / 'tokenizer_config.json'}: chat_template must be a string")
-        target = DTYPES[dtype] if dtype else _checkpoint_dtype(hf, ouro.EMBED if detected == "ouro"
-                                                                   else "transformer.wte.weight")
+        target = DTYPES[dtype] if dtype else _checkpoint_dtype(hf, embed)
         out_path = Path(out)
         metadata = artifact_metadata(out_path, config, tokenizer, template, special,
                                      {"tinyloop.converted_from": detected})

@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
+import torch
+
 from tinyloop.convert.hfdir import HFDir
 from tinyloop.errors import ArtifactError, ConfigError
 
-__all__ = ["check_names", "check_shape", "config_int", "special_tokens"]
+__all__ = ["check_names", "check_shape", "check_tied_head", "config_int", "special_tokens"]
 
 
 def config_int(cfg: dict[str, Any], *keys: str, default: int | None = None) -> int:
@@ -37,6 +39,16 @@ def check_names(hf: HFDir, used: Iterable[str], dropped: Collection[str], family
     missing = sorted(used - set(hf.tensors))
     if missing:
         raise ArtifactError(f"checkpoint is missing tensor(s): {', '.join(missing)}")
+
+
+def check_tied_head(hf: HFDir, head: str, embed: str, why: str, rows: int = 4096) -> None:
+    """A stored ``head`` must equal ``embed`` (compared a block of rows at a time); absent is fine."""
+    if head not in hf.tensors:
+        return
+    check_shape(head, hf.tensors[head].shape, hf.tensors[embed].shape)
+    for block, emb in zip(hf.row_chunks(head, rows), hf.row_chunks(embed, rows)):
+        if not torch.equal(block, emb):
+            raise ArtifactError(f"checkpoint tensor {head} differs from {embed}; {why}")
 
 
 def special_tokens(hf: HFDir, vocab_ids: Callable[[str], int | None], *stops: str) -> dict[str, Any]:

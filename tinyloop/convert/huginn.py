@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from tinyloop.convert.common import check_names, check_shape, config_int, special_tokens
+from tinyloop.convert.common import check_names, check_shape, check_tied_head, config_int, special_tokens
 from tinyloop.convert.hfdir import HFDir
 from tinyloop.convert.writer import PlannedTensor
-from tinyloop.errors import ArtifactError, ConfigError
+from tinyloop.errors import ConfigError
 from tinyloop.model.config import ModelConfig, StateInit
 
 __all__ = ["MODEL_TYPES", "huginn_config", "huginn_plan", "huginn_special_tokens"]
@@ -95,17 +95,6 @@ def _sources(config: ModelConfig) -> dict[str, tuple[str, Callable[[torch.Tensor
     return out
 
 
-def _check_tied_head(hf: HFDir, rows: int = 4096) -> None:
-    """``lm_head.weight`` must equal ``transformer.wte.weight`` (compared a block of rows at a time)."""
-    if "lm_head.weight" not in hf.tensors:
-        return
-    check_shape("lm_head.weight", hf.tensors["lm_head.weight"].shape, hf.tensors["transformer.wte.weight"].shape)
-    for head, wte in zip(hf.row_chunks("lm_head.weight", rows), hf.row_chunks("transformer.wte.weight", rows)):
-        if not torch.equal(head, wte):
-            raise ArtifactError("checkpoint tensor lm_head.weight differs from transformer.wte.weight; "
-                                "the Huginn converter supports only the tied head")
-
-
 def _produce(hf: HFDir, src: str, transform: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     return transform(hf.tensor(src))
 
@@ -122,7 +111,8 @@ def huginn_plan(hf: HFDir, config: ModelConfig, expected: dict[str, tuple[int, .
         want = (2, 1, config.heads, config.head_dim) if src.endswith("qk_bias") else shape
         check_shape(src, hf.tensors[src].shape, want)
         plan.append(PlannedTensor(canon, shape, partial(_produce, hf, src, transform)))
-    _check_tied_head(hf)
+    check_tied_head(hf, "lm_head.weight", "transformer.wte.weight",
+                    "the Huginn converter supports only the tied head")
     return plan
 
 

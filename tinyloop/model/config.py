@@ -16,18 +16,20 @@ from tinyloop.vocabulary import ExitRule, kv_slots_per_token
 
 __all__ = ["ModelConfig", "kv_bytes_per_token"]
 
-BlockStyle = Literal["pre_ln", "peri_ln", "sandwich"]
+BlockStyle = Literal["pre_ln", "peri_ln", "sandwich", "post_ln"]
 Injection = Literal["concat_linear", "none"]
 StateInit = Literal["zeros", "randn", "embed"]
-LoopNorm = Literal["final_only", "every_loop"]
+LoopNorm = Literal["final_only", "every_loop", "none"]
 RopeStyle = Literal["half", "interleaved"]
+RopeScaling = Literal["none", "llama3"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "block_style": ("pre_ln", "peri_ln", "sandwich"),
+    "block_style": ("pre_ln", "peri_ln", "sandwich", "post_ln"),
     "injection": ("concat_linear", "none"),
     "state_init": ("zeros", "randn", "embed"),
-    "loop_norm": ("final_only", "every_loop"),
+    "loop_norm": ("final_only", "every_loop", "none"),
     "rope_style": ("half", "interleaved"),
+    "rope_scaling": ("none", "llama3"),
     "rope_tables": ("float64", "float32"),
     "rope_compute": ("input", "float32"),
     "norm_order": ("weight_in_float32", "cast_then_weight"),
@@ -54,10 +56,16 @@ class ModelConfig:
     injection: Injection = "concat_linear"  # how the prelude output enters each loop
     state_init: StateInit = "randn"  # initial core state of a token
     state_init_std: float = 0.632  # std of the truncated-normal initial state (randn)
-    loop_norm: LoopNorm = "final_only"  # final_norm after the last loop only, or after each loop
+    loop_norm: LoopNorm = "final_only"  # final_norm after the last loop only, after each loop, or none
+    # between the loop and the coda (retrofitted recurrence: final_norm only after the coda)
     exit: ExitRule = field(default_factory=ExitRule)  # adaptive exit rule
     rope_theta: float = 10000.0  # RoPE base
     rope_style: RopeStyle = "half"  # rotate-half (Llama/Ouro) or adjacent pairs (Huginn)
+    rope_scaling: RopeScaling = "none"  # Llama-3's frequency scaling (the four fields below)
+    rope_scaling_factor: float = 8.0  # llama3: low frequencies are divided by this
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / this are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / this are kept
+    rope_original_max_position: int = 8192  # llama3: the context length the model was trained for
     # Numerics a converted checkpoint's reference uses (the defaults are TinyLoop's own):
     rope_tables: Literal["float64", "float32"] = "float64"  # precision the cos/sin tables are built in
     rope_compute: Literal["input", "float32"] = "input"  # dtype q and k are rotated in (Huginn: float32)
@@ -67,6 +75,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # lm_head shares the embedding matrix
     embed_scale: float = 1.0  # embeddings are multiplied by this (Huginn: sqrt(hidden))
     qk_bias: bool = False  # a learned bias added to q and k before RoPE (Huginn)
+    qk_norm: bool = False  # RMSNorm over the full q and k projections before the head split (OLMo-2)
     fused_qkv: bool = True  # one [q;k;v] projection instead of three
     exit_gate: bool = False  # load the exit gate even when the default rule is not ``gate`` (Ouro)
 
@@ -92,6 +101,10 @@ class ModelConfig:
             raise ConfigError(f"default_loops ({self.default_loops}) exceeds max_loops ({self.max_loops})")
         if self.injection == "none" and self.state_init != "embed":
             raise ConfigError("injection='none' needs state_init='embed' (the loop has no other input)")
+        if self.rope_scaling == "llama3" and not (self.rope_scaling_factor > 0 and self.rope_original_max_position > 0
+                                                   and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ConfigError("llama3 rope scaling needs factor > 0, original max position > 0 and "
+                              "0 < low_freq_factor < high_freq_factor")
         if not self.state_init_std > 0 or not self.norm_eps > 0 or not self.rope_theta > 0:
             raise ConfigError("state_init_std, norm_eps and rope_theta must be > 0")
         if not isinstance(self.exit, ExitRule):

@@ -9,6 +9,7 @@ and RoPE run on the module's kernel backend (``backend.py``; ``LoopedLM.use_back
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -58,13 +59,16 @@ class Rope:
     backend: Backend = TORCH
 
     def __init__(self, head_dim: int, max_position: int, theta: float, style: str,
-                 tables: str = "float64", compute: str = "input") -> None:
+                 tables: str = "float64", compute: str = "input",
+                 llama3: tuple[float, float, float, int] | None = None) -> None:
         self.style = style
         self.compute_float32 = compute == "float32"
         # The references build their tables in float32: at position 4k an fp64 table's cos
         # differs by 3.6e-4, at 64k by 4.7e-3, so a converted model builds them as its reference.
         width = torch.float64 if tables == "float64" else torch.float32
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=width) / head_dim))
+        if llama3 is not None:
+            inv = llama3_frequencies(inv, *llama3)
         angles = torch.outer(torch.arange(max_position, dtype=width), inv)  # [P, D/2]
         if style == "half":
             angles = torch.cat([angles, angles], dim=-1)  # [P, D]
@@ -83,10 +87,29 @@ class Rope:
         return self.backend.rope(x, cos, sin, self.style)
 
 
+def llama3_frequencies(inv: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                       original_max_position: int) -> torch.Tensor:
+    """Llama-3's RoPE scaling of the inverse frequencies ``inv``: wavelengths longer than
+    ``original / low_freq_factor`` are divided by ``factor``, shorter than ``original /
+    high_freq_factor`` kept, those between interpolated smoothly (in ``inv``'s dtype)."""
+    low_wavelen = original_max_position / low_freq_factor
+    high_wavelen = original_max_position / high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_for(config: ModelConfig) -> Rope:
-    """The RoPE of a config, with the numerics it names."""
+    """The RoPE of a config, with the numerics and the frequency scaling it names."""
+    llama3 = None
+    if config.rope_scaling == "llama3":
+        llama3 = (config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
+                  config.rope_original_max_position)
     return Rope(config.head_dim, config.max_position, config.rope_theta, config.rope_style,
-                tables=config.rope_tables, compute=config.rope_compute)
+                tables=config.rope_tables, compute=config.rope_compute, llama3=llama3)
 
 
 class Attention(nn.Module):
@@ -103,6 +126,10 @@ class Attention(nn.Module):
         if config.qk_bias:
             self.q_bias = nn.Parameter(torch.zeros(config.heads, config.head_dim))
             self.k_bias = nn.Parameter(torch.zeros(config.kv_heads, config.head_dim))
+        if config.qk_norm:
+            cast_first = config.norm_order == "cast_then_weight"
+            self.q_norm = RMSNorm(q_dim, config.norm_eps, cast_first)
+            self.k_norm = RMSNorm(kv_dim, config.norm_eps, cast_first)
         self.o = nn.Linear(q_dim, config.hidden, bias=False)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,6 +139,8 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.unflatten(-1, (c.heads, c.head_dim))
         k = k.unflatten(-1, (c.kv_heads, c.head_dim))
         v = v.unflatten(-1, (c.kv_heads, c.head_dim))
@@ -126,6 +155,8 @@ class Attention(nn.Module):
         c = self.config
         weight = self._kv_weight(dtype)  # [2 * kv_dim, H]
         kv = F.linear(h.to(weight.dtype), weight)  # [..., 2 * kv_dim]
+        if c.qk_norm:
+            kv = torch.cat([self.k_norm(kv[..., :c.kv_dim]), kv[..., c.kv_dim:]], dim=-1)
         k, v = kv.reshape(*kv.shape[:-1], 2, c.kv_heads, c.head_dim).unbind(-3)
         if c.qk_bias:
             k = k + self.k_bias.to(k.dtype)
@@ -169,11 +200,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One transformer layer in one of three norm placements.
+    """One transformer layer in one of four norm placements.
 
     ``pre_ln``:   x = x + attn(n1(x));      x = x + mlp(n3(x))
     ``peri_ln``:  x = x + n2(attn(n1(x)));  x = x + n4(mlp(n3(x)))   (Ouro)
     ``sandwich``: x = n2(x + attn(n1(x)));  x = n4(x + mlp(n3(x)))   (Huginn)
+    ``post_ln``:  x = x + n2(attn(x));      x = x + n4(mlp(x))       (OLMo-2; no n1, n3)
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -181,8 +213,9 @@ class Block(nn.Module):
         self.style = config.block_style
         eps = config.norm_eps
         cast_first = config.norm_order == "cast_then_weight"
-        self.attn_norm = RMSNorm(config.hidden, eps, cast_first)
-        self.mlp_norm = RMSNorm(config.hidden, eps, cast_first)
+        if self.style != "post_ln":
+            self.attn_norm = RMSNorm(config.hidden, eps, cast_first)
+            self.mlp_norm = RMSNorm(config.hidden, eps, cast_first)
         if self.style != "pre_ln":
             self.attn_post_norm = RMSNorm(config.hidden, eps, cast_first)
             self.mlp_post_norm = RMSNorm(config.hidden, eps, cast_first)
@@ -191,8 +224,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
                 rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-        a = self.attn(self.attn_norm(x), ctx, rope, rows, slots)
         y: torch.Tensor
+        if self.style == "post_ln":
+            x = x + self.attn_post_norm(self.attn(x, ctx, rope, rows, slots))
+            y = x + self.mlp_post_norm(self.mlp(x))
+            return y
+        a = self.attn(self.attn_norm(x), ctx, rope, rows, slots)
         if self.style == "pre_ln":
             x = x + a
             y = x + self.mlp(self.mlp_norm(x))

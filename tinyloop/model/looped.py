@@ -150,7 +150,7 @@ class LoopedLM(nn.Module):
         base = c.n_prelude + windows * c.n_core
         for j, layer in enumerate(self.coda):
             x = layer(x, ctx, self.rope, rows, base + j)
-        if c.n_coda:
+        if c.n_coda or c.loop_norm == "none":  # "none": the one final_norm comes after the coda
             x = self.final_norm(x)
         if last_only:
             x = x[:, -1:]
