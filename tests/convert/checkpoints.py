@@ -14,6 +14,7 @@ import torch
 from tinyloop.convert import convert
 from tinyloop.engine.engine import Engine
 from tinyloop.requests import GenerationRequest
+from tinyloop.vocabulary import ExitRule
 
 CHECKPOINTS = Path(__file__).parent.parent / "data" / "checkpoints"
 TOL = 1e-4  # max |dlogit| in fp32 (the fixtures' README expects ~1e-6)
@@ -42,9 +43,9 @@ def converted_engine(fixture: Path, out_dir: Path, **options: Any) -> Engine:
     return Engine.load(out, dtype=torch.float32, kv_cache_mb=4)
 
 
-def full_logits(engine: Engine, ids: list[int], loops: int) -> torch.Tensor:
+def full_logits(engine: Engine, ids: list[int], loops: int, exit: ExitRule | None = None) -> torch.Tensor:
     """Logits at every position of ``ids`` from one forward (the engine's verify path)."""
-    seq = engine.start(GenerationRequest(prompt_tokens=tuple(ids), loops=loops, max_tokens=1))
+    seq = engine.start(GenerationRequest(prompt_tokens=tuple(ids), loops=loops, max_tokens=1, exit=exit))
     try:
         seq.kv.reserve(len(ids))
         return engine.verify([seq], [ids])[0]

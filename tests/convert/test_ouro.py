@@ -88,6 +88,22 @@ def test_gate_select_matches_the_reference_exit_selection(engine: Engine, refere
     assert max_diff(engine, last, expected[0, -1]) <= TOL
 
 
+@pytest.mark.parametrize("loops", [2, 4])
+def test_gate_expected_matches_the_reference_weighted_exit(engine: Engine, reference: dict[str, torch.Tensor],
+                                                           loops: int) -> None:
+    """``use_weighted_exit``: the head's logits averaged over the loops by the exit distribution
+    (``reference_weighted.safetensors``: the reference's forward with ``use_weighted_exit=True``)."""
+    expected = load_file(str(FIXTURE / "reference_weighted.safetensors"))[f"logits_weighted_loops{loops}"]
+    ids = reference["input_ids"][0].tolist()
+    rule = ExitRule.of("gate_expected")
+    logits, _ = _model_states(engine, reference["input_ids"], loops, rule)
+    assert (logits - expected).abs().max().item() <= TOL
+    served = full_logits(engine, ids, loops, exit=rule)  # the engine's verify path, the request's rule
+    assert max_diff(engine, served, expected[0]) <= TOL
+    if loops == 4:  # not the last step's logits: the comparison above is not vacuous
+        assert (expected - reference["logits_last_step_loops4"]).abs().max().item() > 0.1
+
+
 def test_gate_select_at_half_picks_earlier_loops_than_the_last(reference: dict[str, torch.Tensor]) -> None:
     """The fixture's gate makes 0.5 select loop 2 at some positions: the test above is not vacuous."""
     last = reference["logits_last_step_loops4"]

@@ -152,7 +152,7 @@ class Selection:
                 continue
             lam = torch.sigmoid(gate(h[j]).squeeze(-1))  # [T], model dtype
             last = r + 1 == loops[b]
-            p = self.remaining[b] if last else lam * self.remaining[b]
+            p = self.remaining[b].clone() if last else lam * self.remaining[b]  # not a view: updated next
             self.remaining[b] = self.remaining[b] * (1.0 - lam)
             if rules[b].kind == "gate_expected":
                 logits = logits_of(b, h[j:j + 1])[0]  # [T', V]
