@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -148,3 +150,17 @@ def test_gate_and_kl_exit_rules_respect_min_loops() -> None:
     assert out.loops_used == [2]
     out = model(torch.tensor([[3, 4]]), FullContext(model.rope, 1, 2), [RowSpec(loops=8, window=8, exit=kl)])
     assert out.loops_used == [8], "exits apply to single-token rows (decode) only"
+
+
+def test_randn_initial_state_is_the_references_truncated_normal_seeded_per_position() -> None:
+    """Huginn's reference draws the initial state from a normal truncated at 3 std (no mass piled
+    on the bounds, unlike clamping); TinyLoop draws from the same law, seeded by (seed, position)."""
+    model = make_model(state_init="randn", state_init_std=0.5, hidden=32)
+    e = torch.zeros(1, 256, 32)
+    s = model.initial_state(e, [RowSpec(loops=1, window=1, noise_seed=3)])
+    assert s.abs().max() <= 1.5
+    assert (s.abs() > 1.499).sum() == 0, "clamping would pile ~0.27% of the draws on the bounds"
+    truncated_std = 0.5 * (1 - 6 * math.exp(-4.5) / math.sqrt(2 * math.pi) / (math.erf(3 / math.sqrt(2)))) ** 0.5
+    assert abs(float(s.std()) - truncated_std) < 0.02
+    later = model.initial_state(e[:, 100:101], [RowSpec(loops=1, window=1, noise_seed=3, start=100)])
+    assert torch.equal(later[0, 0], s[0, 100]), "a position's draw depends on (seed, position) only"

@@ -129,7 +129,8 @@ class LoopedLM(nn.Module):
                 positions = spec.positions or range(spec.start, spec.start + e.shape[1])
                 for t, pos in enumerate(positions):
                     g = torch.Generator().manual_seed((spec.noise_seed * _NOISE_MIX + pos) % 2**63)
-                    noise = torch.randn(c.hidden, generator=g).clamp_(-3.0, 3.0) * c.state_init_std
+                    std = c.state_init_std  # the reference's law: a normal truncated at 3 std
+                    noise = nn.init.trunc_normal_(torch.empty(c.hidden), 0.0, std, -3 * std, 3 * std, generator=g)
                     s[b, t] = noise.to(e.dtype)
         for b, spec in enumerate(specs):
             if spec.warm_state is not None:
