@@ -87,3 +87,34 @@ async def test_ouro_exit_selection_over_http_is_the_references(tmp_path: Path) -
         assert abs(got[name]["logprob"] - float(expected[token])) <= 1e-4
     assert got["select"]["logprob"] != pytest.approx(got["last"]["logprob"], abs=1e-3)
 
+
+
+async def test_huginn_exit_criteria_and_warm_starts_over_http_are_the_references(tmp_path: Path) -> None:
+    """``/generate`` and ``/v1/completions`` with the reference's exit criteria (its names, its KV
+    lookup as ``exited_kv: skip``, ``min_steps``) and the normed warm start: the reference's
+    tokens and loops per token (``reference_exits.safetensors``, see test_huginn_exits.py)."""
+    from tests.convert.test_huginn_exits import PROMPT, cases, reference
+
+    engine = converted_engine(HUGINN, tmp_path, state_init="zeros")
+    ref, meta = reference("huginn-tiny"), cases("huginn-tiny")
+    sched = meta["kl_sched_full"]
+    bodies = {
+        "minp_kl_full": {"exit": {"kind": "minp-kl", "threshold": meta["minp_kl_full"]["threshold"],
+                                  "exited_kv": "skip"}, "loops": 8},
+        "kl_sched_full": {"exit": {"kind": "kl", "threshold": sched["threshold"], "min_steps": 1, "check_every": 2,
+                                   "exited_kv": "skip"}, "loops": 8},
+        "minimal_warm_normed": {"warm_start": "normed", "loops": 4},
+    }
+    with trio.fail_after(60):
+        async with running_server(Settings(port=0), engine) as srv, httpx.AsyncClient(base_url=srv.url) as client:
+            for name, knobs in bodies.items():
+                resp = await client.post("/generate", json={"prompt_tokens": PROMPT, "max_tokens": 8,
+                                                            "ignore_eos": True, **knobs})
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["tokens"] == ref[f"{name}_tokens"].tolist(), name
+                if f"{name}_loops" in ref:
+                    expected = [8, *ref[f"{name}_loops"].tolist()]
+                    assert resp.json()["mean_loops"] == pytest.approx(sum(expected) / len(expected)), name
+            resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                              "ignore_eos": True, **bodies["minp_kl_full"]})
+            assert resp.json()["choices"][0]["text"] == engine.tokenizer.decode(ref["minp_kl_full_tokens"].tolist())
