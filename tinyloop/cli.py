@@ -241,12 +241,12 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tinyloop.engine.engine import Engine
     from tinyloop.requests import GenerationRequest, SamplingParams
+    from tinyloop.server import load_engine
     from tinyloop.settings import Settings
 
     settings = Settings.from_env(model_path=args.model)
-    engine = Engine.load(settings.resolve_model_path(), max_seq_len=settings.max_seq_len)
+    engine = load_engine(settings)
     text = args.prompt
     if args.chat:
         text = engine.tokenizer.render_chat([{"role": "user", "content": text}],

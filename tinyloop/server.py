@@ -6,6 +6,7 @@ and ``hypercorn 'tinyloop.http:app'`` both come through here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,12 @@ from tinyloop.http.connection import install_protocol_errors
 from tinyloop.http.factory import attach, create_app
 from tinyloop.http.serve import serve_http
 from tinyloop.http.service import ServedModel
+from tinyloop.model.artifact import inspect_artifact
 from tinyloop.settings import Settings
 
 __all__ = ["serve", "load_engine", "lazy_app"]
+
+log = logging.getLogger("tinyloop")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,11 +41,17 @@ def load_engine(settings: Settings) -> Engine:
     if is_hf_dir(path):
         options["name"] = path.resolve().name  # the model's id: the directory's name
         path = converted_artifact(path, Path(settings.cache_dir) if settings.cache_dir else None)
-    return Engine.load(path, max_seq_len=settings.max_seq_len, **options,
+    max_position = int(inspect_artifact(path)["config"]["max_position"])
+    engine = Engine.load(path, max_seq_len=settings.context_for(max_position), **options,
                        device=settings.device, dtype=_DTYPES.get(settings.dtype or "", None),
                        kv_cache_mb=settings.kv_cache_mb, block_size=settings.kv_block_size,
                        prefill_chunk=settings.prefill_chunk, kv_mode=settings.kv_mode,
                        prefix_caching=settings.prefix_caching, max_draft_nodes=settings.max_draft_nodes)
+    if engine.context_capped_by_kv:
+        log.warning("context %d tokens (the model's is %d): what the KV cache holds for one sequence at "
+                    "%d loops; set TINYLOOP_KV_CACHE_MB or TINYLOOP_MAX_SEQ_LEN to change it",
+                    engine.max_seq_len, max_position, engine.config.default_loops)
+    return engine
 
 
 async def serve(settings: Settings, *, engine: Engine | None = None,

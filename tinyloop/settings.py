@@ -21,6 +21,7 @@ from tinyloop.vocabulary import KVMode
 __all__ = ["Settings", "BUNDLED_MODEL"]
 
 BUNDLED_MODEL = "demo.tinyloop"  # in tinyloop/data/, served when no model path is set
+DEFAULT_CONTEXT = 2048  # TINYLOOP_MAX_SEQ_LEN's floor when it is not set
 
 
 def _opt(default: Any, env: str, help: str) -> Any:
@@ -39,7 +40,10 @@ class Settings:
                                  "converted (default: $XDG_CACHE_HOME/tinyloop or ~/.cache/tinyloop)")
     served_model_name: str | None = _opt(None, "TINYLOOP_SERVED_MODEL_NAME",
                                          "model id shown to clients (default: the artifact's file name)")
-    max_seq_len: int = _opt(2048, "TINYLOOP_MAX_SEQ_LEN", "max prompt + generated tokens per request")
+    max_seq_len: int | None = _opt(None, "TINYLOOP_MAX_SEQ_LEN",
+                                   "max prompt + generated tokens per request (default: the model's context, "
+                                   "at least 2048, down to what the KV cache holds for one sequence at the "
+                                   "default loops)")
     device: str = _opt("cpu", "TINYLOOP_DEVICE", "cpu or cuda")
     dtype: str | None = _opt(None, "TINYLOOP_DTYPE", "float32, bfloat16 or float16 (default: the artifact's)")
     kv_cache_mb: float | None = _opt(None, "TINYLOOP_KV_CACHE_MB", "KV cache budget in MiB")
@@ -85,7 +89,9 @@ class Settings:
                                      "and the bound address (* accepts any)")
 
     def __post_init__(self) -> None:
-        for name in ("max_seq_len", "kv_block_size", "prefill_chunk", "max_batch_size",
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ConfigError("max_seq_len must be >= 1")
+        for name in ("kv_block_size", "prefill_chunk", "max_batch_size",
                      "max_queue_depth", "prefix_pool_capacity", "downgrade_min_loops", "max_body_bytes",
                      "max_draft_nodes"):
             if getattr(self, name) < 1:
@@ -123,6 +129,14 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+    def context_for(self, config_max_position: int) -> int | None:
+        """The ``max_seq_len`` to load a model with: the one set, else at least the seeds' 2048
+        for a model built for less (its RoPE table is extended) and None (the model's own
+        context, which the engine fits to the KV cache) for one built for more."""
+        if self.max_seq_len is not None:
+            return self.max_seq_len
+        return DEFAULT_CONTEXT if config_max_position < DEFAULT_CONTEXT else None
 
     def resolve_model_path(self) -> Path:
         """``model_path``, or the bundled demo model when none is set."""

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from tests.convert.checkpoints import CHECKPOINTS, converted_engine
 from tests.http.conftest import running_server
+from tinyloop.requests import GenerationRequest
 from tinyloop.settings import Settings
 
 HUGINN = CHECKPOINTS / "huginn-tiny"
@@ -118,3 +119,26 @@ async def test_huginn_exit_criteria_and_warm_starts_over_http_are_the_references
             resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
                                                               "ignore_eos": True, **bodies["minp_kl_full"]})
             assert resp.json()["choices"][0]["text"] == engine.tokenizer.decode(ref["minp_kl_full_tokens"].tolist())
+
+
+def test_the_context_follows_the_model_down_to_what_the_kv_cache_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """With ``TINYLOOP_MAX_SEQ_LEN`` unset, a model built for a long context (Huginn-0125's 4096,
+    Ouro's 65536) is served at it, unless one sequence at the default loops would not fit the KV
+    cache; a model built for less than 2048 gets the seeds' 2048."""
+    from tinyloop.convert import convert
+    from tinyloop.engine import kv_budget
+    from tinyloop.server import load_engine
+
+    out = tmp_path / "long.tinyloop"
+    convert(HUGINN, out, max_position=4096)
+    assert load_engine(Settings(model_path=str(out))).max_seq_len == 4096
+    assert load_engine(Settings(model_path=str(out), max_seq_len=1000)).max_seq_len == 1000
+    assert load_engine(Settings()).max_seq_len == 2048  # the bundled demo model, built for 256
+    monkeypatch.setattr(kv_budget, "DEFAULT_KV_BUDGET_MB", 1)
+    with caplog.at_level("WARNING", logger="tinyloop"):
+        capped = load_engine(Settings(model_path=str(out)))
+    assert capped.context_capped_by_kv and 0 < capped.max_seq_len < 4096
+    assert "TINYLOOP_KV_CACHE_MB" in caplog.text
+    req = GenerationRequest(prompt_tokens=(1, 2, 3), max_tokens=capped.max_seq_len - 3)
+    assert capped.kv_blocks_needed(req) <= capped.pool.num_blocks  # a full-context request fits

@@ -62,6 +62,7 @@ class Engine(KVAccounting, PrefixEntries):
         self.name = name
         self.chat_template = chat_template or tokenizer.chat_template
         self.max_seq_len = max_seq_len or self.config.max_position
+        self.context_capped_by_kv = False  # the default context shrank to what the KV pool holds
         if self.max_seq_len > self.config.max_position:
             raise RequestError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position "
                                f"{self.config.max_position}", param="max_seq_len")
@@ -76,6 +77,10 @@ class Engine(KVAccounting, PrefixEntries):
         self.dtype, self.device = param.dtype, param.device
         self.kv_mode = KVMode.parse(kv_mode)  # full, int4, h-mode, ... (kvmode.py)
         blocks = pool_blocks(self.config, self.kv_mode, self.dtype, self.max_seq_len, kv_cache_mb, block_size)
+        if max_seq_len is None:  # the model's context, down to what one sequence at the default loops fits
+            fits = blocks // slot_count(self.config, self.config.default_loops, self.config.default_loops) * block_size
+            if fits < self.max_seq_len:
+                self.max_seq_len, self.context_capped_by_kv = fits, True
         self.pool = KVPool(self.config, blocks, block_size, dtype=self.dtype, device=self.device,
                            mode=self.kv_mode)
         self.budget = KVBudget(self.config, self.pool, self.max_seq_len)
