@@ -29,7 +29,7 @@ async def test_the_browser_ui_ships_inside_the_package_and_is_served() -> None:
 
     from tinyloop.http.web import web_root
 
-    # package data (tinyloop/web links to the repository's web/), so `pip install .` carries it
+    # package data (tinyloop/web, the only copy), so `pip install .` carries it
     assert (files("tinyloop") / "web" / "index.html").is_file()
     assert web_root() is not None and (web_root() / "index.html").is_file()
     with trio.fail_after(30):
