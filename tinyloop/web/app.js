@@ -164,7 +164,8 @@ $("reset").onclick = () => {
 
 function fieldElement(field) {
   if (field === "prompt" || field === "messages") return $("prompt");
-  const alias = { exit: "exit_kind", speculation: "draft_loops", seed: "seed", max_completion_tokens: "max_tokens" };
+  const alias = { exit: "exit_kind", speculation: "speculation", mode: "speculation", draft_ahead: "draft_ahead",
+                  max_completion_tokens: "max_tokens" };
   return form.elements[alias[field] || field] || null;
 }
 

@@ -32,6 +32,9 @@ export const DEFAULTS = Object.freeze({
   draft_ahead: 4, branches: 1, priority: 0, compare_loops: "1,2,4,8",
 });
 
+// Exit rules that stop a token's loops early (STOP_KINDS in tinyloop/vocabulary.py).
+const STOP_KINDS = new Set(["gate", "kl", "minp_kl", "entropy_diff", "latent_diff", "cosine", "argmax_stability"]);
+
 const num = (v) => (v === "" || v === null || v === undefined ? null : Number(v));
 const isInt = (v) => Number.isInteger(v);
 
@@ -82,6 +85,18 @@ export function validate(s, m, prompt) {
   const loops = num(s.loops) ?? (m ? m.default_loops : null);
   if (s.speculation && loops !== null && num(s.draft_loops) > loops) {
     errors.push({ field: "draft_loops", message: `draft loops must be at most the loops (${loops})` });
+  }
+  if (s.speculation) {  // what the server refuses to combine with speculation (tinyloop/limits.py)
+    if (s.warm_start !== "off") errors.push({ field: "warm_start", message: "warm start cannot be combined with speculation" });
+    if (STOP_KINDS.has(s.exit_kind)) {
+      errors.push({ field: "exit_kind", message: `speculation cannot run with an exit rule that stops early (${s.exit_kind})` });
+    }
+    if (num(s.cache_window) !== null && loops !== null && num(s.cache_window) < loops) {
+      errors.push({ field: "cache_window", message: "speculation needs the full cache (cache window >= loops)" });
+    }
+  }
+  if (s.exit_kind && num(s.exit_min_loops) !== null && loops !== null && num(s.exit_min_loops) > loops) {
+    errors.push({ field: "exit_min_loops", message: `exit min loops must be at most the loops (${loops})` });
   }
   const cmp = compareList(s.compare_loops);
   if (!cmp.length || cmp.length > 8 || cmp.some((v) => !isInt(v) || v < 1 || (m && v > m.max_loops))) {
