@@ -337,3 +337,23 @@ def test_errors_show_in_the_banner_with_the_field_and_a_dead_server_is_said(page
     page.wait_for_selector(".column[data-state=error]")
     assert "Cannot reach the server" in page.inner_text("#banner")
     page.wait_for_selector("#conn[data-state=offline]")
+
+
+def test_chat_mode_sends_the_conversation_when_the_model_has_a_template(page: Any) -> None:
+    """The demo model greys chat out (first test); a model with a usable template (its
+    /ui/model.json answered here as for one) gets chat mode, sent to the chat route."""
+    info = page.request.get("/ui/model.json").json()
+    info.update(demo=False, chat={**info["chat"], "usable": True, "reason": None})
+    page.route("**/ui/model.json", lambda route: route.fulfill(json=info))
+    page.reload()
+    page.wait_for_selector("#conn[data-state=online]")
+    page.check("#modeChat")
+    assert page.is_visible("#system") and "im_start" in (page.text_content("#templateText") or "")
+    page.fill("#system", "be brief")
+    page.fill("#prompt", "hello")
+    with page.expect_request("**/api/v0/chat/completions") as sent:
+        page.keyboard.press("Control+Enter")
+    assert json.loads(sent.value.post_data)["messages"] == [{"role": "system", "content": "be brief"},
+                                                            {"role": "user", "content": "hello"}]
+    page.wait_for_selector(".column[data-state=finished]")
+    assert page.locator(".column .prompt").first.inner_text().startswith("hello")

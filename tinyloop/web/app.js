@@ -202,7 +202,7 @@ function chatMode() { return $("modeChat").checked && !$("modeChat").disabled; }
 
 function updateMode() {
   const chat = chatMode();
-  $("template").hidden = !chat;
+  $("chatBox").hidden = !chat;
   $("promptLabel").firstChild.textContent = chat ? "Message " : "Prompt ";
 }
 for (const r of document.querySelectorAll("input[name=mode]")) r.addEventListener("change", () => { updateMode(); updateHint(); });
