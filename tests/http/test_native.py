@@ -360,7 +360,7 @@ def _routes() -> set[tuple[str, str]]:
     out = set()
     for rule in app.url_map.iter_rules():
         path = rule.rule.replace("<path:name>", "{model}")
-        if path in ("/", "/openapi.json") or path.startswith("/ui/"):
+        if path in ("/", "/openapi.json", "/favicon.ico") or path.startswith("/ui/"):
             continue  # the browser UI and the document itself
         out |= {(m.lower(), path) for m in rule.methods or () if m not in ("HEAD", "OPTIONS")}
     return out
