@@ -307,11 +307,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from tinyloop.server import serve
+    from tinyloop.server import check_device, serve
     from tinyloop.settings import Settings
 
     overrides = {f.name: getattr(args, f.name) for f in Settings.fields()}
     settings = Settings.from_env(**overrides)
+    check_device(settings.device)  # before the server starts (or detaches): a plain error and status 2
     if args.detach:
         return _detach(args, settings)
 

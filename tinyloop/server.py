@@ -18,6 +18,7 @@ from quart_trio import QuartTrio
 from tinyloop.actors.runtime import open_runtime
 from tinyloop.convert.cache import converted_artifact, is_hf_dir
 from tinyloop.engine.engine import Engine
+from tinyloop.errors import ConfigError
 from tinyloop.http.connection import install_protocol_errors
 from tinyloop.http.factory import attach, create_app
 from tinyloop.http.serve import serve_http
@@ -25,17 +26,36 @@ from tinyloop.http.service import ServedModel
 from tinyloop.model.artifact import inspect_artifact
 from tinyloop.settings import Settings
 
-__all__ = ["serve", "load_engine", "lazy_app"]
+__all__ = ["serve", "load_engine", "lazy_app", "check_device"]
 
 log = logging.getLogger("tinyloop")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_device(device: str) -> None:
+    """ConfigError unless torch can place a model on ``device`` (``cpu``, ``cuda``, ``cuda:N``)."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        why = ("this torch was built without CUDA" if torch.version.cuda is None
+               else f"torch (CUDA {torch.version.cuda}) sees no CUDA device or driver")
+        raise ConfigError(f"device {device!r} (--device / TINYLOOP_DEVICE) needs a CUDA GPU, but {why}; "
+                          "use --device cpu, or install a CUDA build of torch on a machine with an NVIDIA GPU")
+    suffix = device.partition(":")[2]
+    if suffix and not suffix.isdigit():
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    index = int(suffix or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r} (--device / TINYLOOP_DEVICE): only "
+                          f"{torch.cuda.device_count()} CUDA device(s) visible")
+
+
 def load_engine(settings: Settings) -> Engine:
     """The engine the settings describe (the bundled demo model when no path is set), with the
     KV cache mode of the KV flags. A Hugging Face model directory is converted first (once: the
     artifact is kept in the cache directory, ``tinyloop.convert.cache``)."""
+    check_device(settings.device)
     path = settings.resolve_model_path()
     options = {}
     if is_hf_dir(path):

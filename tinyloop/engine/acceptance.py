@@ -79,7 +79,7 @@ class DraftTree:
     def mask(self) -> torch.Tensor:
         """``[T, T]`` bool: node i may attend to node j when j is i or one of its ancestors."""
         n = len(self.tokens)
-        out = torch.zeros((n, n), dtype=torch.bool)
+        out = torch.zeros((n, n), dtype=torch.bool, device="cpu")  # built on the host
         for i in range(n):
             j = i
             while j >= 0:
@@ -121,7 +121,7 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
 
 
 def _uniform(generator: torch.Generator) -> float:
-    return float(torch.rand((), generator=generator))
+    return float(torch.rand((), generator=generator, device="cpu"))
 
 
 def accept_chain_sampled(tree: DraftTree, logits: torch.Tensor, draft_probs: Sequence[torch.Tensor],

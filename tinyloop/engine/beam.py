@@ -210,7 +210,7 @@ class BeamSearch:
         """Extend the live beams with their best next tokens (``logits`` ``[beams, V]``)."""
         state = self._state(seq)
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
-        sums = torch.tensor([b.sum_logprob for b in state.live], dtype=torch.float32)
+        sums = torch.tensor([b.sum_logprob for b in state.live], dtype=torch.float32, device=logprobs.device)
         totals = (sums[:, None] + logprobs).flatten()  # [B * V]
         k = min(2 * state.num_beams if state.num_beams > 1 else 1, totals.numel())
         top, idx = totals.topk(k)

@@ -189,7 +189,7 @@ class Engine(KVAccounting, PrefixEntries):
         specs = [RowSpec(loops=s.loops, window=s.window, start=st, noise_seed=s.noise_seed,
                          warm_state=s.warm_state if warm else None, exit=s.request.exit)
                  for s, st in zip(seqs, starts)]
-        out = self.run_model(tokens.to(self.device), ctx, specs)
+        out = self.run_model(tokens.to(self.device, non_blocking=True), ctx, specs)
         for row, (s, used) in enumerate(zip(seqs, out.loops_used)):
             s.kv.gaps.pop(s.kv.length, None)  # a retried step rewrites the position
             if used < s.loops and n_new == 1 and self._exit_rule(s).exited_kv == "skip":
@@ -202,6 +202,10 @@ class Engine(KVAccounting, PrefixEntries):
                                 else final).clone()
         return out
 
+    def host_tokens(self, rows: Seq[Seq[int | None]]) -> torch.Tensor:
+        """Token ids ``[B, T]`` on the host, pinned when the model is on CUDA (a non-blocking copy)."""
+        return torch.tensor(rows, dtype=torch.long, device="cpu", pin_memory=self.device.type == "cuda")
+
     def _exit_rule(self, seq: Sequence) -> ExitRule:
         return seq.request.exit or self.config.exit
 
@@ -211,7 +215,7 @@ class Engine(KVAccounting, PrefixEntries):
         for a resumed preempted sequence, whose pending token decodes next)."""
         start = seq.kv.length
         chunk = seq.context[start:start + self.prefill_chunk]
-        out = self._forward([seq], torch.tensor([chunk], dtype=torch.long), warm=False)
+        out = self._forward([seq], self.host_tokens([chunk]), warm=False)
         self.prefilled_tokens += len(chunk)
         if seq.prefilling:
             return None
@@ -231,7 +235,7 @@ class Engine(KVAccounting, PrefixEntries):
     @torch.inference_mode()
     def decode(self, seqs: Seq[Sequence]) -> torch.Tensor:
         """Feed each sequence its pending token in one batched call; logits ``[B, V]``."""
-        tokens = torch.tensor([[s.pending] for s in seqs], dtype=torch.long)  # [B, 1]
+        tokens = self.host_tokens([[s.pending] for s in seqs])  # [B, 1]
         out = self._forward(seqs, tokens, warm=True)
         for s, used in zip(seqs, out.loops_used):
             s.loops_total += used
@@ -248,7 +252,7 @@ class Engine(KVAccounting, PrefixEntries):
         pos = None if positions is None else torch.tensor([list(p) for p in positions], dtype=torch.long,
                                                           device=self.device)  # [B, T]
         ctx = self.context([s.kv for s in seqs], starts, len(tokens[0]),
-                           extra_mask=None if mask is None else mask.to(self.device), positions=pos)
+                           extra_mask=mask, positions=pos)  # the context combines the mask on the host
         specs = [RowSpec(loops=s.loops, window=s.window, start=st, noise_seed=s.noise_seed,
                          positions=None if positions is None else positions[b], exit=s.request.exit)
                  for b, (s, st) in enumerate(zip(seqs, starts))]

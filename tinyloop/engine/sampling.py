@@ -91,7 +91,7 @@ def apply_penalties(
 
 def _repetition_penalty(logits: torch.Tensor, penalty: float, seen: Sequence[int]) -> torch.Tensor:
     """A copy of ``logits`` [V] with each seen token penalised once, however often it was seen."""
-    ids = torch.tensor(sorted(set(seen)), dtype=torch.long)  # [U]
+    ids = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)  # [U]
     picked = logits.index_select(0, ids)  # [U]
     penalised = torch.where(picked > 0, picked / penalty, picked * penalty)  # [U]
     return logits.index_copy(0, ids, penalised)  # [V]
@@ -101,7 +101,7 @@ def _output_penalties(
     logits: torch.Tensor, presence: float, frequency: float, output_tokens: Sequence[int]
 ) -> torch.Tensor:
     """``logits`` [V] minus presence and frequency penalties counted over the output tokens."""
-    ids = torch.tensor(output_tokens, dtype=torch.long)  # [N]
+    ids = torch.tensor(output_tokens, dtype=torch.long, device=logits.device)  # [N]
     counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)  # [V]
     return logits - presence * (counts > 0).to(logits.dtype) - frequency * counts  # [V]
 

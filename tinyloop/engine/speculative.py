@@ -331,8 +331,8 @@ def _move_positions(kv: SeqKV, src: list[int], dst: list[int], device: torch.dev
     every slot of ``kv``; its blocks there are its own (``reserve`` copied any shared one)."""
     pool = kv.pool
     bs = pool.block_size
-    tables = torch.tensor(kv.tables, dtype=torch.long)  # [S, NB]
-    s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)  # [n]
+    tables = torch.tensor(kv.tables, dtype=torch.long, device="cpu")  # [S, NB] host index math
+    s, d = torch.tensor(src, dtype=torch.long, device="cpu"), torch.tensor(dst, dtype=torch.long, device="cpu")
     src_rows = (tables[:, s // bs] * bs + s % bs).flatten()  # [S * n] rows of the store
     dst_rows = (tables[:, d // bs] * bs + d % bs).flatten()  # [S * n]
     pool.store.copy_rows(src_rows.to(device), dst_rows.to(device))

@@ -44,17 +44,20 @@ class PagedContext:
         bs = pool.block_size
         n_slots = max(s.n_slots for s in seqs)
         max_blocks = max(s.blocks_per_slot for s in seqs)
-        self.tables = torch.stack([s.table_tensor(max_blocks, n_slots) for s in seqs])  # [B, S, MB]
-        start = torch.tensor(list(starts), dtype=torch.long)  # [B]
-        offsets = torch.arange(n_new, dtype=torch.long)
+        # The index math runs on the host (small, and int() below reads it), then moves once.
+        dev, host = pool.device, torch.device("cpu")
+        tables = torch.stack([s.table_tensor(max_blocks, n_slots) for s in seqs])  # [B, S, MB]
+        start = torch.tensor(list(starts), dtype=torch.long, device=host)  # [B]
+        offsets = torch.arange(n_new, dtype=torch.long, device=host)
         slots_pos = start[:, None] + offsets  # [B, T] where each new token is stored
         key_len = int((start + n_new).max())
-        key_pos = torch.arange(key_len, dtype=torch.long)  # [L]
-        self.write_block = slots_pos // bs  # [B, T]
-        self.write_offset = slots_pos % bs  # [B, T]
-        self.key_block = key_pos // bs  # [L]
-        self.key_offset = key_pos % bs  # [L]
-        self._key_pos = key_pos
+        key_pos = torch.arange(key_len, dtype=torch.long, device=host)  # [L]
+        self.tables = tables.to(dev, non_blocking=True)
+        self.write_block = (slots_pos // bs).to(dev, non_blocking=True)  # [B, T]
+        self.write_offset = (slots_pos % bs).to(dev, non_blocking=True)  # [B, T]
+        self.key_block = (key_pos // bs).to(dev, non_blocking=True)  # [L]
+        self.key_offset = (key_pos % bs).to(dev, non_blocking=True)  # [L]
+        self._key_pos = key_pos.to(dev, non_blocking=True)
         self._starts = list(starts)
         self._positions = positions
         self._key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -62,9 +65,9 @@ class PagedContext:
         if extra_mask is not None:
             for b, s in enumerate(starts):
                 window = mask[b, :, s:s + n_new]
-                mask[b, :, s:s + n_new] = window & extra_mask[b]
-        self.mask = mask[:, None]  # [B, 1, T, L]
-        rope_pos = slots_pos if positions is None else positions  # tree tokens share depths
+                mask[b, :, s:s + n_new] = window & extra_mask[b].to(host)
+        self.mask = mask[:, None].to(dev, non_blocking=True)  # [B, 1, T, L]
+        rope_pos = (slots_pos if positions is None else positions).to(dev)  # tree tokens share depths
         self.cos, self.sin = rope.tables(rope_pos)  # [B, T, D]
         self._gaps = self._gap_depths(seqs, key_len)
 
@@ -73,14 +76,14 @@ class PagedContext:
         and per row the slot index where the coda starts ``[B]``; None when no key has a gap."""
         if not any(s.gaps for s in seqs):
             return None
-        written = torch.full((len(seqs), key_len), 1 << 30, dtype=torch.long)
+        written = torch.full((len(seqs), key_len), 1 << 30, dtype=torch.long, device="cpu")
         for b, s in enumerate(seqs):
             for pos, done in s.gaps.items():
                 if pos < key_len:
                     written[b, pos] = done
         config = self.pool.config
-        coda_start = torch.tensor([s.n_slots - config.n_coda for s in seqs], dtype=torch.long)
-        return written, coda_start
+        coda_start = torch.tensor([s.n_slots - config.n_coda for s in seqs], dtype=torch.long, device="cpu")
+        return written.to(self.pool.device, non_blocking=True), coda_start.to(self.pool.device, non_blocking=True)
 
     def _mask(self, rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
         """The attention mask ``[R, 1, T, L]`` of ``rows`` at ``slots`` (one per row)."""
@@ -98,7 +101,7 @@ class PagedContext:
 
     def _flat_index(self, rows: torch.Tensor | None, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bs = self.pool.block_size
-        tab = _take(self.tables, rows)[torch.arange(slots.numel()), slots]  # [R, MB]
+        tab = _take(self.tables, rows)[torch.arange(slots.numel(), device=slots.device), slots]  # [R, MB]
         write = tab.gather(1, _take(self.write_block, rows)) * bs + _take(self.write_offset, rows)
         keys = tab[:, self.key_block] * bs + self.key_offset  # [R, L]
         return write, keys

@@ -47,12 +47,13 @@ class StopTracker:
         self.rules = list(rules)
         self.loops = list(loops)
         self.prev_state = init.float().clone()  # [B, H] the state at the previous check
-        self.prev_logp = torch.full((len(rules), vocab), -math.log(vocab))  # [B, V]
-        self.prev_entropy = torch.full((len(rules),), 100.0)
-        self.prev_argmax = torch.full((len(rules),), -1, dtype=torch.long)
-        self.stable = torch.zeros(len(rules), dtype=torch.long)
-        self.cdf = torch.zeros(len(rules))
-        self.remaining = torch.ones(len(rules))
+        dev = init.device
+        self.prev_logp = torch.full((len(rules), vocab), -math.log(vocab), device=dev)  # [B, V]
+        self.prev_entropy = torch.full((len(rules),), 100.0, device=dev)
+        self.prev_argmax = torch.full((len(rules),), -1, dtype=torch.long, device=dev)
+        self.stable = torch.zeros(len(rules), dtype=torch.long, device=dev)
+        self.cdf = torch.zeros(len(rules), device=dev)
+        self.remaining = torch.ones(len(rules), device=dev)
 
     def due(self, b: int, done: int) -> bool:
         """Whether row ``b``'s rule is checked after ``done`` loops (never after its last)."""
@@ -68,7 +69,7 @@ class StopTracker:
         logits ``[len(js)]``."""
         gate_rows = [j for j, b in enumerate(act) if self.rules[b].kind == "gate"]
         if gate_rows:  # the gate's cumulative probability moves every loop, checked or not
-            idx = torch.tensor([act[j] for j in gate_rows], dtype=torch.long)
+            idx = torch.tensor([act[j] for j in gate_rows], dtype=torch.long, device=self.cdf.device)
             lam = torch.sigmoid(gate_of(gate_rows).float())
             self.cdf[idx] += lam * self.remaining[idx]
             self.remaining[idx] *= 1 - lam
@@ -139,8 +140,10 @@ class Selection:
         if not rows:
             return None
         shape = state.shape[:2]
-        return cls(rows, torch.zeros(shape, dtype=state.dtype), torch.ones(shape, dtype=state.dtype),
-                   torch.zeros(shape, dtype=torch.bool), torch.zeros_like(state), {})
+        dev = state.device
+        return cls(rows, torch.zeros(shape, dtype=state.dtype, device=dev),
+                   torch.ones(shape, dtype=state.dtype, device=dev),
+                   torch.zeros(shape, dtype=torch.bool, device=dev), torch.zeros_like(state), {})
 
     def step(self, act: Sequence[int], r: int, h: torch.Tensor, gate: Callable[[torch.Tensor], torch.Tensor],
              rules: Sequence[ExitRule], loops: Sequence[int],

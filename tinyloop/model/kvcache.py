@@ -92,6 +92,7 @@ class KVPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = dtype
+        self.device = torch.device(device)
         self.mode = KVMode.parse(mode)
         self.store = KVStore(self.mode, config, num_blocks * block_size, block_size, dtype, device)
         self.refcount = [0] * num_blocks
@@ -281,8 +282,8 @@ class SeqKV:
 
     def table_tensor(self, max_blocks: int, n_slots: int) -> torch.Tensor:
         """Block ids as ``[n_slots, max_blocks]`` int64, zero-padded (padding is masked)."""
-        out = torch.zeros((n_slots, max_blocks), dtype=torch.long)
+        out = torch.zeros((n_slots, max_blocks), dtype=torch.long, device="cpu")  # on the host
         nb = self.blocks_per_slot
         if nb:
-            out[: self.n_slots, :nb] = torch.tensor(self.tables, dtype=torch.long)
+            out[: self.n_slots, :nb] = torch.tensor(self.tables, dtype=torch.long, device="cpu")
         return out

@@ -132,7 +132,8 @@ class LoopedLM(nn.Module):
                 for t, pos in enumerate(positions):
                     g = torch.Generator().manual_seed((spec.noise_seed * _NOISE_MIX + pos) % 2**63)
                     std = c.state_init_std  # the reference's law: a normal truncated at 3 std
-                    noise = nn.init.trunc_normal_(torch.empty(c.hidden), 0.0, std, -3 * std, 3 * std, generator=g)
+                    noise = nn.init.trunc_normal_(torch.empty(c.hidden, device="cpu"), 0.0, std, -3 * std, 3 * std,
+                                                  generator=g)
                     s[b, t] = noise.to(e.dtype)
         for b, spec in enumerate(specs):
             if spec.warm_state is not None:
@@ -166,13 +167,14 @@ class LoopedLM(nn.Module):
         c = self.config
         bsz, n_tok = tokens.shape
         loops = [s.loops for s in specs]
+        dev = self.embed.weight.device
         windows = torch.tensor([min(s.window, s.kv_loops or s.loops) for s in specs],
-                               dtype=torch.long)  # [B]
+                               dtype=torch.long, device=dev)  # [B]
         x = self.embed(tokens)  # [B, T, H]
         if c.embed_scale != 1.0:
             x = x * c.embed_scale
         for i, layer in enumerate(self.prelude):
-            x = layer(x, ctx, self.rope, None, torch.full((bsz,), i, dtype=torch.long))
+            x = layer(x, ctx, self.rope, None, torch.full((bsz,), i, dtype=torch.long, device=dev))
         e = x
         state = self.initial_state(e, specs)
         rules = [s.exit if s.exit is not None else c.exit for s in specs]
@@ -186,7 +188,7 @@ class LoopedLM(nn.Module):
             act = [b for b in range(bsz) if loops[b] > r and not exited[b]]
             if not act:
                 break
-            rows = None if len(act) == bsz else torch.tensor(act, dtype=torch.long)
+            rows = None if len(act) == bsz else torch.tensor(act, dtype=torch.long, device=dev)
             win = windows if rows is None else windows[rows]
             h = self.inject(state if rows is None else state[rows], e if rows is None else e[rows])
             for i, layer in enumerate(self.core):
@@ -200,7 +202,8 @@ class LoopedLM(nn.Module):
                 done[b] += 1
             if select is not None:
                 select.step(act, r, h, self.exit_gate, rules, loops,
-                            lambda b, hb: self.tail(hb, ctx, windows[b:b + 1], torch.tensor([b]), last_only))
+                            lambda b, hb: self.tail(hb, ctx, windows[b:b + 1], torch.tensor([b], device=dev),
+                                                    last_only))
             if stops is not None:
                 fired = stops.check(act, r + 1, h[:, -1], self._logits_of(act, h, ctx, windows),
                                     self._gate_of(h))
@@ -224,7 +227,7 @@ class LoopedLM(nn.Module):
         """For a stop rule: the logits ``[len(js), V]`` of the active rows at indices ``js``, the
         coda run on their current state."""
         def logits_of(js: list[int]) -> torch.Tensor:
-            rows = torch.tensor([act[j] for j in js], dtype=torch.long)
+            rows = torch.tensor([act[j] for j in js], dtype=torch.long, device=windows.device)
             return self.tail(h[js], ctx, windows[rows], rows, True)[:, -1]
         return logits_of
 
@@ -246,6 +249,6 @@ class LoopedLM(nn.Module):
             targets = {(q % w) for q in range(r + 1, min(loops[b], r + w))} - {r % w}
             for t in sorted(targets):
                 for i in range(c.n_core):
-                    src = torch.tensor([c.n_prelude + (r % w) * c.n_core + i])
-                    dst = torch.tensor([c.n_prelude + t * c.n_core + i])
-                    ctx.copy_new(torch.tensor([b]), src, dst)  # type: ignore[attr-defined]
+                    src = torch.tensor([c.n_prelude + (r % w) * c.n_core + i], device=windows.device)
+                    dst = torch.tensor([c.n_prelude + t * c.n_core + i], device=windows.device)
+                    ctx.copy_new(torch.tensor([b], device=windows.device), src, dst)  # type: ignore[attr-defined]

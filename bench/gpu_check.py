@@ -1,0 +1,385 @@
+"""The GPU check: kernels, engine and server on one NVIDIA device, one table, non-zero on any miss.
+
+    python bench/gpu_check.py              # on a machine with a GPU, CuPy and the NVRTC wheel
+    python bench/gpu_check.py --dry-run    # anywhere: the torch references and the plumbing on CPU
+
+Installs nothing. Sections, each a group of rows in the one table (also written to ``$OUT``
+as gpu_check.md and gpu_check.json when ``OUT`` is set):
+
+1. compile: every ``tinyloop/cuda/*.cu`` with NVRTC for this device's architecture (a fresh
+   cache directory, so it really compiles), seconds each;
+2. kernels: each parity case of ``tinyloop.cuda.parity`` (RMSNorm fused with the residual in
+   every block style and norm order, RMSNorm alone, RoPE half/interleaved with bias and float32
+   compute, SwiGLU, paged decode attention with GQA, gaps and flash-decoding splits) in fp32
+   and bf16 against its torch reference; tolerances ``parity.TOLERANCES``;
+3. engine: a tiny random model on CUDA through ``Engine`` (plain, speculative, beam, an exit
+   rule; full and int4 KV) against the same model on the CPU: greedy tokens equal, prefill
+   logits within 1e-3; then the kernels wired through ``CudaBackend`` against torch eager;
+4. serve: the bundled demo model loaded by ``load_engine(Settings(device="cuda"))``, one
+   request through the in-process runtime and one ``POST /v1/completions`` through the HTTP
+   server on 127.0.0.1:0, both against the CPU engine's greedy text;
+5. decode: tokens/s at batch 1 and 32 for the demo model, the ~100M preset and a random
+   bf16 model of Huginn-0125's shape (loops 4 and 32), torch eager and with ``CudaBackend``,
+   with the weight bandwidth it implies (weight bytes read per step x steps/s) against the
+   device's HBM peak where known.
+
+Bounded: sections past ``--budget`` seconds (default 480) are skipped and reported as skipped.
+With ``--dry-run`` every section runs on the CPU with the references standing in for the
+kernels (tiny sizes, no timings worth reading): it proves the script, not the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from tinyloop.cuda import cupy_available, gpu_available, launch, loader, parity  # noqa: E402
+from tinyloop.model.config import ModelConfig  # noqa: E402
+from tinyloop.model.presets import PRESETS  # noqa: E402
+
+HBM_PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}  # GB/s by device name
+HUGINN = ModelConfig(vocab_size=65536, hidden=5280, heads=55, kv_heads=55, head_dim=96, intermediate=17920,
+                     n_prelude=2, n_core=4, n_coda=2, default_loops=32, max_loops=64, max_position=4096,
+                     block_style="sandwich", injection="concat_linear", state_init="randn",
+                     rope_style="interleaved", embed_scale=5280 ** 0.5, qk_bias=True, tie_embeddings=False,
+                     rope_compute="float32", rope_tables="float32", norm_order="cast_then_weight")
+
+
+@dataclass
+class Report:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    failures: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, section: str, name: str, ok: bool | None, value: str = "", note: str = "") -> None:
+        """``ok`` None: a measurement or a skip, not a check."""
+        self.rows.append({"section": section, "check": name, "ok": ok, "value": value, "note": note})
+        if ok is False:
+            self.failures += 1
+        mark = "ok" if ok else "FAIL" if ok is False else "-"
+        print(f"[{time.perf_counter() - self.start:6.1f}s] {section:<8} {mark:<4} {name:<58} {value} {note}",
+              flush=True)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def table(self) -> str:
+        lines = ["| section | check | result | value | note |", "|---|---|---|---|---|"]
+        for r in self.rows:
+            mark = "ok" if r["ok"] else "FAIL" if r["ok"] is False else ""
+            lines.append(f"| {r['section']} | {r['check']} | {mark} | {r['value']} | {r['note']} |")
+        return "\n".join(lines)
+
+
+def guarded(report: Report, section: str, budget: float, fn: Callable[[], None]) -> None:
+    """Run one section unless the budget is spent; an exception is a failure row, not a crash."""
+    if report.elapsed() > budget:
+        report.add(section, "(section skipped: time budget spent)", None)
+        return
+    try:
+        fn()
+    except Exception as exc:  # report and go on: one broken section must not hide the others
+        traceback.print_exc()
+        report.add(section, f"section raised {type(exc).__name__}", False, str(exc)[:120])
+
+
+# -- 1. compile -----------------------------------------------------------------------------
+def check_compile(report: Report, device: torch.device, dry: bool) -> None:
+    arch = loader.arch_for(torch.cuda.get_device_capability(device)) if not dry else "sm_90"
+    if not dry and not cupy_available():
+        report.add("compile", "CuPy not installed: no kernel compiled (pip install -e '.[cuda]')", False)
+        return
+    if dry and not cupy_available():
+        for name in loader.KERNELS:
+            report.add("compile", f"{name}.cu {arch}", None, f"{len(loader.source(name))} chars",
+                       "dry run without CuPy: source only")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in loader.KERNELS:
+            t = time.perf_counter()
+            path = loader.cached_cubin(name, arch, directory=Path(tmp))
+            report.add("compile", f"{name}.cu {arch} NVRTC", path.stat().st_size > 0,
+                       f"{time.perf_counter() - t:.2f} s", f"{path.stat().st_size} B cubin")
+
+
+# -- 2. kernels -----------------------------------------------------------------------------
+def check_kernels(report: Report, device: torch.device, dry: bool) -> None:
+    if not dry and not gpu_available():
+        report.add("kernels", "CuPy cannot reach the device: no kernel checked", False)
+        return
+    for dtype in (torch.float32, torch.bfloat16):
+        atol, rtol = parity.TOLERANCES[dtype]
+        for case in parity.cases():
+            r = parity.run_case(case, device, dtype, kernel=not dry)
+            report.add("kernels", f"{case.name} {r.dtype}", r.ok, f"max err {r.max_err:.2e}",
+                       f"atol {atol:g} rtol {rtol:g}")
+
+
+# -- 3. engine ------------------------------------------------------------------------------
+def tiny_engine(device: torch.device, kv_mode: str = "full") -> Any:
+    from tinyloop.engine.engine import Engine
+    from tinyloop.model.presets import init_model
+    from tinyloop.tokenizer import default_tokenizer
+
+    model = init_model(PRESETS["tiny"].replace(max_position=256, exit_gate=True), seed=0)
+    with torch.no_grad():  # peaked logits: no greedy ties between devices
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    return Engine(model.to(device), default_tokenizer(), max_seq_len=256, block_size=8, kv_mode=kv_mode)
+
+
+def engine_requests() -> list[Any]:
+    from tinyloop.requests import GenerationRequest, SamplingParams
+    from tinyloop.vocabulary import ExitRule
+
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    prompt = tuple(range(20, 45))
+    return [GenerationRequest(prompt, max_tokens=12, loops=4, sampling=greedy),
+            GenerationRequest(prompt, max_tokens=12, loops=4, cache_window=2, sampling=greedy),
+            GenerationRequest(prompt, max_tokens=12, mode="speculative", loops=4, sampling=greedy),
+            GenerationRequest(prompt, max_tokens=8, mode="beam", num_beams=3, loops=2),
+            GenerationRequest(prompt, max_tokens=8, loops=6, sampling=greedy,
+                              exit=ExitRule.of("kl", 1e9, min_loops=2, exited_kv="skip"))]
+
+
+def check_engine(report: Report, device: torch.device, dry: bool) -> None:
+    from tinyloop.model.context import PagedContext
+    from tinyloop.model.kvcache import SeqKV
+    from tinyloop.model.looped import RowSpec
+
+    reqs = engine_requests()
+    for mode in ("full", "int4"):
+        cpu, dev = tiny_engine(torch.device("cpu"), mode), tiny_engine(device, mode)
+        want = [r.tokens for r in cpu.generate_many(reqs)]
+        got = [r.tokens for r in dev.generate_many(reqs)]
+        report.add("engine", f"tiny {mode} KV: greedy tokens {device.type} = cpu (5 modes)", got == want,
+                   f"{sum(map(len, got))} tokens")
+        if mode == "full":
+            logits = []
+            for eng in (cpu, dev):  # one prefill's logits, compared directly
+                kv = SeqKV(eng.pool, eng.pool.config.n_prelude + 4 * eng.config.n_core + eng.config.n_coda)
+                kv.reserve(25)
+                ctx = PagedContext(eng.pool, eng.model.rope, [kv], [0], 25)
+                with torch.inference_mode():
+                    out = eng.model(torch.arange(20, 45, device=eng.device)[None], ctx, [RowSpec(4, 4)],
+                                    last_only=False)
+                logits.append(out.logits.float().cpu())
+                kv.free()
+            err = float((logits[0] - logits[1]).abs().max())
+            report.add("engine", f"tiny prefill logits {device.type} vs cpu", err <= 1e-3, f"max err {err:.2e}",
+                       "tol 1e-3")
+    if dry or not gpu_available():
+        report.add("engine", "CudaBackend tokens = torch eager", None, "", "skipped: no kernels")
+        return
+    from tinyloop.cuda.backend import CudaBackend
+    eager = [r.tokens for r in tiny_engine(device).generate_many(reqs)]
+    eng = tiny_engine(device)
+    eng.model.use_backend(CudaBackend())
+    got = [r.tokens for r in eng.generate_many(reqs)]
+    report.add("engine", "tiny fp32 CudaBackend (norms, RoPE) tokens = eager", got == eager)
+
+
+# -- 4. serve -------------------------------------------------------------------------------
+def check_serve(report: Report, device: torch.device, dry: bool) -> None:
+    import trio
+
+    from tinyloop.requests import GenerationRequest, SamplingParams
+    from tinyloop.server import load_engine
+    from tinyloop.settings import Settings
+
+    cpu = load_engine(Settings(device="cpu"))
+    prompt = "The capital of France is"
+    ids = tuple(cpu.tokenizer.encode(prompt))
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    want = cpu.generate(GenerationRequest(ids, max_tokens=16, sampling=greedy))
+    settings = Settings(device=device.type, port=0, host="127.0.0.1")
+    engine = load_engine(settings)
+
+    async def main() -> tuple[Any, int, str]:
+        import httpx
+
+        from tinyloop.actors.runtime import open_runtime
+        from tinyloop.http.serve import serve_http
+        from tinyloop.http.service import ServedModel
+
+        served = ServedModel.from_engine(engine, settings)
+        async with trio.open_nursery() as nursery, open_runtime(engine, settings) as rt:
+            result = await rt.submit(GenerationRequest(ids, max_tokens=16, sampling=greedy))
+            binds = await nursery.start(partial(serve_http, rt, served, settings))
+            async with httpx.AsyncClient(base_url=binds[0], timeout=120) as client:
+                resp = await client.post("/v1/completions", json={
+                    "model": served.id, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                    "ignore_eos": True})
+            nursery.cancel_scope.cancel()
+        text = resp.json()["choices"][0]["text"] if resp.status_code == 200 else resp.text
+        return result, resp.status_code, text
+
+    async def bounded() -> tuple[Any, int, str]:
+        with trio.fail_after(300):
+            return await main()
+
+    result, status, text = trio.run(bounded)
+    report.add("serve", f"demo model runtime.submit on {device.type}: text = cpu greedy",
+               result.tokens == want.tokens, repr(result.text[:30]))
+    report.add("serve", f"POST /v1/completions on {device.type}: 200, text = cpu greedy",
+               status == 200 and text == want.text, f"status {status}", repr(text[:30]))
+
+
+# -- 5. decode speed ------------------------------------------------------------------------
+def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Any:
+    """Random weights made on the device (a 4B-parameter CPU init would take minutes)."""
+    from tinyloop.model.presets import empty_model
+
+    model = empty_model(config, device).to_empty(device=device)
+    with torch.no_grad():
+        g = torch.Generator(device=device).manual_seed(0)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("q_bias", "k_bias")):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model.to(dtype).eval()
+
+
+def weight_bytes_per_step(config: ModelConfig, loops: int, dtype: torch.dtype) -> int:
+    """Weight bytes one decode step reads: every layer application's weights, the adapter once
+    per loop, the head once (the embedding row is negligible)."""
+    c = config
+    size = torch.empty((), dtype=dtype).element_size()
+    layer = c.hidden * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.hidden + 3 * c.hidden * c.intermediate
+    adapter = 2 * c.hidden * c.hidden if c.injection == "concat_linear" else 0
+    return size * ((c.n_prelude + c.n_coda + c.n_core * loops) * layer + loops * adapter + c.vocab_size * c.hidden)
+
+
+def decode_rate(engine: Any, batch: int, loops: int, tokens: int, prompt_len: int, sync: Callable[[], None]) -> float:
+    """Decode tokens/s of ``batch`` sequences: generate ``tokens`` and 1 token, subtract."""
+    from tinyloop.requests import GenerationRequest, SamplingParams
+
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+
+    def run(n: int) -> float:
+        reqs = [GenerationRequest(tuple((7 * b + i) % 200 + 10 for i in range(prompt_len)), max_tokens=n,
+                                  loops=loops, sampling=greedy) for b in range(batch)]
+        sync()
+        t = time.perf_counter()
+        engine.generate_many(reqs)
+        sync()
+        return time.perf_counter() - t
+    run(2)  # warm-up: allocator, cuBLAS handles, kernel modules
+    wall_n, wall_1 = run(tokens), run(1)
+    return batch * (tokens - 1) / max(wall_n - wall_1, 1e-9)
+
+
+def check_decode(report: Report, device: torch.device, dry: bool, budget: float) -> None:
+    from tinyloop.engine.engine import Engine
+    from tinyloop.server import load_engine
+    from tinyloop.settings import Settings
+    from tinyloop.tokenizer import default_tokenizer
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = next((v for k, v in HBM_PEAK_GBS.items() if k in name), None)
+    dtype = torch.bfloat16 if not dry else torch.float32
+    demo = load_engine(Settings(device=device.type, dtype="bfloat16" if not dry else None))
+    plans: list[tuple[str, Callable[[], Any], list[int], int]] = [
+        ("demo", lambda: demo, [4], 64 if not dry else 4)]
+    if not dry:
+        plans.append(("base100m", lambda: Engine(random_model(PRESETS["base100m"], device, dtype),
+                                                 default_tokenizer(), max_seq_len=256, kv_cache_mb=4096), [4], 32))
+        plans.append(("huginn-shape", lambda: Engine(random_model(HUGINN, device, dtype), default_tokenizer(),
+                                                     max_seq_len=128, kv_cache_mb=16384), [4, 32], 8))
+    for label, make, loop_counts, tokens in plans:
+        if report.elapsed() > budget:
+            report.add("decode", f"{label} (skipped: time budget spent)", None)
+            continue
+        engine = make()
+        config = engine.config
+        backends: list[tuple[str, Any]] = [("eager", None)]
+        if not dry and gpu_available():
+            from tinyloop.cuda.backend import CudaBackend
+            backends.append(("kernels", CudaBackend()))
+        for loops in loop_counts:
+            for batch in (1, 32) if not dry else (1, 2):
+                for bname, backend in backends:
+                    if report.elapsed() > budget:
+                        report.add("decode", f"{label} loops {loops} batch {batch} {bname}", None, "", "skipped: time")
+                        continue
+                    from tinyloop.model.backend import TORCH
+                    engine.model.use_backend(backend or TORCH)
+                    rate = decode_rate(engine, batch, loops, tokens, 16, sync)
+                    gbs = weight_bytes_per_step(config, loops, engine.dtype) * rate / batch / 1e9
+                    note = f"{gbs:.0f} GB/s weights" + (f", {100 * gbs / peak:.0f}% of {peak:.0f}" if peak else "")
+                    report.add("decode", f"{label} {str(engine.dtype)[6:]} loops {loops} batch {batch} {bname}",
+                               None, f"{rate:.1f} tok/s", note)
+        engine.model.use_backend(TORCH)
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU only: references stand in for the kernels")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds after which sections are skipped")
+    ap.add_argument("--skip", action="append", default=[], choices=["compile", "kernels", "engine", "serve", "decode"],
+                    help="leave a section out (repeatable)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_check.md/.json (default $OUT)")
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device. Use --dry-run to check the script on a CPU.", file=sys.stderr)
+        return 2
+    # Without CuPy the torch-eager sections still run; the kernel sections then fail, loudly.
+    torch.manual_seed(0)
+    device = torch.device("cpu" if dry else "cuda")
+    report = Report()
+    env = f"torch {torch.__version__}"
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env += (f", CUDA {torch.version.cuda}, {props.name} sm_{props.major}{props.minor}, "
+                f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
+        torch.backends.cuda.matmul.allow_tf32 = False  # parity in fp32 means fp32
+    report.add("env", "device", None, env, "DRY RUN on CPU: no GPU result" if dry else "")
+    report.add("env", "launch geometry of every parity case", all(c.geometry() is not None for c in parity.cases()),
+               f"{len(parity.cases())} cases", f"attention tile {launch.ATTN_THREADS}")
+    sections: list[tuple[str, Callable[[], None]]] = [
+        ("compile", lambda: check_compile(report, device, dry)),
+        ("kernels", lambda: check_kernels(report, device, dry)),
+        ("engine", lambda: check_engine(report, device, dry)),
+        ("serve", lambda: check_serve(report, device, dry)),
+        ("decode", lambda: check_decode(report, device, dry, args.budget)),
+    ]
+    for name, fn in sections:
+        if name not in args.skip:
+            guarded(report, name, args.budget, fn)
+    verdict = f"{report.failures} failure(s)" if report.failures else "all checks passed"
+    table = report.table()
+    print("\n" + table + f"\n\n{verdict} in {report.elapsed():.0f} s{' (DRY RUN)' if dry else ''}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check.md").write_text(table + f"\n\n{verdict}\n")
+        (out / "gpu_check.json").write_text(json.dumps({"dry_run": dry, "failures": report.failures,
+                                                        "rows": report.rows}, indent=1))
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

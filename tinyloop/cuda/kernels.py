@@ -1,0 +1,150 @@
+"""Python wrappers of the kernels: torch CUDA tensors in, launched on torch's current stream.
+
+Every wrapper checks shapes and dtypes on the host, takes its launch geometry from
+``launch.py`` and its module from ``loader.load``; CuPy is imported on first call. Each has a
+torch reference of the same signature in ``reference.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinyloop.cuda import launch, loader
+from tinyloop.cuda.reference import STYLE_MODES
+
+__all__ = ["SUFFIX", "residual_rmsnorm", "rms_norm", "rope_", "swiglu", "paged_decode_attention"]
+
+SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def _i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def _i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+def _run(module: str, kernel: str, dtype: torch.dtype, cfg: launch.Launch, args: tuple[Any, ...],
+         device: torch.device) -> None:
+    import cupy
+
+    if dtype not in SUFFIX:
+        raise TypeError(f"no kernel for {dtype}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fn = loader.load(module, index).get_function(f"{kernel}_{SUFFIX[dtype]}")
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+        fn(cfg.grid, cfg.block, args, shared_mem=cfg.shared)
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int]:
+    """(rows, row stride) of a ``[..., H]`` tensor whose last dim is contiguous and whose rows
+    are evenly strided."""
+    if t.stride(-1) != 1:
+        raise ValueError("the last dimension must be contiguous")
+    flat = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    if flat.data_ptr() != t.data_ptr():
+        raise ValueError("rows must be a view (evenly strided)")
+    return flat.shape[0], flat.stride(0)
+
+
+def residual_rmsnorm(x: torch.Tensor, a: torch.Tensor, w_in: torch.Tensor | None, w_out: torch.Tensor | None,
+                     style: str, eps: float, cast_first: bool,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As ``reference.residual_rmsnorm_ref``; ``out`` receives r (may be ``x``: in place)."""
+    mode = STYLE_MODES[style]
+    hidden = x.shape[-1]
+    res = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    y = None if w_out is None else torch.empty(res.shape, dtype=x.dtype, device=x.device)
+    rows, x_stride = _rows(x)
+    _, a_stride = _rows(a)
+    _, out_stride = _rows(res)
+    if y is not None and out_stride != hidden:
+        raise ValueError("with a norm output, r must be written contiguously (they share a row stride)")
+    args = (_ptr(x), _ptr(a), _ptr(w_in if w_in is not None else w_out), _ptr(w_out), _ptr(res), _ptr(y),
+            _i32(hidden), _i64(x_stride), _i64(a_stride), _i64(out_stride), np.float32(eps), _i32(mode),
+            _i32(int(cast_first)))
+    _run("rmsnorm", "residual_rmsnorm", x.dtype, launch.rmsnorm_launch(rows, hidden), args, x.device)
+    return res, y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool) -> torch.Tensor:
+    """RMSNorm alone (mode 3): ``Backend.rms_norm`` / ``rms_norm_cast_first``."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    rows, stride = _rows(x)
+    args = (_ptr(x), _ptr(x), _ptr(weight), _ptr(weight), _ptr(y), _ptr(y), _i32(x.shape[-1]), _i64(stride),
+            _i64(stride), _i64(stride), np.float32(eps), _i32(3), _i32(int(cast_first)))
+    _run("rmsnorm", "residual_rmsnorm", x.dtype, launch.rmsnorm_launch(rows, x.shape[-1]), args, x.device)
+    return y
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, style: str,
+          q_bias: torch.Tensor | None = None, k_bias: torch.Tensor | None = None,
+          compute_float32: bool = False) -> None:
+    """Rotate q ``[N, Hq, D]`` and k ``[N, Hkv, D]`` (None: q only) in place, their biases added
+    first; cos/sin ``[N, D]`` float32. Token and head strides are free, D must be contiguous."""
+    n, hq, d = q.shape
+    if q.stride(-1) != 1 or (k is not None and k.stride(-1) != 1):
+        raise ValueError("head_dim must be contiguous")
+    if q_bias is not None and not q_bias.is_contiguous() or k_bias is not None and not k_bias.is_contiguous():
+        raise ValueError("biases must be contiguous [H, D]")
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    kvh, k_strides = (0, (0, 0)) if k is None else (k.shape[1], (k.stride(0), k.stride(1)))
+    args = (_ptr(q), _ptr(k), _ptr(cos), _ptr(sin), _ptr(q_bias), _ptr(k_bias), _i32(hq), _i32(d),
+            _i64(q.stride(0)), _i64(q.stride(1)), _i64(k_strides[0]), _i64(k_strides[1]),
+            _i32(0 if style == "half" else 1), _i32(int(compute_float32)))
+    _run("rope", "rope_inplace", q.dtype, launch.rope_launch(n, hq, kvh, d), args, q.device)
+
+
+def swiglu(fc: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``fc = [gate; up]`` ``[..., 2I]`` -> ``[..., I]``."""
+    rows, stride = _rows(fc)
+    inter = fc.shape[-1] // 2
+    out = torch.empty((*fc.shape[:-1], inter), dtype=fc.dtype, device=fc.device)
+    args = (_ptr(fc), _ptr(out), _i64(rows), _i32(inter), _i64(stride))
+    _run("swiglu", "swiglu", fc.dtype, launch.swiglu_launch(rows, inter), args, fc.device)
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, tables: torch.Tensor,
+                           seq_lens: torch.Tensor, block_size: int, written: torch.Tensor | None = None,
+                           depth: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """As ``reference.paged_decode_ref``; ``splits`` (default from ``launch.decode_splits``)
+    > 1 runs flash-decoding with a combine pass."""
+    r, hq, d = q.shape
+    kvh = k_store.shape[1]
+    if q.stride(-1) != 1 or not (k_store.is_contiguous() and v_store.is_contiguous()):
+        raise ValueError("q's head_dim and the K/V pool must be contiguous")
+    tables = tables.to(torch.int64).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    max_len = int(seq_lens.max())  # the one host read: sizes the splits
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        splits = launch.decode_splits(r, hq, max_len, sms)
+    per = launch.keys_per_split(max_len, splits)
+    out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
+    acc = ml = None
+    if splits > 1:
+        acc = torch.empty((r, hq, splits, d), dtype=torch.float32, device=q.device)
+        ml = torch.empty((r, hq, splits, 2), dtype=torch.float32, device=q.device)
+    if written is not None:
+        written = written.to(torch.int32).contiguous()
+        depth = None if depth is None else depth.to(torch.int32).contiguous()
+    args = (_ptr(q), _ptr(k_store), _ptr(v_store), _ptr(tables), _ptr(seq_lens), _ptr(written), _ptr(depth),
+            _ptr(out), _ptr(acc), _ptr(ml), _i32(hq), _i32(kvh), _i32(d), _i32(block_size),
+            _i32(tables.shape[1]), _i32(0 if written is None else written.shape[1]), _i64(q.stride(0)),
+            _i64(q.stride(1)), _i32(per), np.float32(1.0 / math.sqrt(d)))
+    _run("paged_attention", "paged_decode", q.dtype, launch.paged_decode_launch(r, hq, d, splits), args, q.device)
+    if splits > 1:
+        _run("paged_attention", "paged_decode_combine", q.dtype, launch.paged_combine_launch(r, hq, d),
+             (_ptr(acc), _ptr(ml), _ptr(out), _i32(hq), _i32(d), _i32(splits)), q.device)
+    return out

@@ -1,0 +1,182 @@
+"""Kernel-against-reference parity cases: random inputs, several shapes, stated tolerances.
+
+``bench/gpu_check.py`` and the GPU tests (``tests/cuda``) run every case with the kernel on a
+GPU. With ``kernel=False`` (a dry run, on the CPU) the reference stands in for the kernel, so
+the inputs, the references, the launch geometry and the comparison are all exercised without
+CuPy. Tolerances are elementwise ``|got - want| <= atol + rtol * |want|``: the kernels round
+where the references round, so bf16 differs by reduction order only (an ulp, 2**-8 relative).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tinyloop.cuda import launch
+from tinyloop.cuda import reference as ref
+
+__all__ = ["Case", "CaseResult", "TOLERANCES", "cases", "run_case"]
+
+TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
+Tensors = tuple[torch.Tensor, ...]
+Build = Callable[[torch.device, torch.dtype, bool], tuple[Tensors, Tensors]]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # kernel and shape, e.g. "rmsnorm sandwich H=5280 R=32"
+    build: Build  # (device, dtype, kernel) -> (got, want)
+    geometry: Callable[[], launch.Launch]  # the launch the case makes (host arithmetic)
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    name: str
+    dtype: str
+    max_err: float  # max |got - want|
+    ok: bool
+
+
+def _gen(device: torch.device, seed: int) -> torch.Generator:  # inputs are drawn on the host
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def _randn(shape: tuple[int, ...], g: torch.Generator, device: torch.device, dtype: torch.dtype,
+           scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=g, device="cpu") * scale).to(device=device, dtype=dtype)
+
+
+def _rmsnorm_case(style: str, rows: int, hidden: int, cast_first: bool) -> Case:
+    def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
+        g = _gen(device, hidden + rows)
+        x, a = _randn((rows, hidden), g, device, dtype), _randn((rows, hidden), g, device, dtype, 2.0)
+        w_in = _randn((hidden,), g, device, dtype, 0.1) + 1
+        w_out = None if style == "post_ln" else _randn((hidden,), g, device, dtype, 0.1) + 1
+        want = ref.residual_rmsnorm_ref(x, a, w_in, w_out, style, 1e-6, cast_first)
+        if kernel:
+            from tinyloop.cuda import kernels
+            got = kernels.residual_rmsnorm(x, a, w_in, w_out, style, 1e-6, cast_first)
+        else:
+            got = ref.residual_rmsnorm_ref(x.clone(), a.clone(), w_in, w_out, style, 1e-6, cast_first)
+        return tuple(t for t in got if t is not None), tuple(t for t in want if t is not None)
+    order = "cast_first" if cast_first else "weight_f32"
+    return Case(f"rmsnorm {style} {order} R={rows} H={hidden}", build, lambda: launch.rmsnorm_launch(rows, hidden))
+
+
+def _norm_case(rows: int, hidden: int, cast_first: bool) -> Case:
+    """RMSNorm alone (``CudaBackend.rms_norm``): the kernel's mode 3."""
+    def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
+        g = _gen(device, hidden * 3 + rows)
+        x, w = _randn((rows, hidden), g, device, dtype, 3.0), _randn((hidden,), g, device, dtype, 0.1) + 1
+        want = (ref.rms_norm_ref(x, w, 1e-5, cast_first),)
+        if kernel:
+            from tinyloop.cuda import kernels
+            return (kernels.rms_norm(x, w, 1e-5, cast_first),), want
+        return (ref.rms_norm_ref(x.clone(), w, 1e-5, cast_first),), want
+    return Case(f"rmsnorm alone{' cast_first' if cast_first else ''} R={rows} H={hidden}", build,
+                lambda: launch.rmsnorm_launch(rows, hidden))
+
+
+def _rope_case(style: str, tokens: int, hq: int, hkv: int, d: int, bias: bool, f32: bool) -> Case:
+    def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
+        g = _gen(device, tokens * d)
+        qkv = _randn((tokens, (hq + 2 * hkv) * d), g, device, dtype)  # the fused projection's output
+        q = qkv[:, :hq * d].view(tokens, hq, d)  # strided views, as Attention.project makes them
+        k = qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
+        pos = torch.randint(0, 4096, (tokens,), generator=g)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        angles = pos[:, None].double() * inv
+        angles = torch.cat([angles, angles], -1) if style == "half" else angles.repeat_interleave(2, -1)
+        cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
+        qb = _randn((hq, d), g, device, dtype, 0.1) if bias else None
+        kb = _randn((hkv, d), g, device, dtype, 0.1) if bias else None
+        want = ref.rope_ref(q, k, cos, sin, style, qb, kb, f32)
+        if kernel:
+            from tinyloop.cuda import kernels
+            kernels.rope_(q, k, cos, sin, style, qb, kb, f32)
+            return (q, k), want
+        return ref.rope_ref(q.clone(), k.clone(), cos, sin, style, qb, kb, f32), want
+    name = f"rope {style}{' bias' if bias else ''}{' f32' if f32 else ''} N={tokens} H={hq}/{hkv} D={d}"
+    return Case(name, build, lambda: launch.rope_launch(tokens, hq, hkv, d))
+
+
+def _swiglu_case(rows: int, inter: int) -> Case:
+    def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
+        fc = _randn((rows, 2 * inter), _gen(device, rows + inter), device, dtype, 3.0)
+        want = (ref.swiglu_ref(fc),)
+        if kernel:
+            from tinyloop.cuda import kernels
+            return (kernels.swiglu(fc),), want
+        return (ref.swiglu_ref(fc.clone()),), want
+    return Case(f"swiglu R={rows} I={inter}", build, lambda: launch.swiglu_launch(rows, inter))
+
+
+def _paged_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, gaps: bool, splits: int | None) -> Case:
+    bs = 16
+
+    def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
+        g = _gen(device, sum(lens) + d)
+        r, max_len = len(lens), max(lens)
+        mb = -(-max_len // bs)
+        pool_blocks = r * mb + 3
+        k_store = _randn((pool_blocks * bs, hkv, d), g, device, dtype)
+        v_store = _randn((pool_blocks * bs, hkv, d), g, device, dtype)
+        perm = torch.randperm(pool_blocks, generator=g)[:r * mb].view(r, mb)  # scattered blocks
+        tables = perm.to(device)
+        seq_lens = torch.tensor(lens, dtype=torch.int32).to(device)
+        q = _randn((r, hq, d), g, device, dtype)
+        written = depth = None
+        if gaps:  # some keys stopped after 1 or 2 loops; rows attend at loop slot 0, 1 or 2
+            w = torch.full((r, max_len), 1 << 30, dtype=torch.int32)
+            w[torch.rand((r, max_len), generator=g) < 0.3] = 1
+            w[:, 0] = 1 << 30  # every row keeps at least one key
+            w[torch.arange(r), torch.tensor(lens) - 1] = 1 << 30  # and its own
+            written, depth = w.to(device), torch.arange(r, dtype=torch.int32).remainder(3).to(device)
+        want = (ref.paged_decode_ref(q, k_store, v_store, tables, seq_lens, bs, written, depth),)
+        if kernel:
+            from tinyloop.cuda import kernels
+            return (kernels.paged_decode_attention(q, k_store, v_store, tables, seq_lens, bs, written, depth,
+                                                   splits),), want
+        return (ref.paged_decode_ref(q, k_store, v_store, tables, seq_lens, bs, written, depth),), want
+    name = f"paged decode L={','.join(map(str, lens))} H={hq}/{hkv} D={d}{' gaps' if gaps else ''} splits={splits}"
+    return Case(name, build, lambda: launch.paged_decode_launch(len(lens), hq, d, splits or 1))
+
+
+def cases() -> list[Case]:
+    """Every parity case: the three block styles and post_ln in both norm orders, Huginn's and the
+    ~100M preset's widths, RoPE in both styles with and without bias and float32 compute, and
+    paged decode attention (GQA and not, gaps, one split and flash-decoding splits)."""
+    out = [_rmsnorm_case(style, rows, hidden, cf)
+           for style in ("pre_ln", "peri_ln", "sandwich", "post_ln")
+           for rows, hidden, cf in ((1, 768, False), (32, 5280, True), (7, 1000, False))]
+    out += [_norm_case(rows, hidden, cf) for rows, hidden, cf in ((4, 768, False), (3, 5280, True))]
+    out += [_rope_case(style, tokens, hq, hkv, d, bias, f32)
+            for style in ("half", "interleaved")
+            for tokens, hq, hkv, d, bias, f32 in ((1, 12, 12, 64, False, False), (33, 55, 55, 96, True, True),
+                                                  (5, 8, 2, 128, True, False))]
+    out += [_swiglu_case(rows, inter) for rows, inter in ((1, 3072), (33, 17920), (3, 100))]
+    out += [_paged_case(lens, hq, hkv, d, gaps, splits)
+            for lens, hq, hkv, d, gaps, splits in (
+                ((1, 37, 200), 12, 12, 64, False, 1),
+                ((600, 17, 2048), 8, 2, 128, False, None),
+                ((700, 129, 33), 55, 55, 96, True, 1),
+                ((1500, 300), 8, 2, 64, True, 4))]
+    return out
+
+
+def run_case(case: Case, device: torch.device, dtype: torch.dtype, kernel: bool = True) -> CaseResult:
+    """Build ``case``, compare what the kernel (or, with ``kernel=False``, the reference again)
+    gives against the reference in ``dtype``."""
+    case.geometry()  # the launch arithmetic accepts the shape
+    got, want = case.build(device, dtype, kernel)
+    atol, rtol = TOLERANCES[dtype]
+    err, ok = 0.0, len(got) == len(want)
+    for g, w in zip(got, want):
+        if g.shape != w.shape:
+            return CaseResult(case.name, str(dtype).removeprefix("torch."), float("inf"), False)
+        diff = (g.float() - w.float()).abs()
+        err = max(err, float(diff.max()))
+        ok = ok and bool((diff <= atol + rtol * w.float().abs()).all()) and bool(torch.isfinite(g.float()).all())
+    return CaseResult(case.name, str(dtype).removeprefix("torch."), err, ok)
