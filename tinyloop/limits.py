@@ -71,6 +71,7 @@ class ModelLimits:
     exit: ExitRule = field(default_factory=ExitRule)
     kv: KVLimits | None = None
     gate: bool = False  # the model has an exit gate although its own rule is not ``gate``
+    coda: bool = False  # the model has coda layers (after the loop)
 
     @classmethod
     def from_engine(cls, engine: Any) -> ModelLimits:
@@ -81,7 +82,7 @@ class ModelLimits:
         kv = None if pool is None else KVLimits(pool.num_blocks, pool.block_size, c)
         return cls(max_seq_len=engine.max_seq_len, vocab_size=c.vocab_size,
                    default_loops=c.default_loops, max_loops=c.max_loops, exit=c.exit, kv=kv,
-                   gate=c.has_exit_gate)
+                   gate=c.has_exit_gate, coda=c.n_coda > 0)
 
     @property
     def has_gate(self) -> bool:
@@ -114,6 +115,10 @@ class ModelLimits:
             raise RequestError(f"this model has no exit gate: exit kind {rule.kind} needs one; use "
                                "kl, minp_kl, entropy_diff, latent_diff, cosine or argmax_stability",
                                param="exit")
+        if rule.kind == "gate_expected" and self.coda:
+            # each loop's logits would run the coda, whose KV then holds only the last loop's
+            raise RequestError("exit kind gate_expected needs a model without coda layers (Ouro's "
+                               "layout); use gate_select", param="exit")
         if rule.min_loops > loops and rule.kind != "none":
             raise RequestError(f"exit.min_loops ({rule.min_loops}) exceeds loops ({loops})",
                                param="exit")

@@ -104,6 +104,18 @@ def test_gate_expected_matches_the_reference_weighted_exit(engine: Engine, refer
         assert (expected - reference["logits_last_step_loops4"]).abs().max().item() > 0.1
 
 
+def test_gate_expected_is_refused_on_a_model_with_a_coda() -> None:
+    """Each loop's logits would run the coda, whose KV keeps only the last call's: a prefix-cache
+    hit would then differ from a cold prefill. Ouro has no coda; models with one use gate_select."""
+    limits = ModelLimits(max_seq_len=64, vocab_size=100, default_loops=4, max_loops=8, gate=True, coda=True)
+    req = GenerationRequest(prompt_tokens=(1, 2), max_tokens=1, exit=ExitRule.of("gate_expected"))
+    with pytest.raises(RequestError, match="without coda layers") as caught:
+        limits.check(req)
+    assert caught.value.param == "exit"
+    assert limits.check(GenerationRequest(prompt_tokens=(1, 2), max_tokens=1,
+                                          exit=ExitRule.of("gate_select"))).exit.kind == "gate_select"
+
+
 def test_gate_select_at_half_picks_earlier_loops_than_the_last(reference: dict[str, torch.Tensor]) -> None:
     """The fixture's gate makes 0.5 select loop 2 at some positions: the test above is not vacuous."""
     last = reference["logits_last_step_loops4"]

@@ -46,7 +46,6 @@ REQUESTS = [
         sampling=GREEDY),
     req(PROMPT, max_tokens=3, loops=4, exit=ExitRule.of("gate", 0.5), sampling=GREEDY),
     req(PROMPT, max_tokens=3, loops=4, exit=ExitRule.of("gate_select", 0.5), sampling=GREEDY),
-    req(PROMPT, max_tokens=3, loops=4, exit=ExitRule.of("gate_expected"), sampling=GREEDY),
 ]
 
 
@@ -95,7 +94,6 @@ def run_all(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]
 def test_generate_creates_no_tensor_off_the_model_device(engines: dict[str, Engine], mode: str,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     engine = engines[mode]
-    run_all(engine, REQUESTS)  # warm the prefix cache: gate_expected's first prefill differs from a cached one
     expected = run_all(engine, REQUESTS)
     with default_device_meta():
         got = run_all(engine, REQUESTS)
