@@ -1,7 +1,7 @@
 """Decode tokens/s of the engine against Hugging Face transformers at the same FLOPs, one table.
 
     python bench/engine_vs_hf.py [--quick] [--threads N] [--tokens 32] [--prompt 16]
-                                 [--batches 1 8] [--loops 1 4] [--repeat 2]
+                                 [--batches 1 8] [--loops 1 4] [--repeat 3]
 
 Ours: the ``base100m`` preset (random init, float32) in ``Engine``. Theirs: a
 ``LlamaForCausalLM`` with random weights and the same widths (hidden 768, 12 heads of 64, MLP
@@ -11,7 +11,8 @@ adapter, a 2H x H matmul per loop, about 3% at loops 4). Same threads, float32, 
 ignored), KV cache on (``use_cache``), a ``--prompt``-token random prompt.
 
 Decode tokens/s = batch * (tokens - 1) / (time to generate ``tokens`` - time to generate 1),
-so prefill is taken out the same way for both (best of ``--repeat`` each).
+so prefill is taken out the same way for both (best of ``--repeat`` each, ours and HF taking
+turns so that a passing load on a shared machine hits both).
 
 Bandwidth: decode at batch 1 reads every weight it uses once per token (the looped core once
 per loop), so weight bytes per token x tokens/s is the memory bandwidth decode achieves; it is
@@ -101,19 +102,23 @@ def _gbs(batch: int, rate: float | None, bytes_per_token: int) -> str:
     return f"{bytes_per_token * rate / 1e9:>8.1f}" if batch == 1 and rate else f"{'':>8}"
 
 
-def decode_rate(run, batch: int, n: int, repeat: int) -> float:  # type: ignore[no-untyped-def]
-    """batch * (n - 1) / (best time for n tokens - best time for 1 token)."""
-    def best(k: int) -> float:
-        t = float("inf")
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            run(k)
-            t = min(t, time.perf_counter() - t0)
-        return t
+def decode_rates(runs, batch: int, n: int, repeat: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """Per run, batch * (n - 1) / (best time for n tokens - best time for 1 token); the runs
+    take turns in every repeat, so a load that comes and goes on a shared machine hits all."""
+    def timed(run, k: int) -> float:  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        run(k)
+        return time.perf_counter() - t0
 
-    run(2)  # warm-up
-    one, full = best(1), best(n)
-    return batch * (n - 1) / max(full - one, 1e-9)
+    for run in runs:
+        run(2)  # warm-up
+    one = [float("inf")] * len(runs)
+    full = [float("inf")] * len(runs)
+    for _ in range(repeat):
+        for i, run in enumerate(runs):
+            one[i] = min(one[i], timed(run, 1))
+            full[i] = min(full[i], timed(run, n))
+    return [batch * (n - 1) / max(f - o, 1e-9) for o, f in zip(one, full)]
 
 
 def main() -> None:
@@ -124,7 +129,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--loops", type=int, nargs="+", default=None, help="default: 1 and the preset's")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per timing; the fastest counts")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per timing, ours and HF in turn; the fastest counts")
     ap.add_argument("--copy-mb", type=int, default=512, help="tensor size for the copy bandwidth")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     args = ap.parse_args()
@@ -171,10 +176,11 @@ def main() -> None:
                 + config.vocab_size * config.hidden * 4)
             for batch in args.batches:
                 prompts = torch.randint(0, config.vocab_size, (batch, args.prompt), generator=gen).tolist()
-                ours = decode_rate(partial(ours_tokens, engine, prompts, loops=loops), batch, args.tokens,
-                                   args.repeat)
-                theirs = (decode_rate(partial(hf_tokens, hf, prompts), batch, args.tokens, args.repeat)
-                          if hf is not None else None)
+                runs = [partial(ours_tokens, engine, prompts, loops=loops)]
+                if hf is not None:
+                    runs.append(partial(hf_tokens, hf, prompts))
+                ours, *rest = decode_rates(runs, batch, args.tokens, args.repeat)
+                theirs = rest[0] if rest else None
                 gbs = partial(_gbs, batch)
                 print(f"{loops:>5} {config.n_prelude + config.n_core * loops + config.n_coda:>9} {batch:>5} "
                       f"{ours:>10.1f} {theirs or float('nan'):>9.1f} "

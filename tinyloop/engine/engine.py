@@ -33,6 +33,7 @@ from tinyloop.errors import RequestError
 from tinyloop.limits import ModelLimits, Resolved
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.context import PagedContext
+from tinyloop.model.cpu_linear import pack_linears
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
 from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
 from tinyloop.requests import GenerationRequest, TokenLogprob
@@ -55,8 +56,10 @@ class Engine(KVAccounting, PrefixEntries):
                  kv_cache_mb: float | None = None, block_size: int = 16, prefill_chunk: int = 512,
                  chat_template: str | None = None, name: str = "tinyloop",
                  kv_mode: KVMode | str | None = None, prefix_caching: bool = True,
-                 max_draft_nodes: int = DEFAULT_MAX_DRAFT_NODES) -> None:
+                 max_draft_nodes: int = DEFAULT_MAX_DRAFT_NODES, pack_weights: bool = True) -> None:
         self.model = model.eval()
+        if pack_weights:  # float32 CPU weights in the layouts decode reads fastest (cpu_linear.py)
+            pack_linears(model)
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.name = name
