@@ -54,6 +54,12 @@ class PagedContext:
         self.write_offset = slots_pos % bs  # [B, T]
         self.key_block = key_pos // bs  # [L]
         self.key_offset = key_pos % bs  # [L]
+        # Pool rows of every (row, slot) at once, so a layer's lookup is two index ops.
+        b, s_count, _ = self.tables.shape
+        self._write_rows = (self.tables.gather(2, self.write_block[:, None].expand(b, s_count, n_new)) * bs
+                            + self.write_offset[:, None])  # [B, S, T]
+        self._key_rows = self.tables[:, :, self.key_block] * bs + self.key_offset  # [B, S, L]
+        self._all_rows = torch.arange(b, dtype=torch.long)
         self._key_pos = key_pos
         self._starts = list(starts)
         self._positions = positions
@@ -97,11 +103,10 @@ class PagedContext:
         return _take(self.cos, rows), _take(self.sin, rows)
 
     def _flat_index(self, rows: torch.Tensor | None, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        bs = self.pool.block_size
-        tab = _take(self.tables, rows)[torch.arange(slots.numel()), slots]  # [R, MB]
-        write = tab.gather(1, _take(self.write_block, rows)) * bs + _take(self.write_offset, rows)
-        keys = tab[:, self.key_block] * bs + self.key_offset  # [R, L]
-        return write, keys
+        """Pool rows where ``rows`` (at ``slots``) write their new tokens ``[R, T]`` and read
+        their keys ``[R, L]``."""
+        at = self._all_rows if rows is None else rows
+        return self._write_rows[at, slots], self._key_rows[at, slots]
 
     def key_rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at every key position of ``rows``, ``[R, L, D]`` each (h-mode's recompute).

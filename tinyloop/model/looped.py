@@ -198,8 +198,9 @@ class LoopedLM(nn.Module):
             rows = None if len(act) == bsz else torch.tensor(act, dtype=torch.long)
             win = windows if rows is None else windows[rows]
             h = self.inject(state if rows is None else state[rows], e if rows is None else e[rows])
+            base = c.n_prelude + (r % win) * c.n_core  # [R] each row's first core slot this loop
             for i, layer in enumerate(self.core):
-                h = layer(h, ctx, self.rope, rows, c.n_prelude + (r % win) * c.n_core + i)
+                h = layer(h, ctx, self.rope, rows, base + i)
             if c.loop_norm == "every_loop":
                 h = self.final_norm(h)
             state = h if rows is None else state.index_copy(0, rows, h)
