@@ -71,6 +71,9 @@ class Settings:
     prefix_caching: bool = _opt(True, "TINYLOOP_PREFIX_CACHING",
                                 "keep full KV blocks of ended requests for reuse by shared prompt prefixes")
     prefix_pool_capacity: int = _opt(16, "TINYLOOP_PREFIX_POOL_CAPACITY", "entries in the prefix pool (LRU)")
+    pack_weights: bool = _opt(True, "TINYLOOP_PACK_WEIGHTS",
+                              "float32 CPU weights re-laid for fast decode, plus a blocked copy for batches "
+                              "(twice the weights' memory)")
     host: str = _opt("127.0.0.1", "TINYLOOP_HOST", "address to bind")
     port: int = _opt(8000, "TINYLOOP_PORT", "port to bind")
     api_key: str | None = _opt(None, "TINYLOOP_API_KEY", "require 'Authorization: Bearer KEY' (all but /healthz)")

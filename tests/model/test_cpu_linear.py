@@ -98,3 +98,15 @@ def test_decode_runs_every_matrix_product_on_the_packed_kernels() -> None:
     four = ops_per_decode(engine, 4)
     assert four["mkldnn::_linear_pointwise"] == linears  # several rows: every product blocked
     assert four["aten::linear"] == 0
+
+
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch build")
+def test_the_server_setting_turns_packing_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinyloop.server import load_engine
+    from tinyloop.settings import Settings
+
+    monkeypatch.setenv("TINYLOOP_PACK_WEIGHTS", "0")
+    off = load_engine(Settings.from_env())
+    assert packed_bytes(off.model) == 0
+    assert not any(isinstance(m, PackedLinear) for m in off.model.modules())
+    assert packed_bytes(load_engine(Settings()).model) > 0
