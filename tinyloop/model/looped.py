@@ -28,6 +28,7 @@ from tinyloop.model.config import ModelConfig
 from tinyloop.model.cpu_linear import PackedWeight, unpack_linears
 from tinyloop.model.exits import Selection, StopTracker
 from tinyloop.model.layers import AttentionContext, Block, RMSNorm, rope_for
+from tinyloop.model.quant import QuantWeight
 from tinyloop.vocabulary import ExitRule
 
 __all__ = ["LoopedLM", "RowSpec", "ForwardOutput"]
@@ -87,7 +88,8 @@ class LoopedLM(nn.Module):
         # Work counters: tests assert compute grows with loops by counting, never by timing.
         self.counters: Counter[str] = Counter()
         self.backend: Backend = TORCH
-        self.packed_head: PackedWeight | None = None  # the head's CPU layout (cpu_linear.pack_linears)
+        # the head's CPU layout (cpu_linear.pack_linears) or quantized copy (quant.quantize_linears)
+        self.packed_head: PackedWeight | QuantWeight | None = None
 
     def use_backend(self, backend: Backend) -> None:
         """Run this model's norms, RoPE and (through the contexts the engine builds) attention
