@@ -11,7 +11,8 @@ float32; the products run on torch's packed CPU kernels:
   packed by ``_convert_weight_to_int4pack_for_cpu``.
 
 ``quantize_linears(model, "int8" | "int4")`` swaps every float32 ``nn.Linear`` for a
-``QuantLinear`` (the exit gate, one output wide, stays as it is). Its ``weight`` is the
+``QuantLinear`` (the exit gate, one output wide, stays as it is, as does an int4 layer whose
+input width is not a multiple of the group). Its ``weight`` is the
 dequantized matrix, made on demand (h-mode's K, V recompute reads it), so code that reads a
 layer's weight still works, at float32 cost. The embedding stays float32 (a lookup reads one
 row); a tied LM head gets its own quantized copy (``LoopedLM.packed_head``).
@@ -99,6 +100,12 @@ class QuantLinear(nn.Module):
         return self.quant.linear(x, self.bias)
 
 
+def _quantizable(weight: torch.Tensor, mode: str) -> bool:
+    """A float32 CPU matrix whose input width the mode's groups divide (others stay float)."""
+    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and (mode != "int4" or weight.shape[1] % _INT4_GROUP == 0))
+
+
 def quantize_linears(model: nn.Module, mode: str) -> int:
     """Swap every float32 CPU ``nn.Linear`` of ``model`` wider than one output for a
     ``QuantLinear`` of ``mode``, and quantize the weight ``model.head_weight`` names into
@@ -110,15 +117,14 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (isinstance(child, nn.Linear) and child.out_features > 1 and child.weight.dtype == torch.float32
-                    and child.weight.device.type == "cpu"):
+            if isinstance(child, nn.Linear) and child.out_features > 1 and _quantizable(child.weight, mode):
                 setattr(parent, name, QuantLinear(child, mode))
                 count += 1
     lm_head = getattr(model, "lm_head", None)
     head = getattr(model, "head_weight", None)
     if isinstance(lm_head, QuantLinear):  # untied: the head layer is quantized already
         setattr(model, "packed_head", lm_head.quant)  # noqa: B010
-    elif isinstance(head, torch.Tensor) and head.dtype == torch.float32 and head.device.type == "cpu":
+    elif isinstance(head, torch.Tensor) and _quantizable(head, mode):
         setattr(model, "packed_head", QuantWeight(head, mode))  # noqa: B010
         count += 1
     return count
