@@ -95,7 +95,7 @@ def pack_linears(model: nn.Module, blocked: bool = True) -> int:
     names, kept as its ``packed_head``) for fast CPU decode; returns how many weights it packed."""
     packed: dict[int, PackedWeight] = {}
     for module in model.modules():
-        if isinstance(module, nn.Linear) and packable(module.weight):
+        if type(module) is nn.Linear and packable(module.weight):  # a subclass keeps its forward
             weight = PackedWeight(module.weight, blocked)
             packed[id(module.weight)] = weight
             module.__class__ = PackedLinear
