@@ -24,9 +24,13 @@ def test_the_product_is_the_dequantized_weight_s_and_close_to_float(mode: str) -
     x = torch.randn(2, 5, 64, generator=gen)
     q = QuantWeight(w, mode)
     deq = q.dequantize()
-    torch.testing.assert_close(q.linear(x), x @ deq.t(), rtol=1e-4, atol=1e-4)
+    exact = x @ deq.t()  # the product rounds to bfloat16 on the way: within 1% of it
+    assert (q.linear(x) - exact).norm() / exact.norm() < 1e-2
+    assert q.linear(x).dtype == torch.float32
     err = (deq - w).abs().max() / w.abs().max()
     assert err < (0.01 if mode == "int8" else 0.1)
+    rel = (q.linear(x) - x @ w.t()).norm() / (x @ w.t()).norm()
+    assert rel < (0.01 if mode == "int8" else 0.1)
     assert q.nbytes < w.nbytes / (3 if mode == "int8" else 5)
 
 
