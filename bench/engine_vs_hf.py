@@ -1,7 +1,7 @@
 """Decode tokens/s of the engine against Hugging Face transformers at the same FLOPs, one table.
 
     python bench/engine_vs_hf.py [--quick] [--threads N] [--tokens 32] [--prompt 16]
-                                 [--batches 1 8] [--loops 1 4] [--repeat 2]
+                                 [--batches 1 8] [--loops 1 4] [--repeat 3] [--weights int8 int4]
 
 Ours: the ``base100m`` preset (random init, float32) in ``Engine``. Theirs: a
 ``LlamaForCausalLM`` with random weights and the same widths (hidden 768, 12 heads of 64, MLP
@@ -11,7 +11,12 @@ adapter, a 2H x H matmul per loop, about 3% at loops 4). Same threads, float32, 
 ignored), KV cache on (``use_cache``), a ``--prompt``-token random prompt.
 
 Decode tokens/s = batch * (tokens - 1) / (time to generate ``tokens`` - time to generate 1),
-so prefill is taken out the same way for both (best of ``--repeat`` each).
+so prefill is taken out the same way for both (best of ``--repeat`` each, ours and HF taking
+turns so that a passing load on a shared machine hits both).
+
+Weight-only quantised rows (``--weights int8 int4``, ``Engine(weights=...)``, quant.py): batch 1
+against the same float32 HF model, and the top-1 agreement of their argmax with our float32
+model's along its greedy continuation (teacher-forced, no-cache forwards).
 
 Bandwidth: decode at batch 1 reads every weight it uses once per token (the looped core once
 per loop), so weight bytes per token x tokens/s is the memory bandwidth decode achieves; it is
@@ -34,7 +39,10 @@ import torch  # noqa: E402
 
 from tinyloop.engine.engine import Engine  # noqa: E402
 from tinyloop.model.config import ModelConfig  # noqa: E402
+from tinyloop.model.context import FullContext  # noqa: E402
+from tinyloop.model.looped import RowSpec  # noqa: E402
 from tinyloop.model.presets import PRESETS, init_model  # noqa: E402
+from tinyloop.model.quant import QuantLinear, QuantWeight, quant_available  # noqa: E402
 from tinyloop.requests import GenerationRequest, SamplingParams  # noqa: E402
 from tinyloop.tokenizer import default_tokenizer, gpt2_tokenizer  # noqa: E402
 
@@ -64,6 +72,35 @@ def weight_bytes_per_token(config: ModelConfig, model: torch.nn.Module, loops: i
     head = config.vocab_size * config.hidden * 4
     return (size("prelude") + size("coda") + loops * (size("core") + size("adapter"))
             + size("final_norm") + head)
+
+
+def quant_bytes_per_token(model: torch.nn.Module, loops: int) -> int:
+    """As ``weight_bytes_per_token`` for a model on quantised weights (``quant.QuantWeight``)."""
+    def size(mod: torch.nn.Module | None) -> int:
+        if mod is None:
+            return 0
+        quant = sum(m.quant.nbytes for m in mod.modules() if isinstance(m, QuantLinear))
+        plain = sum(p.numel() * p.element_size() for m in mod.modules() if not isinstance(m, QuantLinear)
+                    for p in m.parameters(recurse=False))
+        return quant + plain
+
+    head = model.packed_head.nbytes if isinstance(model.packed_head, QuantWeight) else 0
+    return (size(getattr(model, "prelude", None)) + size(getattr(model, "coda", None))
+            + loops * (size(getattr(model, "core", None)) + size(getattr(model, "adapter", None))) + head)
+
+
+def top1_agreement(reference: Engine, other: Engine, prompt: list[int], n: int, loops: int) -> float:
+    """How often ``other``'s argmax equals ``reference``'s along ``reference``'s greedy continuation."""
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    out = reference.generate(GenerationRequest(prompt_tokens=tuple(prompt), max_tokens=n, loops=loops,
+                                               sampling=greedy))
+    tokens = torch.tensor([prompt + list(out.tokens)[:-1]], dtype=torch.long)
+    spec = [RowSpec(loops=loops, window=loops)]
+    picks = []
+    for engine in (reference, other):
+        ctx = FullContext(engine.model.rope, 1, tokens.shape[1])
+        picks.append(engine.model(tokens, ctx, spec, last_only=False).logits[0, len(prompt) - 1:].argmax(-1))
+    return float((picks[0] == picks[1]).float().mean())
 
 
 def ours_tokens(engine: Engine, prompts: list[list[int]], n: int, loops: int) -> None:
@@ -101,19 +138,23 @@ def _gbs(batch: int, rate: float | None, bytes_per_token: int) -> str:
     return f"{bytes_per_token * rate / 1e9:>8.1f}" if batch == 1 and rate else f"{'':>8}"
 
 
-def decode_rate(run, batch: int, n: int, repeat: int) -> float:  # type: ignore[no-untyped-def]
-    """batch * (n - 1) / (best time for n tokens - best time for 1 token)."""
-    def best(k: int) -> float:
-        t = float("inf")
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            run(k)
-            t = min(t, time.perf_counter() - t0)
-        return t
+def decode_rates(runs, batch: int, n: int, repeat: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """Per run, batch * (n - 1) / (best time for n tokens - best time for 1 token); the runs
+    take turns in every repeat, so a load that comes and goes on a shared machine hits all."""
+    def timed(run, k: int) -> float:  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        run(k)
+        return time.perf_counter() - t0
 
-    run(2)  # warm-up
-    one, full = best(1), best(n)
-    return batch * (n - 1) / max(full - one, 1e-9)
+    for run in runs:
+        run(2)  # warm-up
+    one = [float("inf")] * len(runs)
+    full = [float("inf")] * len(runs)
+    for _ in range(repeat):
+        for i, run in enumerate(runs):
+            one[i] = min(one[i], timed(run, 1))
+            full[i] = min(full[i], timed(run, n))
+    return [batch * (n - 1) / max(f - o, 1e-9) for o, f in zip(one, full)]
 
 
 def main() -> None:
@@ -124,9 +165,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--loops", type=int, nargs="+", default=None, help="default: 1 and the preset's")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per timing; the fastest counts")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per timing, ours and HF in turn; the fastest counts")
     ap.add_argument("--copy-mb", type=int, default=512, help="tensor size for the copy bandwidth")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--weights", nargs="*", default=["int8", "int4"], choices=["int8", "int4"],
+                    help="weight-only quantised rows at batch 1 (none: --weights)")
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.repeat, args.copy_mb = 4, 1, 128
@@ -155,6 +198,10 @@ def main() -> None:
     # Prefix caching off: every repeat reuses the prompt, and HF prefills it every time too.
     engine = Engine(model, tokenizer, max_seq_len=args.prompt + args.tokens + 8, kv_cache_mb=512,
                     prefix_caching=False)
+    quant_engines = {mode: Engine(init_model(config, seed=0), tokenizer, max_seq_len=args.prompt + args.tokens + 8,
+                                  kv_cache_mb=256, prefix_caching=False, weights=mode)
+                     for mode in args.weights if quant_available(mode)}
+    quant_rows: list[str] = []
     gen = torch.Generator().manual_seed(0)
     print(f"{PRESET}: {config.n_prelude}+{config.n_core}xloops+{config.n_coda} layers, hidden "
           f"{config.hidden}, vocab {config.vocab_size}; float32, greedy, prompt {args.prompt}, "
@@ -171,16 +218,36 @@ def main() -> None:
                 + config.vocab_size * config.hidden * 4)
             for batch in args.batches:
                 prompts = torch.randint(0, config.vocab_size, (batch, args.prompt), generator=gen).tolist()
-                ours = decode_rate(partial(ours_tokens, engine, prompts, loops=loops), batch, args.tokens,
-                                   args.repeat)
-                theirs = (decode_rate(partial(hf_tokens, hf, prompts), batch, args.tokens, args.repeat)
-                          if hf is not None else None)
+                runs = [partial(ours_tokens, engine, prompts, loops=loops)]
+                if hf is not None:
+                    runs.append(partial(hf_tokens, hf, prompts))
+                ours, *rest = decode_rates(runs, batch, args.tokens, args.repeat)
+                theirs = rest[0] if rest else None
                 gbs = partial(_gbs, batch)
                 print(f"{loops:>5} {config.n_prelude + config.n_core * loops + config.n_coda:>9} {batch:>5} "
                       f"{ours:>10.1f} {theirs or float('nan'):>9.1f} "
                       f"{(ours / theirs if theirs else float('nan')):>7.2f} {per_token / 2**20:>7.0f} "
                       f"{gbs(ours, per_token):>9} {gbs(theirs, hf_per_token)}")
+            for mode, qengine in quant_engines.items():
+                prompts = torch.randint(0, config.vocab_size, (1, args.prompt), generator=gen).tolist()
+                runs = [partial(ours_tokens, qengine, prompts, loops=loops)]
+                if hf is not None:
+                    runs.append(partial(hf_tokens, hf, prompts))
+                ours, *rest = decode_rates(runs, 1, args.tokens, args.repeat)
+                theirs = rest[0] if rest else None
+                q_bytes = quant_bytes_per_token(qengine.model, loops)
+                top1 = top1_agreement(engine, qengine, prompts[0], args.tokens, loops)
+                quant_rows.append(
+                    f"{loops:>5} {mode:>7} {ours:>10.1f} {theirs or float('nan'):>12.1f} "
+                    f"{(ours / theirs if theirs else float('nan')):>7.2f} {q_bytes / 2**20:>7.0f} "
+                    f"{_gbs(1, ours, q_bytes):>9} {top1:>10.3f}")
             del hf
+    if quant_rows:
+        print(f"\nweight-only quantised, batch 1, against HF float32 (top-1: argmax agreement with our float32 "
+              f"along its greedy continuation of {args.tokens} tokens)")
+        print(f"{'loops':>5} {'weights':>7} {'ours tok/s':>10} {'HF f32 tok/s':>12} {'ours/HF':>7} {'MB/tok':>7} "
+              f"{'ours GB/s':>9} {'top-1':>10}")
+        print("\n".join(quant_rows))
     print(f"\ncopy bandwidth ({args.copy_mb} MiB tensor, read + write): {bandwidth / 1e9:.1f} GB/s; "
           f"GB/s columns = weight bytes per token x tokens/s at batch 1 "
           f"({time.perf_counter() - t_start:.0f} s)")

@@ -71,6 +71,12 @@ class Settings:
     prefix_caching: bool = _opt(True, "TINYLOOP_PREFIX_CACHING",
                                 "keep full KV blocks of ended requests for reuse by shared prompt prefixes")
     prefix_pool_capacity: int = _opt(16, "TINYLOOP_PREFIX_POOL_CAPACITY", "entries in the prefix pool (LRU)")
+    pack_weights: bool = _opt(True, "TINYLOOP_PACK_WEIGHTS",
+                              "float32 CPU weights re-laid for fast decode, plus a blocked copy for batches "
+                              "(twice the weights' memory)")
+    weights: str = _opt("float", "TINYLOOP_WEIGHTS",
+                        "linear weights at load: float (as stored), int8 (per channel) or int4 (groups of 32); "
+                        "CPU, float32 activations")
     host: str = _opt("127.0.0.1", "TINYLOOP_HOST", "address to bind")
     port: int = _opt(8000, "TINYLOOP_PORT", "port to bind")
     api_key: str | None = _opt(None, "TINYLOOP_API_KEY", "require 'Authorization: Bearer KEY' (all but /healthz)")
@@ -108,6 +114,8 @@ class Settings:
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.keep_alive_timeout <= 0:
             raise ConfigError("keep_alive_timeout must be > 0")
+        if self.weights not in ("float", "int8", "int4"):
+            raise ConfigError(f"weights must be float, int8 or int4, got {self.weights!r}")
         _ = self.kv_mode  # ConfigError for an impossible combination (fp16 qkv without h-mode)
 
     @staticmethod

@@ -33,8 +33,10 @@ from tinyloop.errors import RequestError
 from tinyloop.limits import ModelLimits, Resolved
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.context import PagedContext
+from tinyloop.model.cpu_linear import pack_linears
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
 from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
+from tinyloop.model.quant import WEIGHT_MODES, quantize_linears
 from tinyloop.requests import GenerationRequest, TokenLogprob
 from tinyloop.tokenizer import Tokenizer
 from tinyloop.vocabulary import ExitRule, KVMode
@@ -55,8 +57,16 @@ class Engine(KVAccounting, PrefixEntries):
                  kv_cache_mb: float | None = None, block_size: int = 16, prefill_chunk: int = 512,
                  chat_template: str | None = None, name: str = "tinyloop",
                  kv_mode: KVMode | str | None = None, prefix_caching: bool = True,
-                 max_draft_nodes: int = DEFAULT_MAX_DRAFT_NODES) -> None:
+                 max_draft_nodes: int = DEFAULT_MAX_DRAFT_NODES, pack_weights: bool = True,
+                 weights: str = "float") -> None:
         self.model = model.eval()
+        if weights not in WEIGHT_MODES:
+            raise RequestError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}", param="weights")
+        self.weights = weights
+        if weights != "float":  # int8 / int4 linear weights (quant.py); activations stay float32
+            quantize_linears(model, weights)
+        elif pack_weights:  # float32 CPU weights in the layouts decode reads fastest (cpu_linear.py)
+            pack_linears(model)
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.name = name

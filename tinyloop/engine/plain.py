@@ -63,8 +63,9 @@ class PlainDecoding:
         """Sample every row and accept its token; a row with NaN or +inf logits, or with no
         finite one, fails its own sequence only (as does a sampler or stop-check failure)."""
         logits = torch.stack(rows).float()  # [B, V]
-        bad = (torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
-               | ~torch.isfinite(logits).any(-1)).tolist()  # [B]
+        # One pass: the row maximum is NaN when any logit is, +inf when one is, -inf when no
+        # logit is finite, and finite otherwise.
+        bad = (~torch.isfinite(logits.amax(-1))).tolist()  # [B]
         for seq, b in zip(seqs, bad):
             if b:
                 seq.fail(EngineError("the model produced non-finite logits for this request"))

@@ -250,7 +250,7 @@ def sample_batch(
         )
     rows = logits.detach().to(device="cpu", dtype=torch.float32)  # [B, V]
     fast = [i for i, p in enumerate(params) if _is_plain_greedy(p)]
-    argmax = rows[fast].argmax(dim=-1).tolist() if fast else []  # [F]
+    argmax = (rows if len(fast) == batch else rows[fast]).argmax(dim=-1).tolist() if fast else []  # [F]
     results = dict(zip(fast, (SampleResult(int(t)) for t in argmax)))
     for i in range(batch):
         if i not in results:

@@ -52,11 +52,17 @@ class PagedContext:
         slots_pos = start[:, None] + offsets  # [B, T] where each new token is stored
         key_len = int((start + n_new).max())
         key_pos = torch.arange(key_len, dtype=torch.long, device=host)  # [L]
+        write_block, write_offset = slots_pos // bs, slots_pos % bs  # [B, T]
+        key_block, key_offset = key_pos // bs, key_pos % bs  # [L]
+        # Pool rows of every (row, slot) at once, so a layer's lookup is two index ops.
+        b, s_count, _ = tables.shape
+        write_rows = (tables.gather(2, write_block[:, None].expand(b, s_count, n_new)) * bs
+                      + write_offset[:, None])  # [B, S, T]
+        key_rows = tables[:, :, key_block] * bs + key_offset  # [B, S, L]
         self.tables = tables.to(dev, non_blocking=True)
-        self.write_block = (slots_pos // bs).to(dev, non_blocking=True)  # [B, T]
-        self.write_offset = (slots_pos % bs).to(dev, non_blocking=True)  # [B, T]
-        self.key_block = (key_pos // bs).to(dev, non_blocking=True)  # [L]
-        self.key_offset = (key_pos % bs).to(dev, non_blocking=True)  # [L]
+        self._write_rows = write_rows.to(dev, non_blocking=True)
+        self._key_rows = key_rows.to(dev, non_blocking=True)
+        self._all_rows = torch.arange(b, dtype=torch.long, device=dev)
         self._key_pos = key_pos.to(dev, non_blocking=True)
         self._starts = list(starts)
         self._positions = positions
@@ -100,11 +106,10 @@ class PagedContext:
         return _take(self.cos, rows), _take(self.sin, rows)
 
     def _flat_index(self, rows: torch.Tensor | None, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        bs = self.pool.block_size
-        tab = _take(self.tables, rows)[torch.arange(slots.numel(), device=slots.device), slots]  # [R, MB]
-        write = tab.gather(1, _take(self.write_block, rows)) * bs + _take(self.write_offset, rows)
-        keys = tab[:, self.key_block] * bs + self.key_offset  # [R, L]
-        return write, keys
+        """Pool rows where ``rows`` (at ``slots``) write their new tokens ``[R, T]`` and read
+        their keys ``[R, L]``."""
+        at = self._all_rows if rows is None else rows
+        return self._write_rows[at, slots], self._key_rows[at, slots]
 
     def key_rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at every key position of ``rows``, ``[R, L, D]`` each (h-mode's recompute).

@@ -25,8 +25,10 @@ from torch import nn
 
 from tinyloop.model.backend import TORCH, Backend
 from tinyloop.model.config import ModelConfig
+from tinyloop.model.cpu_linear import PackedWeight, unpack_linears
 from tinyloop.model.exits import Selection, StopTracker
 from tinyloop.model.layers import AttentionContext, Block, RMSNorm, rope_for
+from tinyloop.model.quant import QuantWeight
 from tinyloop.vocabulary import ExitRule
 
 __all__ = ["LoopedLM", "RowSpec", "ForwardOutput"]
@@ -86,6 +88,8 @@ class LoopedLM(nn.Module):
         # Work counters: tests assert compute grows with loops by counting, never by timing.
         self.counters: Counter[str] = Counter()
         self.backend: Backend = TORCH
+        # the head's CPU layout (cpu_linear.pack_linears) or quantized copy (quant.quantize_linears)
+        self.packed_head: PackedWeight | QuantWeight | None = None
 
     def use_backend(self, backend: Backend) -> None:
         """Run this model's norms, RoPE and (through the contexts the engine builds) attention
@@ -99,6 +103,7 @@ class LoopedLM(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> LoopedLM:
         """``.to(device)`` and friends move the RoPE tables too (they are not parameters)."""
         out: LoopedLM = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        unpack_linears(self)  # a new dtype or device: the packed layouts would be stale
         device = self.embed.weight.device
         if device.type != "meta":
             self.rope.cos = self.rope.cos.to(device)
@@ -106,11 +111,17 @@ class LoopedLM(nn.Module):
         return out
 
     # -- pieces --------------------------------------------------------------------------------
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight ``[V, H]`` (a parameter): the embedding's when tied."""
+        return self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
         # As 2-D rows: a strided [B, 1, H] view (a prefill's last positions) would send F.linear
         # to bmm, which copies the whole weight per row in bf16 (1.5 s at Ouro-1.4B's vocabulary).
-        return F.linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+        rows = x.reshape(-1, x.shape[-1])
+        logits = F.linear(rows, self.head_weight) if self.packed_head is None else self.packed_head.linear(rows)
+        return logits.view(*x.shape[:-1], -1)
 
     def core_slot(self, loop: int, layer: int, window: int) -> int:
         return self.config.n_prelude + (loop % window) * self.config.n_core + layer
@@ -191,8 +202,9 @@ class LoopedLM(nn.Module):
             rows = None if len(act) == bsz else torch.tensor(act, dtype=torch.long, device=dev)
             win = windows if rows is None else windows[rows]
             h = self.inject(state if rows is None else state[rows], e if rows is None else e[rows])
+            base = c.n_prelude + (r % win) * c.n_core  # [R] each row's first core slot this loop
             for i, layer in enumerate(self.core):
-                h = layer(h, ctx, self.rope, rows, c.n_prelude + (r % win) * c.n_core + i)
+                h = layer(h, ctx, self.rope, rows, base + i)
             if c.loop_norm == "every_loop":
                 h = self.final_norm(h)
             state = h if rows is None else state.index_copy(0, rows, h)

@@ -1,0 +1,112 @@
+"""CPU weight layouts (cpu_linear.py): same values, same outputs, the fast kernels on each call."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from tinyloop.engine.engine import Engine
+from tinyloop.model.cpu_linear import PackedLinear, onednn_available, pack_linears, packed_bytes
+from tinyloop.model.presets import PRESETS, init_model
+from tinyloop.requests import GenerationRequest, SamplingParams
+from tinyloop.tokenizer import default_tokenizer
+
+
+def model() -> nn.Module:
+    m = init_model(PRESETS["tiny"].replace(max_position=128), seed=0)
+    with torch.no_grad():  # peaked logits: no argmax ties between the layouts
+        gen = torch.Generator().manual_seed(0)
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    return m
+
+
+def test_packing_keeps_parameters_state_dict_and_outputs() -> None:
+    plain, packed = model(), model()
+    before = {k: v.clone() for k, v in packed.state_dict().items()}
+    params = [id(p) for p in packed.parameters()]
+    n = pack_linears(packed)
+    assert n == sum(isinstance(m, PackedLinear) for m in packed.modules()) + 1  # + the tied head (the embedding)
+    assert packed.packed_head is not None  # type: ignore[union-attr]
+    assert [id(p) for p in packed.parameters()] == params
+    after = packed.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    # wide weights (q/k/v, gate/up) column-major; narrow ones (down projection) row-major
+    block = packed.core[0]  # type: ignore[index]
+    assert block.attn.qkv.weight.t().is_contiguous() and block.mlp.fc.weight.t().is_contiguous()
+    assert block.mlp.proj.weight.is_contiguous()
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 17):
+        x = torch.randn(rows, 1, block.mlp.fc.in_features, generator=gen)
+        with torch.inference_mode():
+            torch.testing.assert_close(block.mlp.fc(x), plain.core[0].mlp.fc(x),  # type: ignore[index]
+                                       rtol=1e-5, atol=1e-5)
+            h = torch.randn(rows, 1, packed.config.hidden, generator=gen)  # type: ignore[union-attr]
+            torch.testing.assert_close(packed.head(h), plain.head(h), rtol=1e-5, atol=1e-5)  # type: ignore[operator]
+
+
+def test_a_new_dtype_drops_the_packed_copies() -> None:
+    m = model()
+    pack_linears(m)
+    m.to(torch.bfloat16)
+    assert not any(isinstance(mod, PackedLinear) for mod in m.modules())
+    assert m.packed_head is None  # type: ignore[union-attr]
+    assert packed_bytes(m) == 0
+
+
+def run(engine: Engine, batch: int) -> list[list[int]]:
+    reqs = [GenerationRequest(prompt_tokens=tuple(range(3 + b, 12 + 2 * b)), max_tokens=12, loops=2 + b % 3,
+                              sampling=SamplingParams(temperature=0, ignore_eos=True)) for b in range(batch)]
+    return [list(r.tokens) for r in engine.generate_many(reqs)]
+
+
+def test_packed_engine_decodes_the_same_greedy_tokens() -> None:
+    plain = Engine(model(), default_tokenizer(), max_seq_len=128, pack_weights=False)
+    packed = Engine(model(), default_tokenizer(), max_seq_len=128)
+    assert packed_bytes(packed.model) > 0 and packed_bytes(plain.model) == 0
+    for batch in (1, 4):
+        assert run(packed, batch) == run(plain, batch)
+
+
+def ops_per_decode(engine: Engine, batch: int) -> Counter[str]:
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    seqs = [engine.start(GenerationRequest(prompt_tokens=(5, 6, 7), max_tokens=8, loops=2, sampling=greedy))
+            for _ in range(batch)]
+    engine.step(seqs)  # prefill and first token
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step(seqs)
+    for s in seqs:
+        engine.free(s)
+    return Counter(e.name for e in prof.events())
+
+
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch build")
+def test_decode_runs_every_matrix_product_on_the_packed_kernels() -> None:
+    engine = Engine(model(), default_tokenizer(), max_seq_len=128)
+    config = engine.config
+    # per token: each layer's qkv, o, fc, proj; the adapter per loop; the head
+    layers = config.n_prelude + 2 * config.n_core + config.n_coda
+    linears = 4 * layers + 2 * (config.injection == "concat_linear") + 1
+    one = ops_per_decode(engine, 1)
+    assert one["mkldnn::_linear_pointwise"] == 0  # one row: the re-laid weights, MKL's product
+    assert one["aten::linear"] == linears
+    four = ops_per_decode(engine, 4)
+    assert four["mkldnn::_linear_pointwise"] == linears  # several rows: every product blocked
+    assert four["aten::linear"] == 0
+
+
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch build")
+def test_the_server_setting_turns_packing_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinyloop.server import load_engine
+    from tinyloop.settings import Settings
+
+    monkeypatch.setenv("TINYLOOP_PACK_WEIGHTS", "0")
+    off = load_engine(Settings.from_env())
+    assert packed_bytes(off.model) == 0
+    assert not any(isinstance(m, PackedLinear) for m in off.model.modules())
+    assert packed_bytes(load_engine(Settings()).model) > 0

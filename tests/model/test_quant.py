@@ -1,0 +1,64 @@
+"""Weight-only int8 / int4 linear layers (quant.py): the products, the swap, an engine on them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tinyloop.engine.engine import Engine
+from tinyloop.errors import RequestError
+from tinyloop.model.presets import PRESETS, init_model
+from tinyloop.model.quant import QuantLinear, QuantWeight, quant_available, quantize_linears
+from tinyloop.requests import GenerationRequest, SamplingParams
+from tinyloop.tokenizer import default_tokenizer
+
+MODES = [pytest.param(m, marks=pytest.mark.skipif(not quant_available(m), reason=f"no {m} kernels"))
+         for m in ("int8", "int4")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_product_is_the_dequantized_weight_s_and_close_to_float(mode: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=gen)
+    x = torch.randn(2, 5, 64, generator=gen)
+    q = QuantWeight(w, mode)
+    deq = q.dequantize()
+    exact = x @ deq.t()  # the product rounds to bfloat16 on the way: within 1% of it
+    assert (q.linear(x) - exact).norm() / exact.norm() < 1e-2
+    assert q.linear(x).dtype == torch.float32
+    err = (deq - w).abs().max() / w.abs().max()
+    assert err < (0.01 if mode == "int8" else 0.1)
+    rel = (q.linear(x) - x @ w.t()).norm() / (x @ w.t()).norm()
+    assert rel < (0.01 if mode == "int8" else 0.1)
+    assert q.nbytes < w.nbytes / (3 if mode == "int8" else 5)
+
+
+def model() -> nn.Module:
+    return init_model(PRESETS["tiny"].replace(max_position=128), seed=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_swaps_every_linear_and_the_tied_head(mode: str) -> None:
+    m = model()
+    linears = sum(isinstance(x, nn.Linear) and x.out_features > 1 for x in m.modules())
+    assert quantize_linears(m, mode) == linears + 1  # + the tied head
+    assert not any(isinstance(x, nn.Linear) and x.out_features > 1 for x in m.modules())
+    assert sum(isinstance(x, QuantLinear) for x in m.modules()) == linears
+    assert isinstance(m.packed_head, QuantWeight)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_engine_on_quantized_weights_generates(mode: str) -> None:
+    engine = Engine(model(), default_tokenizer(), max_seq_len=128, weights=mode)
+    assert engine.weights == mode
+    req = GenerationRequest(prompt_tokens=(5, 6, 7, 8), max_tokens=6, loops=2,
+                            sampling=SamplingParams(temperature=0, ignore_eos=True))
+    out = engine.generate_many([req, req])
+    assert [len(r.tokens) for r in out] == [6, 6]
+    assert out[0].tokens == out[1].tokens
+
+
+def test_an_unknown_weight_mode_is_refused() -> None:
+    with pytest.raises(RequestError, match="weights"):
+        Engine(model(), default_tokenizer(), max_seq_len=128, weights="int3")
