@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Admit", "AdmitReply", "Observe", "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
     "RegisterPrefix", "Event", "Admitted", "Rejected", "Started", "FirstToken", "Finished",
-    "StepDone", "PoolDispatched", "PrefixLookup", "Preempted",
+    "StepDone", "PoolDispatched", "Preempted",
     "QueueFeedback", "EngineInbox",
 ]
 
@@ -33,6 +33,9 @@ __all__ = [
 # -- control -----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class AdmitReply:
+    """Admission's answer, the first item on the ticket's own channel: a refusal always, a
+    go-ahead only when the caller asked to wait for one (``Admit.reply``)."""
+
     decision: Decision | None
     error: BaseException | None
 
@@ -40,7 +43,7 @@ class AdmitReply:
 @dataclass(frozen=True, slots=True)
 class Admit:
     ticket: Ticket
-    reply: trio.MemorySendChannel[AdmitReply]
+    reply: bool  # answer a go-ahead too (``RequestStream.start``); a refusal is always answered
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +99,7 @@ class RegisterPrefix:
 # -- events for the metrics actor --------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    pass
+    count: int = 1  # requests admitted (admission sends one event per batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +109,13 @@ class Rejected:
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    """A request reached the engine (never sent for one retired before it did)."""
+    """A request reached the engine (never sent for one retired before it did). ``hit_tokens``:
+    how many of its prompt tokens' KV came from the prefix pool or the engine's prefix cache
+    (0 when neither had it; None when the engine could not start it, so nothing was looked up)."""
 
     queue_wait_ms: float
     prompt_tokens: int = 0
+    hit_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,15 +141,6 @@ class StepDone:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefixLookup:
-    """A started request's prompt: its length and how many of its tokens' KV came from the
-    prefix pool or the engine's prefix cache (0 when neither had it)."""
-
-    queried_tokens: int
-    hit_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
 class PoolDispatched:
     pass
 
@@ -153,7 +150,7 @@ class Preempted:
     """A running sequence gave its KV back, to be recomputed when the pool has room."""
 
 
-Event = (Admitted | Rejected | Started | FirstToken | Finished | StepDone | PoolDispatched | PrefixLookup
+Event = (Admitted | Rejected | Started | FirstToken | Finished | StepDone | PoolDispatched
          | Preempted)
 
 

@@ -59,7 +59,6 @@ from tinyloop.messages import (
     FirstToken,
     Observe,
     Preempted,
-    PrefixLookup,
     RegisterPrefix,
     SlotFreed,
     Started,
@@ -234,7 +233,7 @@ class EngineState:
         now = trio.current_time()
         entry.dispatched_at = now
         req = ticket.request
-        self.events.send_nowait(Started((now - ticket.submitted_at) * 1000, len(req.prompt_tokens)))
+        queue_ms, prompt = (now - ticket.submitted_at) * 1000, len(req.prompt_tokens)
         try:
             resolved = ticket.resolved or self.engine.check(req)  # (set at admission)
             prefix = None
@@ -244,9 +243,10 @@ class EngineState:
             with engine_errors():
                 seq = self.engine.start(req, prefix, resolved)
         except TinyLoopError as exc:
+            self.events.send_nowait(Started(queue_ms, prompt))
             self.retire(None, ticket, RequestState.ERROR, exc, entry)
             return
-        self.events.send_nowait(PrefixLookup(len(req.prompt_tokens), seq.cached_tokens))
+        self.events.send_nowait(Started(queue_ms, prompt, seq.cached_tokens))
         ticket.state = RequestState.DECODING
         entry.seq = seq
         self.decoding += 1

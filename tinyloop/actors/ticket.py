@@ -10,7 +10,8 @@ field                  writer
 ``state`` QUEUED       set at creation (the caller's task)
 DISPATCHED             the dispatcher, as it sends ``Dispatch``
 DECODING               the engine actor, once the engine started the sequence
-terminal               the holder: the runtime (refused at admission), the queue (cancelled
+terminal               the holder: admission (refused), the runtime (refused before admission
+                       had it), the queue (cancelled
                        while queued), the dispatcher (cancelled before dispatch), the engine
                        actor (whatever it held); once every actor has stopped, the runtime
                        retires what is left (``Runtime._orphans``)
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import trio
 
 from tinyloop.limits import Resolved
+from tinyloop.messages import AdmitReply
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
 __all__ = ["Ticket", "Final", "Failure", "Item"]
@@ -50,16 +52,16 @@ class Failure:
     error: BaseException
 
 
-Item = GenerationChunk | Final | Failure
+Item = GenerationChunk | Final | Failure | AdmitReply  # an AdmitReply only ever comes first
 
 
 @dataclass(eq=False)
 class Ticket:
     """One admitted (or being admitted) request (the module docstring says who writes what).
 
-    The holder writes chunks and one ``Final``/``Failure`` into ``send``; the caller reads
-    ``receive``. The buffer holds every item a request can produce (``max_tokens + 1``), so the
-    engine never blocks on a slow reader.
+    Admission may write an ``AdmitReply`` first; then the holder writes chunks and one
+    ``Final``/``Failure`` into ``send``; the caller reads ``receive``. The buffer holds every
+    item a request can produce (``max_tokens + 2``), so no actor blocks on a slow reader.
     """
 
     request: GenerationRequest
@@ -76,7 +78,7 @@ class Ticket:
     receive: trio.MemoryReceiveChannel[Item] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.send, self.receive = trio.open_memory_channel[Item](self.request.max_tokens + 1)
+        self.send, self.receive = trio.open_memory_channel[Item](self.request.max_tokens + 2)
 
     @property
     def loops(self) -> int:
@@ -121,7 +123,7 @@ class Ticket:
             return False
         return True
 
-    def terminate(self, state: RequestState, item: Final | Failure | None = None) -> None:
+    def terminate(self, state: RequestState, item: Final | Failure | AdmitReply | None = None) -> None:
         """Enter a terminal state, deliver the last item, close the holder's end."""
         self.state = state
         if item is None and state is RequestState.CANCELLED and self.cancel_error is not None:
