@@ -214,7 +214,7 @@ class Runtime:
     def _refused(self, ticket: Ticket) -> None:
         """Admission never took the ticket on: the runtime, still its holder, ends it."""
         ticket.state = RequestState.CANCELLED
-        ticket.send.close()
+        ticket.items.close()
         self._tickets.pop(ticket.request_id, None)
 
     def _cancel(self, ticket: Ticket, error: BaseException | None = None) -> None:

@@ -65,7 +65,7 @@ class RequestStream:
             return
         self._begin(reply=True)
         try:
-            item = await self.ticket.receive.receive()
+            item = await self.ticket.items.receive()
         except trio.EndOfChannel:  # ended before admission answered (the runtime closed)
             self.cancel()
             raise SchedulerShutdown("the runtime is shutting down") from None
@@ -105,7 +105,7 @@ class RequestStream:
         try:
             if not self._started:  # no go-ahead asked for: a refusal comes as the first item
                 self._begin(reply=False)
-            item, self._terminal = self._terminal or await self.ticket.receive.receive(), None
+            item, self._terminal = self._terminal or await self.ticket.items.receive(), None
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
         except BaseException:
@@ -135,7 +135,7 @@ class RequestStream:
             return []
         while self._terminal is None:
             try:
-                item = self.ticket.receive.receive_nowait()
+                item = self.ticket.items.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
             if isinstance(item, GenerationChunk):

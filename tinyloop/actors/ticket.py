@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from tinyloop.actors.chute import Chute
 from tinyloop.limits import Resolved
 from tinyloop.messages import AdmitReply
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
@@ -60,8 +61,8 @@ class Ticket:
     """One admitted (or being admitted) request (the module docstring says who writes what).
 
     Admission may write an ``AdmitReply`` first; then the holder writes chunks and one
-    ``Final``/``Failure`` into ``send``; the caller reads ``receive``. The buffer holds every
-    item a request can produce (``max_tokens + 2``), so no actor blocks on a slow reader.
+    ``Final``/``Failure`` into ``items`` (``deliver``, ``terminate``); the caller reads it. A
+    ``Chute`` never blocks its writer, so no actor waits on a slow reader.
     """
 
     request: GenerationRequest
@@ -74,11 +75,10 @@ class Ticket:
     cancelled: bool = False
     cancel_error: BaseException | None = None  # told to the caller when the runtime cancels it
     receiver_closed: bool = False  # written by the caller's side only (close_receiver)
-    send: trio.MemorySendChannel[Item] = field(init=False)
-    receive: trio.MemoryReceiveChannel[Item] = field(init=False)
+    items: Chute[Item] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.send, self.receive = trio.open_memory_channel[Item](self.request.max_tokens + 2)
+        self.items = Chute()
 
     @property
     def loops(self) -> int:
@@ -113,12 +113,12 @@ class Ticket:
     def close_receiver(self) -> None:
         """The caller's side: stop reading (what the engine side delivers next is dropped)."""
         self.receiver_closed = True
-        self.receive.close()
+        self.items.close_receiver()
 
     def deliver(self, item: Item) -> bool:
         """Hand an item to the caller; False when the caller is gone."""
         try:
-            self.send.send_nowait(item)
+            self.items.send_nowait(item)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return False
         return True
@@ -130,7 +130,7 @@ class Ticket:
             item = Failure(self.cancel_error)
         if item is not None:
             self.deliver(item)
-        self.send.close()
+        self.items.close()
 
     def ms_since(self, t: float | None) -> float | None:
         return None if t is None else (trio.current_time() - t) * 1000
