@@ -87,8 +87,8 @@ class Chute(Generic[T]):
             self._waiter = None
             return trio.lowlevel.Abort.SUCCEEDED
 
-        value: T = await trio.lowlevel.wait_task_rescheduled(abort)
-        return value
+        item: T = await trio.lowlevel.wait_task_rescheduled(abort)
+        return item
 
     def close_receiver(self) -> None:
         """Stop reading (idempotent): what is buffered is dropped, later sends are refused."""
