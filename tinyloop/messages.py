@@ -26,7 +26,7 @@ __all__ = [
     "Admit", "AdmitReply", "Observe", "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
     "RegisterPrefix", "Event", "Admitted", "Rejected", "Started", "FirstToken", "Finished",
     "StepDone", "PoolDispatched", "Preempted",
-    "QueueFeedback", "EngineInbox",
+    "EventBatch", "QueueFeedback", "EngineInbox",
 ]
 
 
@@ -69,7 +69,9 @@ class Cancel:
 
 @dataclass(frozen=True, slots=True)
 class Pull:
-    """The dispatcher has one free engine slot."""
+    """The dispatcher has ``slots`` more free engine slots (one ticket each)."""
+
+    slots: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +150,13 @@ class PoolDispatched:
 @dataclass(frozen=True, slots=True)
 class Preempted:
     """A running sequence gave its KV back, to be recomputed when the pool has room."""
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """Several events in one message: the engine actor reports a step's events at once."""
+
+    events: list[Event]
 
 
 Event = (Admitted | Rejected | Started | FirstToken | Finished | StepDone | PoolDispatched

@@ -77,12 +77,14 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed | UpstreamCl
     held = state.held
 
     def top_up() -> None:
-        while not held and state.slots_used + state.asked < state.slots:
-            try:
-                pulls.send_nowait(Pull())
-            except trio.BrokenResourceError:
-                return  # the queue has finished: nothing more to pull
-            state.asked += 1
+        free = state.slots - state.slots_used - state.asked
+        if held or free <= 0:
+            return
+        try:
+            pulls.send_nowait(Pull(free))  # one message for every free slot
+        except trio.BrokenResourceError:
+            return  # the queue has finished: nothing more to pull
+        state.asked += free
 
     async def dispatch_held() -> None:
         # A beam search wider than the free slots waits for them (runs alone if wider than

@@ -55,6 +55,7 @@ from tinyloop.messages import (
     Dispatch,
     EngineInbox,
     Event,
+    EventBatch,
     Finished,
     FirstToken,
     Observe,
@@ -118,12 +119,13 @@ class EngineState:
     health: Health
     freed: trio.MemorySendChannel[SlotFreed]
     observe: trio.MemorySendChannel[Observe]
-    events: trio.MemorySendChannel[Event]
+    events: trio.MemorySendChannel[Event | EventBatch]
     planner: KVPlanner
     active: dict[int, _Entry] = field(default_factory=dict)  # id(seq) -> entry
     waiting: deque[_Entry] = field(default_factory=deque)  # dispatched, not running
     counter: itertools.count[int] = field(default_factory=itertools.count)
     retired: int = 0
+    pending: list[Event] = field(default_factory=list)  # events for the metrics actor, sent once per step
     decoding: int = 0  # requests whose sequence exists (running or preempted): counted as they start and retire
 
     def statistics(self) -> EngineStatistics:
@@ -205,7 +207,7 @@ class EngineState:
 
     def _preempt(self, entry: _Entry) -> None:
         self.engine.preempt(entry.seq)
-        self.events.send_nowait(Preempted())
+        self.pending.append(Preempted())
         entry.since = trio.current_time()
         self.waiting.appendleft(entry)  # first in line to run again
 
@@ -243,10 +245,10 @@ class EngineState:
             with engine_errors():
                 seq = self.engine.start(req, prefix, resolved)
         except TinyLoopError as exc:
-            self.events.send_nowait(Started(queue_ms, prompt))
+            self.pending.append(Started(queue_ms, prompt))
             self.retire(None, ticket, RequestState.ERROR, exc, entry)
             return
-        self.events.send_nowait(Started(queue_ms, prompt, seq.cached_tokens))
+        self.pending.append(Started(queue_ms, prompt, seq.cached_tokens))
         ticket.state = RequestState.DECODING
         entry.seq = seq
         self.decoding += 1
@@ -263,12 +265,25 @@ class EngineState:
 
     # -- one iteration -------------------------------------------------------------------------
     async def step(self) -> None:
+        try:
+            await self._step()
+        finally:
+            self.report()
+
+    def report(self) -> None:
+        """Send the events gathered since the last report to the metrics actor, in one message."""
+        if self.pending:
+            self.events.send_nowait(EventBatch(self.pending))
+            self.pending = []
+
+    async def _step(self) -> None:
         self.reap()
         if self.plan():
             self.reap()  # prefixes that needed no prefill, entries started cancelled
         if not self.active:
             return
         seqs = [e.seq for e in self.active.values()]
+        self.report()  # what happened before the model work is not held up by it
         try:
             with engine_errors():  # a foreign exception fails this step's requests, not the runtime
                 events = await self.engine.step(seqs)
@@ -278,7 +293,7 @@ class EngineState:
             for entry in list(self.active.values()):
                 self._retire_entry(entry, RequestState.ERROR, exc)
             return
-        self.events.send_nowait(StepDone(len(seqs), len(events)))
+        self.pending.append(StepDone(len(seqs), len(events)))
         for ev in events:
             entry = self.active[id(ev.sequence)]
             ticket = entry.ticket
@@ -286,15 +301,16 @@ class EngineState:
             if entry.first_token_at is None:
                 entry.first_token_at = trio.current_time()
                 if ticket.stream:
-                    self.events.send_nowait(FirstToken(ticket.ms_since(ticket.submitted_at) or 0.0))
+                    self.pending.append(FirstToken(ticket.ms_since(ticket.submitted_at) or 0.0))
             ticket.deliver(ev.chunk())
         self.reap()
 
     def reap(self) -> None:
         """Retire finished sequences and those whose caller left (waiting or running)."""
-        for entry in [e for e in self.waiting if e.ticket is not None and e.ticket.gone]:
-            self.waiting.remove(entry)
-            self._retire_entry(entry, RequestState.CANCELLED)
+        if self.waiting:
+            for entry in [e for e in self.waiting if e.ticket is not None and e.ticket.gone]:
+                self.waiting.remove(entry)
+                self._retire_entry(entry, RequestState.CANCELLED)
         for entry in list(self.active.values()):
             seq, ticket = entry.seq, entry.ticket
             if ticket is None:
@@ -354,7 +370,7 @@ class EngineState:
             if error is None and state is RequestState.CANCELLED and not ticket.cancelled:
                 error = SchedulerShutdown("the runtime stopped while this request ran")  # close()
             ticket.terminate(state, Failure(error) if error is not None else None)
-        self.events.send_nowait(Finished(state, wall_ms, dispatch_ms, result))
+        self.pending.append(Finished(state, wall_ms, dispatch_ms, result))
         self.feed_back(SlotFreed(ticket))
 
     def close(self) -> None:
@@ -362,6 +378,7 @@ class EngineState:
         for entry in list(self.waiting) + list(self.active.values()):
             self._retire_entry(entry, RequestState.CANCELLED)
         self.waiting.clear()
+        self.report()
 
 
 def _on_runtime_clock(result: GenerationResult, submitted_at: float, first_token_at: float | None,
@@ -390,7 +407,7 @@ def drain(inbox: trio.MemoryReceiveChannel[EngineInbox], loop: EngineState) -> b
         loop.handle(msg)
 
 
-async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.MemorySendChannel[Event],
+async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.MemorySendChannel[Event | EventBatch],
               settings: Settings, engine: EnginePort, freed: trio.MemorySendChannel[SlotFreed],
               observe: trio.MemorySendChannel[Observe],
               task_status: trio.TaskStatus[EngineState] = trio.TASK_STATUS_IGNORED) -> None:

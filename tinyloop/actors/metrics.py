@@ -15,6 +15,7 @@ from tinyloop.actors.mailbox import receive_all
 from tinyloop.messages import (
     Admitted,
     Event,
+    EventBatch,
     Finished,
     FirstToken,
     PoolDispatched,
@@ -29,7 +30,7 @@ from tinyloop.requests import GenerationResult, RequestState
 __all__ = ["run", "record", "Tally"]
 
 
-def record(metrics: Metrics, event: Event) -> None:
+def record(metrics: Metrics, event: Event | EventBatch) -> None:
     """Apply one event to the metrics."""
     tally = Tally()
     tally.add(event)
@@ -58,8 +59,11 @@ class Tally:
         else:
             values.append(value)
 
-    def add(self, event: Event) -> None:
+    def add(self, event: Event | EventBatch) -> None:
         match event:
+            case EventBatch(events=events):
+                for e in events:
+                    self.add(e)
             case StepDone(batch_size=n, tokens=tokens):
                 self.observe("batch_size", n)
                 self.inc("tokens_generated", tokens)
@@ -111,7 +115,7 @@ class Tally:
         self.observed.clear()
 
 
-async def run(*, inbox: trio.MemoryReceiveChannel[Event], metrics: Metrics,
+async def run(*, inbox: trio.MemoryReceiveChannel[Event | EventBatch], metrics: Metrics,
               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     tally = Tally()
     async with inbox:
