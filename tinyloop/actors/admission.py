@@ -68,16 +68,19 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: Pipe[Enqueue],
                 batch = await receive_all(inbox)
             except trio.EndOfChannel:
                 break
+            while True:  # the predictor learns from every request finished so far
+                try:
+                    seen = observations.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+                policy.predictor.observe(seen.service_ms, loops=seen.loops, tokens=seen.tokens)
+            # Nothing awaits while a batch is decided, so the other actors' snapshots hold for
+            # all of it (admission's own ``sent`` counts the batch's tickets as queued).
+            load = Load(sources.queue(), sources.dispatcher(), sources.broken())
             for msg in batch:
-                while True:  # the predictor learns from every request finished so far
-                    try:
-                        seen = observations.receive_nowait()
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                    policy.predictor.observe(seen.service_ms, loops=seen.loops, tokens=seen.tokens)
                 ticket = msg.ticket
                 try:
-                    decision = _decide(policy, msg, sources, sent)
+                    decision = _decide(policy, msg, load, sent)
                 except SchedulerError as exc:
                     if not isinstance(exc, SchedulerShutdown):  # the seeds count queue-full and SLO only
                         events.send_nowait(Rejected(type(exc).__name__))
@@ -95,11 +98,19 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: Pipe[Enqueue],
                 events.send_nowait(Admitted(admitted))
                 admitted = 0
 
-def _decide(policy: Admission, msg: Admit, sources: Sources, sent: int) -> Decision:
-    broken = sources.broken()
-    if broken is not None:
-        raise SchedulerShutdown(f"the engine is broken: {broken}")
-    queue, dispatcher = sources.queue(), sources.dispatcher()
+@dataclass(frozen=True, slots=True)
+class Load:
+    """The other actors' snapshots, read once per batch of Admit messages."""
+
+    queue: QueueStatistics
+    dispatcher: DispatcherStatistics
+    broken: str | None
+
+
+def _decide(policy: Admission, msg: Admit, load: Load, sent: int) -> Decision:
+    if load.broken is not None:
+        raise SchedulerShutdown(f"the engine is broken: {load.broken}")
+    queue, dispatcher = load.queue, load.dispatcher
     req = msg.ticket.request
     return policy.check(
         queue_depth=queue.queued + sent - queue.taken_in, in_flight=dispatcher.slots_used,

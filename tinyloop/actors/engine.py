@@ -132,6 +132,11 @@ class EngineState:
         return EngineStatistics(self.retired, self.decoding, self.pool.size(), self.engine.kv_statistics(),
                                 self.health.broken)
 
+    def pool_size(self) -> int:
+        """``statistics().prefix_pool_size`` without the rest of the snapshot (the dispatcher
+        reads it for every dispatch)."""
+        return self.pool.size()
+
     def __repr__(self) -> str:
         return f"<EngineActor active={len(self.active)} waiting={len(self.waiting)} retired={self.retired}>"
 

@@ -159,7 +159,7 @@ class Runtime:
         self._dispatcher = await n.start(partial(
             dispatcher.run, inbox=dispatcher_inbox, outbox=dispatch_send, settings=settings,
             pulls=self._cancel_send.clone(), events=events_send.clone(),
-            pool_size=lambda: self._engine.statistics().prefix_pool_size))
+            pool_size=lambda: self._engine.pool_size()))
         self._queue = await n.start(partial(
             queue.run, inbox=self._queue_inbox, outbox=ready_pipe, settings=settings,
             events=events_send.clone()))
