@@ -48,7 +48,8 @@ class Admit:
 
 @dataclass(frozen=True, slots=True)
 class Observe:
-    """A finished request's service time, for the admission predictor."""
+    """A finished request's service time, for the admission predictor (the engine sends a
+    step's worth in one list)."""
 
     service_ms: float
     loops: int
@@ -87,7 +88,9 @@ class Dispatch:
 
 @dataclass(frozen=True, slots=True)
 class SlotFreed:
-    ticket: Ticket
+    """The engine retired these tickets (a step's worth, in one message): their slots are free."""
+
+    tickets: list[Ticket]
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,7 @@ class Sources:
 
 
 async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: Pipe[Enqueue],
-              settings: Settings, observations: trio.MemoryReceiveChannel[Observe],
+              settings: Settings, observations: trio.MemoryReceiveChannel[list[Observe]],
               events: trio.MemorySendChannel[Event], sources: Sources,
               check: Callable[[GenerationRequest], Resolved],
               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -70,10 +70,11 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: Pipe[Enqueue],
                 break
             while True:  # the predictor learns from every request finished so far
                 try:
-                    seen = observations.receive_nowait()
+                    step = observations.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
-                policy.predictor.observe(seen.service_ms, loops=seen.loops, tokens=seen.tokens)
+                for seen in step:
+                    policy.predictor.observe(seen.service_ms, loops=seen.loops, tokens=seen.tokens)
             # Nothing awaits while a batch is decided, so the other actors' snapshots hold for
             # all of it (admission's own ``sent`` counts the batch's tickets as queued).
             load = Load(sources.queue(), sources.dispatcher(), sources.broken())

@@ -116,8 +116,8 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed | UpstreamCl
                 break
             for msg in batch:
                 match msg:
-                    case SlotFreed(ticket=ticket):
-                        state.slots_used -= weight(ticket)
+                    case SlotFreed(tickets=tickets):
+                        state.slots_used -= sum(weight(t) for t in tickets)
                     case Ready(ticket=ticket):
                         state.asked -= 1
                         held.append(ticket)

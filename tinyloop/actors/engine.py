@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -74,6 +74,8 @@ if TYPE_CHECKING:
     from tinyloop.model.kvcache import KVPoolStats
 
 __all__ = ["run", "Health", "EngineState", "EngineStatistics"]
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -118,7 +120,7 @@ class EngineState:
     pool: PrefixPool[Any]
     health: Health
     freed: trio.MemorySendChannel[SlotFreed]
-    observe: trio.MemorySendChannel[Observe]
+    observe: trio.MemorySendChannel[list[Observe]]
     events: trio.MemorySendChannel[Event | EventBatch]
     planner: KVPlanner
     active: dict[int, _Entry] = field(default_factory=dict)  # id(seq) -> entry
@@ -126,6 +128,8 @@ class EngineState:
     counter: itertools.count[int] = field(default_factory=itertools.count)
     retired: int = 0
     pending: list[Event] = field(default_factory=list)  # events for the metrics actor, sent once per step
+    freed_pending: list[Ticket] = field(default_factory=list)  # retired: their slots, for the dispatcher
+    observed: list[Observe] = field(default_factory=list)  # for admission's predictor
     decoding: int = 0  # requests whose sequence exists (running or preempted): counted as they start and retire
 
     def statistics(self) -> EngineStatistics:
@@ -140,17 +144,16 @@ class EngineState:
     def __repr__(self) -> str:
         return f"<EngineActor active={len(self.active)} waiting={len(self.waiting)} retired={self.retired}>"
 
-    def feed_back(self, msg: SlotFreed | Observe) -> None:
-        """Tell the dispatcher (its slots) or admission (its predictor); both read these beside
-        their pipeline inbox, unbounded, so this never blocks. Once they have stopped nobody
-        needs to know."""
-        try:
-            if isinstance(msg, SlotFreed):
-                self.freed.send_nowait(msg)
-            else:
-                self.observe.send_nowait(msg)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+    def feed_back(self) -> None:
+        """Tell the dispatcher (the slots freed) and admission (its predictor) what this step
+        retired, one message each; both read these beside their pipeline inbox, unbounded, so
+        this never blocks. Once they have stopped nobody needs to know."""
+        if self.freed_pending:
+            _send_feedback(self.freed, SlotFreed(self.freed_pending))
+            self.freed_pending = []
+        if self.observed:
+            _send_feedback(self.observe, self.observed)
+            self.observed = []
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: Dispatch | RegisterPrefix) -> None:
@@ -276,7 +279,9 @@ class EngineState:
             self.report()
 
     def report(self) -> None:
-        """Send the events gathered since the last report to the metrics actor, in one message."""
+        """Send what was gathered since the last report: the slots freed, the observations
+        and the events for the metrics actor, one message each."""
+        self.feed_back()
         if self.pending:
             self.events.send_nowait(EventBatch(self.pending))
             self.pending = []
@@ -370,13 +375,14 @@ class EngineState:
             assert entry is not None
             result = _on_runtime_clock(result, ticket.submitted_at, entry.first_token_at, wall_ms)
             ticket.terminate(state, Final(result))
-            self.feed_back(Observe(dispatch_ms or 0.0, result.loops_used or 1, max(result.completion_tokens, 1)))
+            self.observed.append(Observe(dispatch_ms or 0.0, result.loops_used or 1,
+                                         max(result.completion_tokens, 1)))
         else:
             if error is None and state is RequestState.CANCELLED and not ticket.cancelled:
                 error = SchedulerShutdown("the runtime stopped while this request ran")  # close()
             ticket.terminate(state, Failure(error) if error is not None else None)
         self.pending.append(Finished(state, wall_ms, dispatch_ms, result))
-        self.feed_back(SlotFreed(ticket))
+        self.freed_pending.append(ticket)
 
     def close(self) -> None:
         """Retire everything still held (the actor is stopping): sequences are freed."""
@@ -391,6 +397,13 @@ def _on_runtime_clock(result: GenerationResult, submitted_at: float, first_token
     """The engine's result with the runtime's times: one clock for results and metrics."""
     ttft = None if first_token_at is None else (first_token_at - submitted_at) * 1000
     return result.timed(wall_ms, ttft)
+
+
+def _send_feedback(channel: trio.MemorySendChannel[T], msg: T) -> None:
+    try:
+        channel.send_nowait(msg)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the reader has stopped: nobody needs to know
 
 
 def _reply(msg: RegisterPrefix, error: BaseException | None) -> None:
@@ -414,7 +427,7 @@ def drain(inbox: trio.MemoryReceiveChannel[EngineInbox], loop: EngineState) -> b
 
 async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.MemorySendChannel[Event | EventBatch],
               settings: Settings, engine: EnginePort, freed: trio.MemorySendChannel[SlotFreed],
-              observe: trio.MemorySendChannel[Observe],
+              observe: trio.MemorySendChannel[list[Observe]],
               task_status: trio.TaskStatus[EngineState] = trio.TASK_STATUS_IGNORED) -> None:
     """Started with ``nursery.start``, which returns the actor's state: read it through its
     ``statistics()`` (and ``health``), never write it."""

@@ -145,7 +145,7 @@ class Runtime:
     async def _start(self, n: trio.Nursery) -> None:
         settings = self.settings
         events_send, events_recv = trio.open_memory_channel[Event | EventBatch](math.inf)
-        observe_send, observe_recv = trio.open_memory_channel[Observe](math.inf)
+        observe_send, observe_recv = trio.open_memory_channel[list[Observe]](math.inf)
         # the dispatcher's mailbox: the queue's pipe in, the engine's SlotFreed back
         ready_pipe: Pipe[Ready]
         freed_send: trio.MemorySendChannel[SlotFreed]
