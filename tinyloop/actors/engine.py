@@ -77,6 +77,11 @@ __all__ = ["run", "Health", "EngineState", "EngineStatistics"]
 
 T = TypeVar("T")
 
+# A long stream's steps (nothing else to report) go to the metrics actor in batches of this many,
+# so it is not woken for every token; they go at once with any other event and when the engine
+# falls idle, so a count read after the requests finished is exact.
+_STEPS_PER_REPORT = 16
+
 
 @dataclass(slots=True)
 class Health:
@@ -128,6 +133,7 @@ class EngineState:
     counter: itertools.count[int] = field(default_factory=itertools.count)
     retired: int = 0
     pending: list[Event] = field(default_factory=list)  # events for the metrics actor, sent once per step
+    steps: list[StepDone] = field(default_factory=list)  # steps not reported yet (report())
     freed_pending: list[Ticket] = field(default_factory=list)  # retired: their slots, for the dispatcher
     observed: list[Observe] = field(default_factory=list)  # for admission's predictor
     decoding: int = 0  # requests whose sequence exists (running or preempted): counted as they start and retire
@@ -282,6 +288,10 @@ class EngineState:
         """Send what was gathered since the last report: the slots freed, the observations
         and the events for the metrics actor, one message each."""
         self.feed_back()
+        if self.steps and (self.pending or len(self.steps) >= _STEPS_PER_REPORT
+                           or not (self.active or self.waiting)):
+            self.pending.extend(self.steps)
+            self.steps = []
         if self.pending:
             self.events.send_nowait(EventBatch(self.pending))
             self.pending = []
@@ -303,7 +313,7 @@ class EngineState:
             for entry in list(self.active.values()):
                 self._retire_entry(entry, RequestState.ERROR, exc)
             return
-        self.pending.append(StepDone(len(seqs), len(events)))
+        self.steps.append(StepDone(len(seqs), len(events)))
         for ev in events:
             entry = self.active[id(ev.sequence)]
             ticket = entry.ticket
