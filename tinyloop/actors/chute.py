@@ -61,6 +61,11 @@ class Chute(Generic[T]):
             trio.lowlevel.reschedule(task, outcome.Error(trio.EndOfChannel()))
 
     # -- the reader ----------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """``receive`` would not wait: an item is buffered, or the writer closed."""
+        return bool(self._items) or self._closed or self._receiver_closed
+
     def receive_nowait(self) -> T:
         if self._receiver_closed:
             raise trio.ClosedResourceError("the chute's reader closed it")

@@ -144,6 +144,12 @@ class RequestStream:
                 self._terminal = item
         return burst
 
+    @property
+    def ready(self) -> bool:
+        """The next iteration would not wait for the engine: a chunk or the end is already
+        here (an SSE writer then needs no drain watch around it)."""
+        return self._started and (self._terminal is not None or self.ticket.items.ready)
+
     def cancel(self) -> None:
         """Abandon the request (synchronous: safe in ``finally`` and under cancellation)."""
         if self._started:
