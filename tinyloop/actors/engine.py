@@ -278,9 +278,10 @@ class EngineState:
         self.active[id(entry.seq)] = entry
 
     # -- one iteration -------------------------------------------------------------------------
-    async def step(self) -> None:
+    async def step(self) -> bool:
+        """One iteration; True when it ran the engine (which awaited: the others ran)."""
         try:
-            await self._step()
+            return await self._step()
         finally:
             self.report()
 
@@ -296,12 +297,12 @@ class EngineState:
             self.events.send_nowait(EventBatch(self.pending))
             self.pending = []
 
-    async def _step(self) -> None:
+    async def _step(self) -> bool:
         self.reap()
         if self.plan():
             self.reap()  # prefixes that needed no prefill, entries started cancelled
         if not self.active:
-            return
+            return False
         seqs = [e.seq for e in self.active.values()]
         self.report()  # what happened before the model work is not held up by it
         try:
@@ -312,7 +313,7 @@ class EngineState:
                 self.health.broken = str(exc)
             for entry in list(self.active.values()):
                 self._retire_entry(entry, RequestState.ERROR, exc)
-            return
+            return True
         self.steps.append(StepDone(len(seqs), len(events)))
         for ev in events:
             entry = self.active[id(ev.sequence)]
@@ -324,6 +325,7 @@ class EngineState:
                     self.pending.append(FirstToken(ticket.ms_since(ticket.submitted_at) or 0.0))
             ticket.deliver(ev.chunk())
         self.reap()
+        return True
 
     def reap(self) -> None:
         """Retire finished sequences and those whose caller left (waiting or running)."""
@@ -455,8 +457,8 @@ async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.Mem
                         closed = True
                 closed = closed or drain(inbox, loop)
                 retired = loop.retired
-                await loop.step()
-                await trio.lowlevel.checkpoint()
+                if not await loop.step():
+                    await trio.lowlevel.checkpoint()  # the step ran nothing: let the others run
                 if loop.retired != retired:
                     # Freed slots are being refilled a few hops upstream: one more scheduler pass
                     # lets those requests join the next step instead of a step of their own.

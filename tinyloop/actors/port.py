@@ -49,7 +49,9 @@ class EnginePort(Protocol):
         ...
 
     async def step(self, seqs: Sequence[Any]) -> Sequence[TokenEvent]:
-        """One iteration over the active sequences."""
+        """One iteration over the active sequences. It yields to the scheduler (any Trio
+        sleep, thread or channel wait does): the engine actor takes no checkpoint of its own
+        after a step that ran."""
         ...
 
     def free(self, seq: Any) -> None: ...
