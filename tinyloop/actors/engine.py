@@ -460,8 +460,9 @@ async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.Mem
                 if not await loop.step():
                     await trio.lowlevel.checkpoint()  # the step ran nothing: let the others run
                 if loop.retired != retired:
-                    # Freed slots are being refilled a few hops upstream: one more scheduler pass
-                    # lets those requests join the next step instead of a step of their own.
+                    # Freed slots are being refilled a few hops upstream: two scheduler passes
+                    # let those requests join the next step instead of a step of their own.
+                    await trio.lowlevel.checkpoint()
                     await trio.lowlevel.checkpoint()
         finally:
             loop.close()
