@@ -20,10 +20,9 @@ if TYPE_CHECKING:
     import trio
 
     from tinyloop.actors.ticket import Ticket
-    from tinyloop.policy.admission import Decision
 
 __all__ = [
-    "Admit", "AdmitReply", "Observe", "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
+    "Admit", "Observe", "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
     "RegisterPrefix", "Event", "Admitted", "Rejected", "Started", "FirstToken", "Finished",
     "StepDone", "PoolDispatched", "Preempted",
     "EventBatch", "QueueFeedback", "EngineInbox",
@@ -31,15 +30,6 @@ __all__ = [
 
 
 # -- control -----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class AdmitReply:
-    """Admission's answer, the first item on the ticket's own channel: a refusal always, a
-    go-ahead only when the caller asked to wait for one (``Admit.reply``)."""
-
-    decision: Decision | None
-    error: BaseException | None
-
-
 @dataclass(frozen=True, slots=True)
 class Admit:
     ticket: Ticket

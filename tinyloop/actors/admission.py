@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING
 import trio
 
 from tinyloop.actors.mailbox import Pipe, receive_all
+from tinyloop.actors.ticket import AdmitReply
 from tinyloop.errors import SchedulerError, SchedulerShutdown
 from tinyloop.limits import Resolved
-from tinyloop.messages import Admit, AdmitReply, Admitted, Enqueue, Event, Observe, Rejected
+from tinyloop.messages import Admit, Admitted, Enqueue, Event, Observe, Rejected
 from tinyloop.policy.admission import Admission, Decision, least_loops
 from tinyloop.requests import GenerationRequest, RequestState
 from tinyloop.settings import Settings

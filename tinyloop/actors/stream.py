@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from tinyloop.actors.ticket import Failure, Final, Item, Ticket
+from tinyloop.actors.ticket import AdmitReply, Failure, Final, Item, Ticket
 from tinyloop.errors import SchedulerShutdown
-from tinyloop.messages import AdmitReply
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
 if TYPE_CHECKING:

@@ -28,15 +28,27 @@ leaves the queue at once instead of when it would be popped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
 from tinyloop.actors.chute import Chute
 from tinyloop.limits import Resolved
-from tinyloop.messages import AdmitReply
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
-__all__ = ["Ticket", "Final", "Failure", "Item"]
+if TYPE_CHECKING:
+    from tinyloop.policy.admission import Decision
+
+__all__ = ["Ticket", "Final", "Failure", "AdmitReply", "Item"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitReply:
+    """Admission's answer, the first item on the ticket's own channel: a refusal always, a
+    go-ahead only when the caller asked to wait for one (``tinyloop.messages.Admit.reply``)."""
+
+    decision: Decision | None
+    error: BaseException | None
 
 
 @dataclass(frozen=True, slots=True)
