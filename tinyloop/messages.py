@@ -20,32 +20,26 @@ if TYPE_CHECKING:
     import trio
 
     from tinyloop.actors.ticket import Ticket
-    from tinyloop.policy.admission import Decision
 
 __all__ = [
-    "Admit", "AdmitReply", "Observe", "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
+    "Admit", "Observe", "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
     "RegisterPrefix", "Event", "Admitted", "Rejected", "Started", "FirstToken", "Finished",
-    "StepDone", "PoolDispatched", "PrefixLookup", "Preempted",
-    "QueueFeedback", "EngineInbox",
+    "StepDone", "PoolDispatched", "Preempted",
+    "EventBatch", "QueueFeedback", "EngineInbox",
 ]
 
 
 # -- control -----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class AdmitReply:
-    decision: Decision | None
-    error: BaseException | None
-
-
-@dataclass(frozen=True, slots=True)
 class Admit:
     ticket: Ticket
-    reply: trio.MemorySendChannel[AdmitReply]
+    reply: bool  # answer a go-ahead too (``RequestStream.start``); a refusal is always answered
 
 
 @dataclass(frozen=True, slots=True)
 class Observe:
-    """A finished request's service time, for the admission predictor."""
+    """A finished request's service time, for the admission predictor (the engine sends a
+    step's worth in one list)."""
 
     service_ms: float
     loops: int
@@ -66,7 +60,9 @@ class Cancel:
 
 @dataclass(frozen=True, slots=True)
 class Pull:
-    """The dispatcher has one free engine slot."""
+    """The dispatcher has ``slots`` more free engine slots (one ticket each)."""
+
+    slots: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +78,9 @@ class Dispatch:
 
 @dataclass(frozen=True, slots=True)
 class SlotFreed:
-    ticket: Ticket
+    """The engine retired these tickets (a step's worth, in one message): their slots are free."""
+
+    tickets: list[Ticket]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +94,7 @@ class RegisterPrefix:
 # -- events for the metrics actor --------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    pass
+    count: int = 1  # requests admitted (admission sends one event per batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +104,13 @@ class Rejected:
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    """A request reached the engine (never sent for one retired before it did)."""
+    """A request reached the engine (never sent for one retired before it did). ``hit_tokens``:
+    how many of its prompt tokens' KV came from the prefix pool or the engine's prefix cache
+    (0 when neither had it; None when the engine could not start it, so nothing was looked up)."""
 
     queue_wait_ms: float
     prompt_tokens: int = 0
+    hit_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,15 +136,6 @@ class StepDone:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefixLookup:
-    """A started request's prompt: its length and how many of its tokens' KV came from the
-    prefix pool or the engine's prefix cache (0 when neither had it)."""
-
-    queried_tokens: int
-    hit_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
 class PoolDispatched:
     pass
 
@@ -153,7 +145,14 @@ class Preempted:
     """A running sequence gave its KV back, to be recomputed when the pool has room."""
 
 
-Event = (Admitted | Rejected | Started | FirstToken | Finished | StepDone | PoolDispatched | PrefixLookup
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """Several events in one message: the engine actor reports a step's events at once."""
+
+    events: list[Event]
+
+
+Event = (Admitted | Rejected | Started | FirstToken | Finished | StepDone | PoolDispatched
          | Preempted)
 
 

@@ -17,6 +17,7 @@ metrics actor reads the actors' ``statistics()`` and calls :meth:`Metrics.set_ga
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -123,6 +124,27 @@ class Metrics:
                               (self.kv_blocks_used, kv_used), (self.kv_blocks_total, kv_total)):
             if value is not None:
                 metric.set(value)
+
+    @staticmethod
+    def observe_all(histogram: Histogram, values: list[float]) -> None:
+        """``histogram.observe(v)`` for each value, with one update per bucket and one of the
+        sum (the runtime's metrics actor reports a batch of events at a time). Falls back to
+        one ``observe`` per value if prometheus-client's histogram internals ever differ."""
+        bounds = getattr(histogram, "_upper_bounds", None)
+        buckets = getattr(histogram, "_buckets", None)
+        total = getattr(histogram, "_sum", None)
+        if len(values) == 1 or bounds is None or buckets is None or total is None:
+            for v in values:
+                histogram.observe(v)
+            return
+        counts: dict[int, int] = {}
+        for v in values:
+            i = bisect_left(bounds, v)  # the first bound >= v, as observe() picks it
+            counts[i] = counts.get(i, 0) + 1
+        total.inc(sum(values))
+        for i, n in counts.items():
+            if i < len(buckets):
+                buckets[i].inc(n)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry (serve it with :data:`CONTENT_TYPE`)."""

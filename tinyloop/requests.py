@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-import uuid
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -132,6 +132,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
+DEFAULT_SAMPLING = SamplingParams()  # frozen: one shared instance, validated once
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """One generated token's logprob and its top alternatives (id, logprob), best first."""
@@ -175,8 +178,8 @@ class GenerationRequest:
     cache_window: int | None = None
     warm_start: bool = False
     warm_start_from: str = "raw"
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    sampling: SamplingParams = DEFAULT_SAMPLING
+    request_id: str = field(default_factory=lambda: os.urandom(16).hex())  # 32 hex digits, like uuid4().hex
     draft_loops: int | None = None
     draft_ahead: int | None = None
     k_branches: int | None = None

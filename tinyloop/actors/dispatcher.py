@@ -77,12 +77,14 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed | UpstreamCl
     held = state.held
 
     def top_up() -> None:
-        while not held and state.slots_used + state.asked < state.slots:
-            try:
-                pulls.send_nowait(Pull())
-            except trio.BrokenResourceError:
-                return  # the queue has finished: nothing more to pull
-            state.asked += 1
+        free = state.slots - state.slots_used - state.asked
+        if held or free <= 0:
+            return
+        try:
+            pulls.send_nowait(Pull(free))  # one message for every free slot
+        except trio.BrokenResourceError:
+            return  # the queue has finished: nothing more to pull
+        state.asked += free
 
     async def dispatch_held() -> None:
         # A beam search wider than the free slots waits for them (runs alone if wider than
@@ -114,8 +116,8 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed | UpstreamCl
                 break
             for msg in batch:
                 match msg:
-                    case SlotFreed(ticket=ticket):
-                        state.slots_used -= weight(ticket)
+                    case SlotFreed(tickets=tickets):
+                        state.slots_used -= sum(weight(t) for t in tickets)
                     case Ready(ticket=ticket):
                         state.asked -= 1
                         held.append(ticket)

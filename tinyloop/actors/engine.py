@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -55,11 +55,11 @@ from tinyloop.messages import (
     Dispatch,
     EngineInbox,
     Event,
+    EventBatch,
     Finished,
     FirstToken,
     Observe,
     Preempted,
-    PrefixLookup,
     RegisterPrefix,
     SlotFreed,
     Started,
@@ -74,6 +74,13 @@ if TYPE_CHECKING:
     from tinyloop.model.kvcache import KVPoolStats
 
 __all__ = ["run", "Health", "EngineState", "EngineStatistics"]
+
+T = TypeVar("T")
+
+# A long stream's steps (nothing else to report) go to the metrics actor in batches of this many,
+# so it is not woken for every token; they go at once with any other event and when the engine
+# falls idle, so a count read after the requests finished is exact.
+_STEPS_PER_REPORT = 16
 
 
 @dataclass(slots=True)
@@ -118,33 +125,41 @@ class EngineState:
     pool: PrefixPool[Any]
     health: Health
     freed: trio.MemorySendChannel[SlotFreed]
-    observe: trio.MemorySendChannel[Observe]
-    events: trio.MemorySendChannel[Event]
+    observe: trio.MemorySendChannel[list[Observe]]
+    events: trio.MemorySendChannel[Event | EventBatch]
     planner: KVPlanner
     active: dict[int, _Entry] = field(default_factory=dict)  # id(seq) -> entry
     waiting: deque[_Entry] = field(default_factory=deque)  # dispatched, not running
     counter: itertools.count[int] = field(default_factory=itertools.count)
     retired: int = 0
+    pending: list[Event] = field(default_factory=list)  # events for the metrics actor, sent once per step
+    steps: list[StepDone] = field(default_factory=list)  # steps not reported yet (report())
+    freed_pending: list[Ticket] = field(default_factory=list)  # retired: their slots, for the dispatcher
+    observed: list[Observe] = field(default_factory=list)  # for admission's predictor
     decoding: int = 0  # requests whose sequence exists (running or preempted): counted as they start and retire
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(self.retired, self.decoding, self.pool.size(), self.engine.kv_statistics(),
                                 self.health.broken)
 
+    def pool_size(self) -> int:
+        """``statistics().prefix_pool_size`` without the rest of the snapshot (the dispatcher
+        reads it for every dispatch)."""
+        return self.pool.size()
+
     def __repr__(self) -> str:
         return f"<EngineActor active={len(self.active)} waiting={len(self.waiting)} retired={self.retired}>"
 
-    def feed_back(self, msg: SlotFreed | Observe) -> None:
-        """Tell the dispatcher (its slots) or admission (its predictor); both read these beside
-        their pipeline inbox, unbounded, so this never blocks. Once they have stopped nobody
-        needs to know."""
-        try:
-            if isinstance(msg, SlotFreed):
-                self.freed.send_nowait(msg)
-            else:
-                self.observe.send_nowait(msg)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+    def feed_back(self) -> None:
+        """Tell the dispatcher (the slots freed) and admission (its predictor) what this step
+        retired, one message each; both read these beside their pipeline inbox, unbounded, so
+        this never blocks. Once they have stopped nobody needs to know."""
+        if self.freed_pending:
+            _send_feedback(self.freed, SlotFreed(self.freed_pending))
+            self.freed_pending = []
+        if self.observed:
+            _send_feedback(self.observe, self.observed)
+            self.observed = []
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: Dispatch | RegisterPrefix) -> None:
@@ -206,7 +221,7 @@ class EngineState:
 
     def _preempt(self, entry: _Entry) -> None:
         self.engine.preempt(entry.seq)
-        self.events.send_nowait(Preempted())
+        self.pending.append(Preempted())
         entry.since = trio.current_time()
         self.waiting.appendleft(entry)  # first in line to run again
 
@@ -234,7 +249,7 @@ class EngineState:
         now = trio.current_time()
         entry.dispatched_at = now
         req = ticket.request
-        self.events.send_nowait(Started((now - ticket.submitted_at) * 1000, len(req.prompt_tokens)))
+        queue_ms, prompt = (now - ticket.submitted_at) * 1000, len(req.prompt_tokens)
         try:
             resolved = ticket.resolved or self.engine.check(req)  # (set at admission)
             prefix = None
@@ -244,9 +259,10 @@ class EngineState:
             with engine_errors():
                 seq = self.engine.start(req, prefix, resolved)
         except TinyLoopError as exc:
+            self.pending.append(Started(queue_ms, prompt))
             self.retire(None, ticket, RequestState.ERROR, exc, entry)
             return
-        self.events.send_nowait(PrefixLookup(len(req.prompt_tokens), seq.cached_tokens))
+        self.pending.append(Started(queue_ms, prompt, seq.cached_tokens))
         ticket.state = RequestState.DECODING
         entry.seq = seq
         self.decoding += 1
@@ -262,13 +278,33 @@ class EngineState:
         self.active[id(entry.seq)] = entry
 
     # -- one iteration -------------------------------------------------------------------------
-    async def step(self) -> None:
+    async def step(self) -> bool:
+        """One iteration; True when it ran the engine (which awaited: the others ran)."""
+        try:
+            return await self._step()
+        finally:
+            self.report()
+
+    def report(self) -> None:
+        """Send what was gathered since the last report: the slots freed, the observations
+        and the events for the metrics actor, one message each."""
+        self.feed_back()
+        if self.steps and (self.pending or len(self.steps) >= _STEPS_PER_REPORT
+                           or not (self.active or self.waiting)):
+            self.pending.extend(self.steps)
+            self.steps = []
+        if self.pending:
+            self.events.send_nowait(EventBatch(self.pending))
+            self.pending = []
+
+    async def _step(self) -> bool:
         self.reap()
         if self.plan():
             self.reap()  # prefixes that needed no prefill, entries started cancelled
         if not self.active:
-            return
+            return False
         seqs = [e.seq for e in self.active.values()]
+        self.report()  # what happened before the model work is not held up by it
         try:
             with engine_errors():  # a foreign exception fails this step's requests, not the runtime
                 events = await self.engine.step(seqs)
@@ -277,8 +313,8 @@ class EngineState:
                 self.health.broken = str(exc)
             for entry in list(self.active.values()):
                 self._retire_entry(entry, RequestState.ERROR, exc)
-            return
-        self.events.send_nowait(StepDone(len(seqs), len(events)))
+            return True
+        self.steps.append(StepDone(len(seqs), len(events)))
         for ev in events:
             entry = self.active[id(ev.sequence)]
             ticket = entry.ticket
@@ -286,15 +322,17 @@ class EngineState:
             if entry.first_token_at is None:
                 entry.first_token_at = trio.current_time()
                 if ticket.stream:
-                    self.events.send_nowait(FirstToken(ticket.ms_since(ticket.submitted_at) or 0.0))
+                    self.pending.append(FirstToken(ticket.ms_since(ticket.submitted_at) or 0.0))
             ticket.deliver(ev.chunk())
         self.reap()
+        return True
 
     def reap(self) -> None:
         """Retire finished sequences and those whose caller left (waiting or running)."""
-        for entry in [e for e in self.waiting if e.ticket is not None and e.ticket.gone]:
-            self.waiting.remove(entry)
-            self._retire_entry(entry, RequestState.CANCELLED)
+        if self.waiting:
+            for entry in [e for e in self.waiting if e.ticket is not None and e.ticket.gone]:
+                self.waiting.remove(entry)
+                self._retire_entry(entry, RequestState.CANCELLED)
         for entry in list(self.active.values()):
             seq, ticket = entry.seq, entry.ticket
             if ticket is None:
@@ -349,19 +387,21 @@ class EngineState:
             assert entry is not None
             result = _on_runtime_clock(result, ticket.submitted_at, entry.first_token_at, wall_ms)
             ticket.terminate(state, Final(result))
-            self.feed_back(Observe(dispatch_ms or 0.0, result.loops_used or 1, max(result.completion_tokens, 1)))
+            self.observed.append(Observe(dispatch_ms or 0.0, result.loops_used or 1,
+                                         max(result.completion_tokens, 1)))
         else:
             if error is None and state is RequestState.CANCELLED and not ticket.cancelled:
                 error = SchedulerShutdown("the runtime stopped while this request ran")  # close()
             ticket.terminate(state, Failure(error) if error is not None else None)
-        self.events.send_nowait(Finished(state, wall_ms, dispatch_ms, result))
-        self.feed_back(SlotFreed(ticket))
+        self.pending.append(Finished(state, wall_ms, dispatch_ms, result))
+        self.freed_pending.append(ticket)
 
     def close(self) -> None:
         """Retire everything still held (the actor is stopping): sequences are freed."""
         for entry in list(self.waiting) + list(self.active.values()):
             self._retire_entry(entry, RequestState.CANCELLED)
         self.waiting.clear()
+        self.report()
 
 
 def _on_runtime_clock(result: GenerationResult, submitted_at: float, first_token_at: float | None,
@@ -369,6 +409,13 @@ def _on_runtime_clock(result: GenerationResult, submitted_at: float, first_token
     """The engine's result with the runtime's times: one clock for results and metrics."""
     ttft = None if first_token_at is None else (first_token_at - submitted_at) * 1000
     return result.timed(wall_ms, ttft)
+
+
+def _send_feedback(channel: trio.MemorySendChannel[T], msg: T) -> None:
+    try:
+        channel.send_nowait(msg)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the reader has stopped: nobody needs to know
 
 
 def _reply(msg: RegisterPrefix, error: BaseException | None) -> None:
@@ -390,9 +437,9 @@ def drain(inbox: trio.MemoryReceiveChannel[EngineInbox], loop: EngineState) -> b
         loop.handle(msg)
 
 
-async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.MemorySendChannel[Event],
+async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.MemorySendChannel[Event | EventBatch],
               settings: Settings, engine: EnginePort, freed: trio.MemorySendChannel[SlotFreed],
-              observe: trio.MemorySendChannel[Observe],
+              observe: trio.MemorySendChannel[list[Observe]],
               task_status: trio.TaskStatus[EngineState] = trio.TASK_STATUS_IGNORED) -> None:
     """Started with ``nursery.start``, which returns the actor's state: read it through its
     ``statistics()`` (and ``health``), never write it."""
@@ -410,11 +457,12 @@ async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.Mem
                         closed = True
                 closed = closed or drain(inbox, loop)
                 retired = loop.retired
-                await loop.step()
-                await trio.lowlevel.checkpoint()
+                if not await loop.step():
+                    await trio.lowlevel.checkpoint()  # the step ran nothing: let the others run
                 if loop.retired != retired:
-                    # Freed slots are being refilled a few hops upstream: one more scheduler pass
-                    # lets those requests join the next step instead of a step of their own.
+                    # Freed slots are being refilled a few hops upstream: two scheduler passes
+                    # let those requests join the next step instead of a step of their own.
+                    await trio.lowlevel.checkpoint()
                     await trio.lowlevel.checkpoint()
         finally:
             loop.close()

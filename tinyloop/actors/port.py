@@ -12,8 +12,8 @@ Nothing here imports torch or the model: the actors and the HTTP layer load with
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -49,7 +49,9 @@ class EnginePort(Protocol):
         ...
 
     async def step(self, seqs: Sequence[Any]) -> Sequence[TokenEvent]:
-        """One iteration over the active sequences."""
+        """One iteration over the active sequences. It yields to the scheduler (any Trio
+        sleep, thread or channel wait does): the engine actor takes no checkpoint of its own
+        after a step that ran."""
         ...
 
     def free(self, seq: Any) -> None: ...
@@ -96,16 +98,22 @@ def _out_of_memory() -> tuple[type[BaseException], ...]:
     return (MemoryError,) if torch is None else (MemoryError, torch.OutOfMemoryError)
 
 
-@contextmanager
-def engine_errors() -> Iterator[None]:
-    """Map foreign failures of model work to EngineError (TinyLoop errors pass through)."""
-    try:
-        yield
-    except TinyLoopError:
-        raise
-    except _out_of_memory() as exc:
-        raise EngineError(f"out of memory: {exc}") from exc
-    except Exception as exc:
+class engine_errors:  # noqa: N801 (used as ``with engine_errors():``, like a function)
+    """Map foreign failures of model work to EngineError (TinyLoop errors pass through). A
+    plain context manager, not a ``contextmanager`` generator: the engine actor enters one per
+    step."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None or isinstance(exc, TinyLoopError) or not isinstance(exc, Exception):
+            return  # nothing raised, or passes through as it is
+        if isinstance(exc, _out_of_memory()):
+            raise EngineError(f"out of memory: {exc}") from exc
         raise EngineError(f"{type(exc).__name__}: {exc}") from exc
 
 

@@ -1,6 +1,6 @@
 """The queue actor: a priority heap (FIFO within a priority, with aging) in front of the engine.
 
-It hands the best ticket to the dispatcher for each ``Pull`` (one per free engine slot), so a
+It hands the best ticket to the dispatcher for each slot a ``Pull`` asks to fill (free engine slots), so a
 request is chosen at the moment a slot frees up, never earlier. ``Cancel`` (a caller's nudge,
 ``Ticket.cancel``) takes a queued ticket out; the queue then retires it as cancelled.
 
@@ -87,8 +87,8 @@ def _take(msg: Enqueue | QueueFeedback | UpstreamClosed, state: QueueState,
         case Cancel(ticket=ticket):
             if heap.remove(ticket):
                 _retire_cancelled(ticket, events)
-        case Pull():
-            state.pulls += 1
+        case Pull(slots=n):
+            state.pulls += n
         case UpstreamClosed():
             return False
     return True

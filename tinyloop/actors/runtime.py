@@ -26,8 +26,9 @@ actor to return; without ``drain`` it first cancels every request, so each actor
 at once. When the runtime is left by an exception or cancellation the actors are cancelled
 instead; once they have all stopped the runtime retires what they left (``_orphans``).
 
-Channel buffers: admission's inbox is 0 (a caller waits for its answer anyway, and closing it
-refuses a caller still sending); the ready and dispatch channels carry at most ``max_batch_size``
+Channel buffers: admission's inbox is unbounded but holds at most one Admit per caller (each
+then waits on its ticket; closing it refuses later callers, and admission answers the ones
+buffered before); the ready and dispatch channels carry at most ``max_batch_size``
 messages (one per engine slot); the enqueue, feedback and event channels are unbounded but carry
 at most a few messages per live request; nobody blocks on a feedback channel.
 """
@@ -60,11 +61,11 @@ from tinyloop.errors import SchedulerShutdown
 from tinyloop.limits import Resolved
 from tinyloop.messages import (
     Admit,
-    AdmitReply,
     Cancel,
     EngineInbox,
     Enqueue,
     Event,
+    EventBatch,
     Observe,
     QueueFeedback,
     Ready,
@@ -116,7 +117,7 @@ class Runtime:
         self._actors = trio.CancelScope()
         self._tickets: OrderedDict[str, Ticket] = OrderedDict()
         self.started_at = time.time()
-        self._admit_send, self._admit_recv = trio.open_memory_channel[Admit](0)
+        self._admit_send, self._admit_recv = trio.open_memory_channel[Admit](math.inf)
         self._prefix_send, self._engine_recv = trio.open_memory_channel[EngineInbox](settings.max_batch_size + 1)
         # the queue's mailbox: admission's pipe in, the runtime's Cancel and the dispatcher's Pull back
         self._enqueue_pipe: Pipe[Enqueue]
@@ -143,8 +144,8 @@ class Runtime:
 
     async def _start(self, n: trio.Nursery) -> None:
         settings = self.settings
-        events_send, events_recv = trio.open_memory_channel[Event](math.inf)
-        observe_send, observe_recv = trio.open_memory_channel[Observe](math.inf)
+        events_send, events_recv = trio.open_memory_channel[Event | EventBatch](math.inf)
+        observe_send, observe_recv = trio.open_memory_channel[list[Observe]](math.inf)
         # the dispatcher's mailbox: the queue's pipe in, the engine's SlotFreed back
         ready_pipe: Pipe[Ready]
         freed_send: trio.MemorySendChannel[SlotFreed]
@@ -158,7 +159,7 @@ class Runtime:
         self._dispatcher = await n.start(partial(
             dispatcher.run, inbox=dispatcher_inbox, outbox=dispatch_send, settings=settings,
             pulls=self._cancel_send.clone(), events=events_send.clone(),
-            pool_size=lambda: self._engine.statistics().prefix_pool_size))
+            pool_size=lambda: self._engine.pool_size()))
         self._queue = await n.start(partial(
             queue.run, inbox=self._queue_inbox, outbox=ready_pipe, settings=settings,
             events=events_send.clone()))
@@ -196,34 +197,25 @@ class Runtime:
         assert stream.result is not None
         return stream.result
 
-    async def _admit(self, ticket: Ticket) -> None:
+    def _admit(self, ticket: Ticket, reply: bool) -> None:
+        """Hand the ticket to admission (its answer comes on the ticket's channel: a refusal
+        always, a go-ahead when ``reply``); SchedulerShutdown once the runtime refuses new
+        requests."""
         if self._shutting_down:
             self._refused(ticket)
             raise SchedulerShutdown("the runtime has stopped" if self._stopped.is_set()
                                     else "the runtime is shutting down")
-        reply_send, reply_recv = trio.open_memory_channel[AdmitReply](1)
         self._remember(ticket)
-        try:  # an unbuffered send that did not complete was not received: the ticket is ours
-            await self._admit_send.send(Admit(ticket, reply_send))
-        except BaseException as exc:
+        try:  # unbounded: each caller sends one Admit and then waits on its ticket
+            self._admit_send.send_nowait(Admit(ticket, reply))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
             self._refused(ticket)
-            if isinstance(exc, trio.ClosedResourceError | trio.BrokenResourceError):
-                raise SchedulerShutdown("the runtime is shutting down") from None  # refuse_new_requests
-            raise
-        try:
-            with reply_recv:
-                reply = await reply_recv.receive()
-        except trio.EndOfChannel:  # admission stopped before it forwarded the ticket
-            self._refused(ticket)
-            raise SchedulerShutdown("the runtime is shutting down") from None
-        if reply.error is not None:
-            self._refused(ticket)
-            raise reply.error
+            raise SchedulerShutdown("the runtime is shutting down") from None  # refuse_new_requests
 
     def _refused(self, ticket: Ticket) -> None:
         """Admission never took the ticket on: the runtime, still its holder, ends it."""
         ticket.state = RequestState.CANCELLED
-        ticket.send.close()
+        ticket.items.close()
         self._tickets.pop(ticket.request_id, None)
 
     def _cancel(self, ticket: Ticket, error: BaseException | None = None) -> None:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from tinyloop.actors.ticket import Failure, Final, Ticket
+from tinyloop.actors.ticket import AdmitReply, Failure, Final, Item, Ticket
+from tinyloop.errors import SchedulerShutdown
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
 if TYPE_CHECKING:
@@ -27,7 +28,9 @@ class Gate(Protocol):
 
     def check(self, request: GenerationRequest) -> Resolved: ...
 
-    async def _admit(self, ticket: Ticket) -> None: ...
+    def _admit(self, ticket: Ticket, reply: bool) -> None: ...
+
+    def _refused(self, ticket: Ticket) -> None: ...
 
     def _cancel(self, ticket: Ticket, error: BaseException | None = None) -> None: ...
 
@@ -40,7 +43,7 @@ class RequestStream:
         self._runtime = runtime
         self.ticket = Ticket(request, priority, slo_ms, stream, trio.current_time())
         self._started = False
-        self._terminal: Final | Failure | None = None  # met by next_burst, handed out next
+        self._terminal: Item | None = None  # met by next_burst, handed out next
         self.result: GenerationResult | None = None
 
     @property
@@ -59,35 +62,65 @@ class RequestStream:
         Idempotent; iteration calls it if needed."""
         if self._started:
             return
+        self._begin(reply=True)
+        try:
+            item = await self.ticket.items.receive()
+        except trio.EndOfChannel:  # ended before admission answered (the runtime closed)
+            self.cancel()
+            raise SchedulerShutdown("the runtime is shutting down") from None
+        except BaseException:
+            self.cancel()
+            raise
+        self._admitted(item)
+
+    def _begin(self, reply: bool) -> None:
+        """Check the request and hand the ticket to admission (which answers on its channel)."""
         self.ticket.resolved = self._runtime.check(self.ticket.request)  # the one check
         self._started = True
         try:
-            await self._runtime._admit(self.ticket)
+            self._runtime._admit(self.ticket, reply)
         except BaseException:
-            self._runtime._cancel(self.ticket)
             self.ticket.close_receiver()
             raise
+
+    def _admitted(self, item: Item) -> None:
+        """Admission's answer, or what ended the ticket before one came: raise a refusal."""
+        match item:
+            case AdmitReply(error=None):
+                return
+            case AdmitReply(error=BaseException() as error):
+                self._runtime._refused(self.ticket)
+                self.ticket.close_receiver()
+                raise error
+            case Failure(error=error):  # the runtime closed before admission answered
+                self.ticket.close_receiver()
+                raise error
+        raise AssertionError(f"{item!r} before admission answered")  # pragma: no cover
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> GenerationChunk:
         try:
-            await self.start()
-            item, self._terminal = self._terminal or await self.ticket.receive.receive(), None
+            if not self._started:  # no go-ahead asked for: a refusal comes as the first item
+                self._begin(reply=False)
+            item, self._terminal = self._terminal or await self.ticket.items.receive(), None
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
         except BaseException:
             self.cancel()
             raise
         match item:
+            case GenerationChunk():
+                return item
             case Final(result=result):
                 self.result = result
                 raise StopAsyncIteration
             case Failure(error=error):
                 raise error
-            case _:
-                return item
+            case AdmitReply(error=error) if error is not None:
+                self._admitted(item)
+        raise AssertionError(f"unexpected {item!r}")  # pragma: no cover
 
     async def next_burst(self) -> list[GenerationChunk]:
         """Every chunk delivered so far (waiting for at least one); ``[]`` once the stream ends.
@@ -101,14 +134,20 @@ class RequestStream:
             return []
         while self._terminal is None:
             try:
-                item = self.ticket.receive.receive_nowait()
+                item = self.ticket.items.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
-            if isinstance(item, Final | Failure):
-                self._terminal = item
-            else:
+            if isinstance(item, GenerationChunk):
                 burst.append(item)
+            else:  # Final or Failure (an AdmitReply only ever comes first)
+                self._terminal = item
         return burst
+
+    @property
+    def ready(self) -> bool:
+        """The next iteration would not wait for the engine: a chunk or the end is already
+        here (an SSE writer then needs no drain watch around it)."""
+        return self._started and (self._terminal is not None or self.ticket.items.ready)
 
     def cancel(self) -> None:
         """Abandon the request (synchronous: safe in ``finally`` and under cancellation)."""

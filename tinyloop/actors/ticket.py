@@ -10,7 +10,8 @@ field                  writer
 ``state`` QUEUED       set at creation (the caller's task)
 DISPATCHED             the dispatcher, as it sends ``Dispatch``
 DECODING               the engine actor, once the engine started the sequence
-terminal               the holder: the runtime (refused at admission), the queue (cancelled
+terminal               the holder: admission (refused), the runtime (refused before admission
+                       had it), the queue (cancelled
                        while queued), the dispatcher (cancelled before dispatch), the engine
                        actor (whatever it held); once every actor has stopped, the runtime
                        retires what is left (``Runtime._orphans``)
@@ -27,13 +28,27 @@ leaves the queue at once instead of when it would be popped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
+from tinyloop.actors.chute import Chute
 from tinyloop.limits import Resolved
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
-__all__ = ["Ticket", "Final", "Failure", "Item"]
+if TYPE_CHECKING:
+    from tinyloop.policy.admission import Decision
+
+__all__ = ["Ticket", "Final", "Failure", "AdmitReply", "Item"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitReply:
+    """Admission's answer, the first item on the ticket's own channel: a refusal always, a
+    go-ahead only when the caller asked to wait for one (``tinyloop.messages.Admit.reply``)."""
+
+    decision: Decision | None
+    error: BaseException | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,16 +65,16 @@ class Failure:
     error: BaseException
 
 
-Item = GenerationChunk | Final | Failure
+Item = GenerationChunk | Final | Failure | AdmitReply  # an AdmitReply only ever comes first
 
 
 @dataclass(eq=False)
 class Ticket:
     """One admitted (or being admitted) request (the module docstring says who writes what).
 
-    The holder writes chunks and one ``Final``/``Failure`` into ``send``; the caller reads
-    ``receive``. The buffer holds every item a request can produce (``max_tokens + 1``), so the
-    engine never blocks on a slow reader.
+    Admission may write an ``AdmitReply`` first; then the holder writes chunks and one
+    ``Final``/``Failure`` into ``items`` (``deliver``, ``terminate``); the caller reads it. A
+    ``Chute`` never blocks its writer, so no actor waits on a slow reader.
     """
 
     request: GenerationRequest
@@ -72,11 +87,10 @@ class Ticket:
     cancelled: bool = False
     cancel_error: BaseException | None = None  # told to the caller when the runtime cancels it
     receiver_closed: bool = False  # written by the caller's side only (close_receiver)
-    send: trio.MemorySendChannel[Item] = field(init=False)
-    receive: trio.MemoryReceiveChannel[Item] = field(init=False)
+    items: Chute[Item] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.send, self.receive = trio.open_memory_channel[Item](self.request.max_tokens + 1)
+        self.items = Chute()
 
     @property
     def loops(self) -> int:
@@ -111,24 +125,24 @@ class Ticket:
     def close_receiver(self) -> None:
         """The caller's side: stop reading (what the engine side delivers next is dropped)."""
         self.receiver_closed = True
-        self.receive.close()
+        self.items.close_receiver()
 
     def deliver(self, item: Item) -> bool:
         """Hand an item to the caller; False when the caller is gone."""
         try:
-            self.send.send_nowait(item)
+            self.items.send_nowait(item)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return False
         return True
 
-    def terminate(self, state: RequestState, item: Final | Failure | None = None) -> None:
+    def terminate(self, state: RequestState, item: Final | Failure | AdmitReply | None = None) -> None:
         """Enter a terminal state, deliver the last item, close the holder's end."""
         self.state = state
         if item is None and state is RequestState.CANCELLED and self.cancel_error is not None:
             item = Failure(self.cancel_error)
         if item is not None:
             self.deliver(item)
-        self.send.close()
+        self.items.close()
 
     def ms_since(self, t: float | None) -> float | None:
         return None if t is None else (trio.current_time() - t) * 1000

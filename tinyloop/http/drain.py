@@ -10,8 +10,7 @@ while the connection can still carry it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 import trio
 
@@ -37,13 +36,26 @@ class Drain:
         for scope in self._scopes:
             scope.deadline = min(scope.deadline, self.cut_at)
 
-    @contextmanager
-    def watch(self) -> Iterator[trio.CancelScope]:
+    def watch(self) -> _Watch:
         """A cancel scope that expires at the cut-off (``cancelled_caught`` tells it did). Wrap
-        only awaits in it, never a ``yield`` of an async generator."""
-        with trio.CancelScope(deadline=self.cut_at) as scope:
-            self._scopes.add(scope)
-            try:
-                yield scope
-            finally:
-                self._scopes.discard(scope)
+        only awaits in it, never a ``yield`` of an async generator. (A plain class, not a
+        ``contextmanager``: an SSE writer enters one per write.)"""
+        return _Watch(self)
+
+
+class _Watch:
+    __slots__ = ("_drain", "_scope")
+
+    def __init__(self, drain: Drain) -> None:
+        self._drain = drain
+        self._scope = trio.CancelScope(deadline=drain.cut_at)
+
+    def __enter__(self) -> trio.CancelScope:
+        scope = self._scope.__enter__()
+        self._drain._scopes.add(scope)
+        return scope
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        self._drain._scopes.discard(self._scope)
+        return self._scope.__exit__(exc_type, exc, tb)

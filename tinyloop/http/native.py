@@ -5,8 +5,10 @@ plus the draft counts), tokenizer."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import AsyncGenerator, Callable
 from functools import partial
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
 from quart import Blueprint, Response, current_app, jsonify
@@ -24,7 +26,7 @@ from tinyloop.http.schemas import (
     TreeSpeculativeRequest,
 )
 from tinyloop.http.service import DONE, collect, make_requests, new_id, parse_body, served, sse, sse_response, start_all
-from tinyloop.requests import GenerationResult
+from tinyloop.requests import GenerationChunk, GenerationResult
 
 __all__ = ["blueprint"]
 
@@ -78,18 +80,25 @@ async def _generate(body: GenerateBase, mode: str, rename: dict[str, str] | None
 
 
 async def _events(rid: str, stream: RequestStream) -> AsyncGenerator[bytes, None]:
+    head = b'data: {"id":' + json.dumps(rid).encode() + b',"index":'
     while burst := await stream.next_burst():  # what piled up goes out in one write
-        events = []
-        for c in burst:
-            event: dict[str, Any] = {"id": rid, "index": c.index, "token_id": c.token_id,
-                                     "text": c.text, "loops": c.loops_used}
-            if c.logprob is not None:
-                event["logprob"] = c.logprob.logprob
-            events.append(sse(event))
-        yield b"".join(events)
+        yield b"".join([_chunk_event(head, rid, c) for c in burst])
     assert stream.result is not None
     yield sse({"done": True, **result_json(rid, stream.result)})
     yield DONE
+
+
+def _chunk_event(head: bytes, rid: str, c: GenerationChunk) -> bytes:
+    """One token's event, byte for byte what ``sse`` makes of its dict; the common case (no
+    logprob, loops known) is spliced from ``head`` (the stream's prefix) without a dict."""
+    if c.logprob is None and c.loops_used is not None:
+        return b"%s%d,\"token_id\":%d,\"text\":%s,\"loops\":%d}\n\n" % (
+            head, c.index, c.token_id, _json_str(c.text).encode(), c.loops_used)
+    event: dict[str, Any] = {"id": rid, "index": c.index, "token_id": c.token_id, "text": c.text,
+                             "loops": c.loops_used}
+    if c.logprob is not None:
+        event["logprob"] = c.logprob.logprob
+    return sse(event)
 
 
 @blueprint.post("/generate/speculative")

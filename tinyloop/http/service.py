@@ -14,6 +14,7 @@ from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import trio
 from quart import Response, current_app, g, request
 
 from tinyloop.actors.runtime import Runtime
@@ -314,12 +315,15 @@ def sse_guard(events: AsyncGenerator[bytes, None],
               streams: Sequence[RequestStream]) -> AsyncIterator[bytes]:
     """Wrap an SSE body: a failure after streaming began becomes an error event then [DONE];
     a client that goes away cancels every stream; a graceful shutdown about to cut the stream
-    (the app's ``Drain``) ends it the same way, with a ``shutting down`` error. Call it in the
-    request context: the body runs after that context ended."""
+    (the app's ``Drain``) ends it the same way, with a ``shutting down`` error. The drain's
+    cancel scope is only set up around a wait for the engine: while every stream has a chunk
+    (or its end) ready, the cut-off is checked by the clock instead. Call it in the request
+    context: the body runs after that context ended."""
     from tinyloop.errors import SchedulerShutdown
     from tinyloop.http.drain import DRAIN_KEY, Drain
 
     drain: Drain = current_app.extensions.get(DRAIN_KEY) or Drain()
+    cut_off = SchedulerShutdown("shutting down: the server's graceful timeout ends this stream")
 
     async def guarded() -> AsyncIterator[bytes]:
         try:
@@ -327,11 +331,15 @@ def sse_guard(events: AsyncGenerator[bytes, None],
             # warns about an unfinished async generator)
             async with aclosing(events):
                 while True:
-                    with drain.watch() as cut:  # no yield inside the scope
+                    if all(s.ready for s in streams):  # no wait for the engine: no scope needed
+                        if trio.current_time() >= drain.cut_at:
+                            raise cut_off
                         chunk = await anext(events, None)
-                    if cut.cancelled_caught:
-                        raise SchedulerShutdown("shutting down: the server's graceful timeout "
-                                                "ends this stream")
+                    else:
+                        with drain.watch() as cut:  # no yield inside the scope
+                            chunk = await anext(events, None)
+                        if cut.cancelled_caught:
+                            raise cut_off
                     if chunk is None:
                         return
                     yield chunk
