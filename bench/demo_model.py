@@ -2,6 +2,7 @@
 
     python bench/demo_model.py [--model FILE.tinyloop] [--loops 1,2,4,8,16] [--windows N]
                                [--problems 1000] [--threads 2] [--no-samples] [--no-speculation]
+                               [--weights float,int8,int4]
 
 Rebuilds the held-out splits the artifact was trained against (its ``tinyloop.train`` metadata
 names the corpus spec): the text validation files of the Python standard library found on this
@@ -17,6 +18,10 @@ machine, and the held-out addition problems. Prints four tables:
 
 Everything runs through the serving model's own forward (``LoopedLM`` in float32, the engine for
 samples and speculation), so the figures describe the model as ``tinyloop serve`` runs it.
+
+``--weights float,int8,int4`` replaces tables 1 and 2 by one table each with a column per weights
+mode (loops x weights): the model's linear layers quantized as ``Engine(weights=...)`` and
+``TINYLOOP_WEIGHTS`` do (``quant.quantize_linears``), each mode on a fresh load.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch  # noqa: E402
 
 from tinyloop.engine.engine import Engine  # noqa: E402
 from tinyloop.model.artifact import load_artifact  # noqa: E402
+from tinyloop.model.quant import WEIGHT_MODES, quantize_linears  # noqa: E402
 from tinyloop.requests import GenerationRequest, SamplingParams  # noqa: E402
 from tinyloop.settings import Settings  # noqa: E402
 from tinyloop.train.corpus import CorpusSpec, held_out_problems, validation_text  # noqa: E402
@@ -65,12 +71,16 @@ def digits(pairs: np.ndarray) -> np.ndarray:
     return np.char.str_len(pairs.max(axis=1).astype(str))
 
 
-def quality(model, tokenizer, spec: CorpusSpec, loop_counts: list[int], n_windows: int,
-            n_problems: int) -> None:
+def eval_sets(model, tokenizer, spec: CorpusSpec, n_windows: int, n_problems: int):
+    """The held-out text stream, its windows and the held-out addition problems."""
     stream = validation_text(spec, tokenizer)
     windows = text_windows(stream, n_windows, model.config.max_position)
     pairs = held_out_problems(spec.seed, spec.n_held_out, spec.max_digits)[:n_problems]
-    default = model.config.default_loops
+    return stream, windows, pairs
+
+
+def measure(model, tokenizer, windows: torch.Tensor, pairs: np.ndarray, loop_counts: list[int]):
+    """Text loss, addition accuracy and accuracy by digit count per loop count."""
     losses, accs, by_digits = {}, {}, {}
     for r in loop_counts:
         t0 = time.perf_counter()
@@ -79,6 +89,14 @@ def quality(model, tokenizer, spec: CorpusSpec, loop_counts: list[int], n_window
                         for d in sorted(set(digits(pairs).tolist()))}
         accs[r] = sum(a * int((digits(pairs) == d).sum()) for d, a in by_digits[r].items()) / len(pairs)
         print(f"  loops {r}: {time.perf_counter() - t0:.1f}s", flush=True)
+    return losses, accs, by_digits
+
+
+def quality(model, tokenizer, spec: CorpusSpec, loop_counts: list[int], n_windows: int,
+            n_problems: int) -> None:
+    stream, windows, pairs = eval_sets(model, tokenizer, spec, n_windows, n_problems)
+    default = model.config.default_loops
+    losses, accs, by_digits = measure(model, tokenizer, windows, pairs, loop_counts)
     n_tok = windows[:, 1:].numel()
     print(f"\n### Text validation loss ({len(windows)} windows, {n_tok} tokens of "
           f"{stream.size} held-out stdlib tokens)\n")
@@ -93,6 +111,34 @@ def quality(model, tokenizer, spec: CorpusSpec, loop_counts: list[int], n_window
                 [[f"{r}" + (" (default)" if r == default else ""), f"{100 * accs[r]:.1f}%",
                   f"{100 * (accs[r] - accs[loop_counts[0]]):+.1f}",
                   *[f"{100 * by_digits[r][d]:.0f}%" for d in ds]] for r in loop_counts]))
+
+
+def quality_by_weights(path: Path, spec: CorpusSpec, loop_counts: list[int], n_windows: int,
+                       n_problems: int, modes: list[str]) -> None:
+    """The loss and accuracy tables with one column per weights mode (quant.py, as the engine
+    quantizes at load), each mode on a fresh load of the artifact."""
+    results = {}
+    for mode in modes:
+        art = load_artifact(path, dtype=torch.float32)
+        n_quant = quantize_linears(art.model, mode)
+        print(f"weights {mode}: {n_quant} weights quantized", flush=True)
+        stream, windows, pairs = eval_sets(art.model, art.tokenizer, spec, n_windows, n_problems)
+        results[mode] = measure(art.model, art.tokenizer, windows, pairs, loop_counts)
+    default = art.model.config.default_loops
+    base = modes[0]
+
+    def row(r: int, cell) -> list[str]:  # type: ignore[no-untyped-def]
+        return [f"{r}" + (" (default)" if r == default else ""), *[cell(mode, r) for mode in modes]]
+
+    print(f"\n### Text validation loss by weights ({len(windows)} windows, {windows[:, 1:].numel()} tokens; "
+          f"nats/token, change against {base} in brackets)\n")
+    print(table(["loops", *modes], [row(r, lambda m, r: f"{results[m][0][r]:.4f}" + (
+        "" if m == base else f" ({results[m][0][r] - results[base][0][r]:+.4f})")) for r in loop_counts]))
+    print(f"\n### Held-out addition by weights, exact match, greedy ({len(pairs)} problems; "
+          f"points against {base} in brackets)\n")
+    print(table(["loops", *modes], [row(r, lambda m, r: f"{100 * results[m][1][r]:.1f}%" + (
+        "" if m == base else f" ({100 * (results[m][1][r] - results[base][1][r]):+.1f})"))
+        for r in loop_counts]))
 
 
 def greedy(ignore_eos: bool = False) -> SamplingParams:
@@ -148,6 +194,8 @@ def main() -> None:
     ap.add_argument("--spec-tokens", type=int, default=48)
     ap.add_argument("--no-samples", action="store_true")
     ap.add_argument("--no-speculation", action="store_true")
+    ap.add_argument("--weights", help="comma-separated weights modes (float,int8,int4): the loss and "
+                    "accuracy tables side by side per mode, quantized as the engine does (quant.py)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or Settings().resolve_model_path()
@@ -158,8 +206,14 @@ def main() -> None:
     print(f"model: {path.name}; {c.n_prelude}+{c.n_core}xloops+{c.n_coda} layers, hidden {c.hidden}, "
           f"default loops {c.default_loops}; trained {train_meta.get('step', '?')} steps, "
           f"{train_meta.get('tokens_seen', '?')} tokens; torch threads {torch.get_num_threads()}")
-    quality(art.model, art.tokenizer, spec, [int(x) for x in args.loops.split(",")],
-            args.windows, args.problems)
+    loop_counts = [int(x) for x in args.loops.split(",")]
+    if args.weights:
+        modes = args.weights.split(",")
+        if bad := [m for m in modes if m not in WEIGHT_MODES]:
+            ap.error(f"--weights: unknown mode(s) {', '.join(bad)}; choose from {', '.join(WEIGHT_MODES)}")
+        quality_by_weights(path, spec, loop_counts, args.windows, args.problems, modes)
+    else:
+        quality(art.model, art.tokenizer, spec, loop_counts, args.windows, args.problems)
     if not (args.no_samples and args.no_speculation):
         engine = Engine.load(path, max_seq_len=c.max_position)
         if not args.no_samples:
