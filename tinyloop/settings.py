@@ -68,6 +68,9 @@ class Settings:
                               "most this many ms, then nothing starts before it")
     max_draft_nodes: int = _opt(64, "TINYLOOP_MAX_DRAFT_NODES",
                                 "speculative draft tokens per engine step, shared by its sequences")
+    draft_min_prob: float = _opt(0.2, "TINYLOOP_DRAFT_MIN_PROB",
+                                 "a speculative chain stops at a draft token the draft gives less than this "
+                                 "probability (0 = always draft_ahead)")
     prefix_caching: bool = _opt(True, "TINYLOOP_PREFIX_CACHING",
                                 "keep full KV blocks of ended requests for reuse by shared prompt prefixes")
     prefix_pool_capacity: int = _opt(16, "TINYLOOP_PREFIX_POOL_CAPACITY", "entries in the prefix pool (LRU)")
@@ -114,6 +117,8 @@ class Settings:
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.keep_alive_timeout <= 0:
             raise ConfigError("keep_alive_timeout must be > 0")
+        if not 0 <= self.draft_min_prob <= 1:
+            raise ConfigError("draft_min_prob must be in [0, 1]")
         if self.weights not in ("float", "int8", "int4"):
             raise ConfigError(f"weights must be float, int8 or int4, got {self.weights!r}")
         _ = self.kv_mode  # ConfigError for an impossible combination (fp16 qkv without h-mode)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,9 +21,10 @@ from tinyloop.engine.acceptance import DraftTree
 from tinyloop.engine.engine import Engine
 from tinyloop.engine.sampling import make_generator, target_probs
 from tinyloop.engine.speculative import counters
-from tinyloop.errors import RequestError
+from tinyloop.errors import ConfigError, RequestError
 from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.requests import GenerationChunk, GenerationRequest, SamplingParams
+from tinyloop.settings import Settings
 from tinyloop.tokenizer import default_tokenizer
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
@@ -103,7 +105,7 @@ def test_greedy_speculation_equals_plain_greedy(engine: Engine, mode: str, extra
     assert out.draft_tokens == out.accepted_draft_tokens + out.rejected_draft_tokens
     assert out.accepted_draft_tokens <= out.completion_tokens - 1  # the first comes from prefill
     if extra["draft_loops"] == 4:  # a perfect draft: every drafted token accepted
-        assert out.rejected_draft_tokens == 0 and out.accepted_draft_tokens >= 18
+        assert out.rejected_draft_tokens == 0 and out.accepted_draft_tokens == out.draft_tokens > 0
     assert engine.kv_statistics().blocks_used == 0
 
 
@@ -126,6 +128,42 @@ def test_tree_branches_at_every_depth_and_keeps_greedy_output(engine: Engine, ve
         siblings = [tuple(tree.tokens[c] for c in tree.children(n)) for n in range(len(tree))]
         assert all(len(set(s)) == len(s) for s in siblings)  # distinct tokens under a parent
     assert engine.kv_statistics().blocks_used == 0
+
+
+@pytest.mark.parametrize("min_prob", [0.0, 1.0])
+def test_draft_min_prob_ends_a_chain_at_an_unsure_draft(min_prob: float, verified: list[DraftTree]) -> None:
+    """0: every chain drafts ``draft_ahead`` (the perfect draft: all accepted); 1: the draft is
+    never that sure, so every chain ends after one token. The output is plain greedy's."""
+    eng = make_engine(max_seq_len=256, block_size=8, draft_min_prob=min_prob)
+    out = eng.generate(req(PROMPT, max_tokens=24, loops=4, mode="speculative", sampling=GREEDY,
+                           draft_loops=4, draft_ahead=5))
+    assert out.tokens == plain(eng, PROMPT, 4)
+    lengths = [len(t) - 1 for t in verified]  # drafted tokens per chain
+    if min_prob == 0:
+        assert lengths[:3] == [5, 5, 5] and out.accepted_draft_tokens >= 18
+    else:
+        assert lengths == [1] * len(lengths) and out.accepted_draft_tokens == len(lengths) >= 11
+    assert out.rejected_draft_tokens == 0 and eng.kv_statistics().blocks_used == 0
+
+
+def test_draft_min_prob_drafts_fewer_rejected_tokens_on_the_demo_model() -> None:
+    """On the trained demo model a chain that stops where the draft is unsure drafts far fewer
+    tokens that verification rejects, keeps most accepted ones, and gives the same tokens."""
+    path = Path(__file__).resolve().parents[2] / "tinyloop" / "data" / "demo.tinyloop"
+    runs = {}
+    for min_prob in (0.0, 0.2):
+        eng = Engine.load(path, max_seq_len=256, draft_min_prob=min_prob)
+        prompt = tuple(eng.tokenizer.encode("Once upon a time, in a small town by the sea, there lived"))
+        runs[min_prob] = eng.generate(GenerationRequest(
+            prompt_tokens=prompt, max_tokens=48, sampling=GREEDY, mode="speculative", draft_loops=1,
+            draft_ahead=8))
+        assert eng.kv_statistics().blocks_used == 0
+    full, adaptive = runs[0.0], runs[0.2]
+    assert adaptive.tokens == full.tokens
+    assert full.rejected_draft_tokens is not None and adaptive.rejected_draft_tokens is not None
+    assert full.accepted_draft_tokens is not None and adaptive.accepted_draft_tokens is not None
+    assert adaptive.rejected_draft_tokens * 3 <= full.rejected_draft_tokens
+    assert adaptive.accepted_draft_tokens >= 0.8 * full.accepted_draft_tokens
 
 
 def test_other_loops_and_prompts(engine: Engine) -> None:
@@ -233,6 +271,12 @@ def test_validation() -> None:
         with pytest.raises(RequestError) as info:
             eng.start(GenerationRequest(prompt_tokens=(1, 2), mode="speculative", **fields))
         assert info.value.param == param
+    for bad in (-0.1, 1.5):
+        with pytest.raises(RequestError) as info:
+            make_engine(draft_min_prob=bad)
+        assert info.value.param == "draft_min_prob"
+        with pytest.raises(ConfigError, match="draft_min_prob"):
+            Settings(draft_min_prob=bad)
 
 
 def test_a_model_with_an_exit_rule_is_refused() -> None:
@@ -294,9 +338,11 @@ def exact_joint(eng: Engine, prompt: list[int], first: int) -> dict[tuple[int, .
     return out
 
 
-def sample_many(eng: Engine, request: GenerationRequest, n: int) -> tuple[int, Counter[tuple[int, ...]], int, int]:
+def sample_many(eng: Engine, request: GenerationRequest,
+                n: int) -> tuple[int, Counter[tuple[int, ...]], int, int, int]:
     """Prefill once, take the greedy first token, then fork ``n`` copies with seeds 0..n-1 and
-    run them as one batch: (first token, counts of tokens 2..4, drafted, rejected)."""
+    run them as one batch: (first token, counts of tokens 2..4, drafted, rejected, chains cut
+    short by ``draft_min_prob``)."""
     seq = eng.start(request)
     eng.accept(seq, int(eng.prefill(seq).argmax()), None)
     kids = []
@@ -310,29 +356,36 @@ def sample_many(eng: Engine, request: GenerationRequest, n: int) -> tuple[int, C
     counts = Counter(tuple(k.output[1:]) for k in kids)
     drafted = sum(counters(k).drafted for k in kids)
     rejected = sum(counters(k).rejected for k in kids)
+    stopped = sum(counters(k).stopped_unsure for k in kids)
     for k in kids:
         eng.free(k)
-    return seq.output[0], counts, drafted, rejected
+    return seq.output[0], counts, drafted, rejected, stopped
 
 
-@pytest.mark.parametrize(("mode", "extra"), [
-    ("speculative", dict(draft_loops=2, draft_ahead=2)),
-    ("tree", dict(draft_loops=2, draft_ahead=2, k_branches=2)),
-    ("tree", dict(draft_loops=1, draft_ahead=2, k_branches=3)),
+@pytest.mark.parametrize(("mode", "extra", "min_prob"), [
+    ("speculative", dict(draft_loops=2, draft_ahead=2), 0.0),
+    # chains that end where the drawn draft token was unlikely, the others run to their end
+    ("speculative", dict(draft_loops=2, draft_ahead=2), 0.5),
+    ("tree", dict(draft_loops=2, draft_ahead=2, k_branches=2), 0.2),
+    ("tree", dict(draft_loops=1, draft_ahead=2, k_branches=3), 0.2),
 ])
-def test_sampled_speculation_has_the_distribution_of_plain_sampling(mode: str, extra: dict[str, int],
+def test_sampled_speculation_has_the_distribution_of_plain_sampling(mode: str, extra: dict[str, int], min_prob: float,
                                                                      verified: list[DraftTree]) -> None:
     n = 1000  # one batch of n sequences: a draft budget for every tree in full
-    eng = make_engine(max_seq_len=64, block_size=4, kv_cache_mb=64, max_draft_nodes=6 * n)
+    eng = make_engine(max_seq_len=64, block_size=4, kv_cache_mb=64, max_draft_nodes=6 * n, draft_min_prob=min_prob)
     prompt = [30, 31, 32, 33, 34]
     request = req(prompt, max_tokens=4, loops=4, mode=mode, sampling=SAMPLED, **extra)
-    first, counts, drafted, rejected = sample_many(eng, request, n)
+    first, counts, drafted, rejected, stopped = sample_many(eng, request, n)
     exact = exact_joint(eng, prompt, first)
     assert len(exact) == 8 and set(counts) <= set(exact)
     chi2 = sum((counts[k] - n * p) ** 2 / (n * p) for k, p in exact.items())
     assert chi2 < CHI2_DF7_P001, (chi2, counts, exact)
     # both sides of the rule ran: some drafts were accepted, some rejected
     assert 0.05 * drafted < rejected < 0.95 * drafted
+    if min_prob == 0.5:  # some chains were cut short, some not
+        assert 0.1 * n < stopped < 0.9 * n
+    else:
+        assert stopped == 0
     if extra.get("k_branches") == 3:  # here the rule held over trees with siblings at depth 2
         assert sum(map(deep_siblings, verified)) > 0.1 * len(verified)
     assert eng.kv_statistics().blocks_used == 0

@@ -44,6 +44,9 @@ from tinyloop.vocabulary import ExitRule, KVMode
 __all__ = ["Engine"]
 
 DEFAULT_MAX_DRAFT_NODES = 64
+# A speculative chain ends at a draft token the draft gives less than this probability: the best
+# of 0.1-0.3 on the demo model (bench/speculative.py); 0 drafts every chain to ``draft_ahead``.
+DEFAULT_DRAFT_MIN_PROB = 0.2
 # The randn initial state depends on the token position only (never on the request), so the KV
 # of a prompt prefix is the same for every request: prefix sharing and reproducible greedy
 # decoding both rely on it.
@@ -58,7 +61,7 @@ class Engine(KVAccounting, PrefixEntries):
                  chat_template: str | None = None, name: str = "tinyloop",
                  kv_mode: KVMode | str | None = None, prefix_caching: bool = True,
                  max_draft_nodes: int = DEFAULT_MAX_DRAFT_NODES, pack_weights: bool = True,
-                 weights: str = "float") -> None:
+                 weights: str = "float", draft_min_prob: float = DEFAULT_DRAFT_MIN_PROB) -> None:
         self.model = model.eval()
         if weights not in WEIGHT_MODES:
             raise RequestError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}", param="weights")
@@ -82,6 +85,9 @@ class Engine(KVAccounting, PrefixEntries):
         if max_draft_nodes < 1:
             raise RequestError("max_draft_nodes must be >= 1", param="max_draft_nodes")
         self.max_draft_nodes = max_draft_nodes  # speculative draft tokens per step, all sequences
+        if not 0 <= draft_min_prob <= 1:
+            raise RequestError("draft_min_prob must be in [0, 1]", param="draft_min_prob")
+        self.draft_min_prob = draft_min_prob  # a chain stops at a draft token less likely than this
         self._vocab_limit = min(tokenizer.vocab_size, self.config.vocab_size)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device

@@ -36,6 +36,7 @@ class Core(Protocol):
     config: ModelConfig
     device: torch.device
     max_draft_nodes: int
+    draft_min_prob: float
 
     @property
     def eos_ids(self) -> frozenset[int]: ...

@@ -35,6 +35,7 @@ __all__ = [
     "apply_penalties",
     "draw",
     "greedy_token",
+    "greedy_token_prob",
     "make_generator",
     "sample_batch",
     "sample_token",
@@ -132,6 +133,16 @@ def greedy_token(logits: torch.Tensor, params: SamplingParams, prompt_tokens: Se
     """The token a greedy ``sample_token`` picks from ``logits`` [V] after this history."""
     raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
     return int(torch.argmax(apply_penalties(raw, params, prompt_tokens, output_tokens)))
+
+
+def greedy_token_prob(logits: torch.Tensor, params: SamplingParams, prompt_tokens: Sequence[int],
+                      output_tokens: Sequence[int]) -> tuple[int, float]:
+    """``greedy_token``, and its probability under the penalised logits at temperature 1 (how
+    sure the model is of it)."""
+    raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
+    penalised = apply_penalties(raw, params, prompt_tokens, output_tokens)  # [V]
+    top = torch.argmax(penalised)
+    return int(top), float(torch.exp(penalised[top] - torch.logsumexp(penalised, dim=-1)))
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams, prompt_tokens: Sequence[int],
