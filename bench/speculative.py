@@ -1,12 +1,14 @@
 """Self-speculative decoding: plain vs chain vs tree, tokens/s and acceptance, one table.
 
     python bench/speculative.py [--model FILE.tinyloop] [--prompt TEXT] [--tokens 64] [--threads 1]
-                                [--repeat 2]
+                                [--repeat 2] [--draft-min-prob 0,0.2]
 
 Without ``--model`` a random ``small`` preset (what ``tinyloop init --preset small`` writes) is
 saved to a temporary file and loaded from there. Every row decodes the same prompt greedily
 (ignoring EOS) for ``--tokens`` tokens at the model's default loops, alone (batch 1), and checks
-that the tokens equal plain decoding's. Columns:
+that the tokens equal plain decoding's. Chain rows run once per ``--draft-min-prob`` (the
+engine's ``draft_min_prob``: a chain stops at a draft token the draft gives less than this
+probability; 0 drafts ``draft_ahead`` every time), labelled ``p<value>``. Columns:
 
 - ``tok/s``: generated tokens per second of wall time, prefill included (best of ``--repeat``);
 - ``accept``: accepted / drafted tokens (for a tree every node counts as drafted);
@@ -95,6 +97,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="runs per row; the fastest counts")
     ap.add_argument("--seed", type=int, default=0, help="init seed of the random model")
     ap.add_argument("--prompt", default=PROMPT, help="the prompt every row decodes from")
+    ap.add_argument("--draft-min-prob", default="0,0.2",
+                    help="comma-separated draft_min_prob values; chain rows run once per value")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,22 +115,25 @@ def main() -> None:
     engine.generate(request(tokens, 4, "plain", None, None, None))  # warm-up
     rows: list[Row] = []
     reference: list[int] = []
-    for mode, draft_loops, ahead, k in SETTINGS:
+    min_probs = [float(p) for p in args.draft_min_prob.split(",")]
+    runs = [(s, p) for s in SETTINGS for p in (min_probs if s[0] == "chain" else [engine.draft_min_prob])]
+    for (mode, draft_loops, ahead, k), min_prob in runs:
+        engine.draft_min_prob = min_prob
         wall, result = timed(engine, request(tokens, args.tokens, mode, draft_loops, ahead, k), args.repeat)
         if mode == "plain":
             reference = result.tokens
         steps = result.completion_tokens - 1 - (result.accepted_draft_tokens or 0)
         label = "plain" if mode == "plain" else (
-            f"{mode} d{draft_loops} a{ahead}" + (f" K{k}" if k else ""))
+            f"{mode} d{draft_loops} a{ahead}" + (f" K{k}" if k else f" p{min_prob:g}"))
         accept = None if result.draft_tokens is None else (
             (result.accepted_draft_tokens or 0) / max(result.draft_tokens, 1))
         rows.append(Row(label, result.completion_tokens / wall, accept,
                         (result.completion_tokens - 1) / max(steps, 1), result.tokens == reference))
     base = rows[0].tok_s
-    print(f"{'setting':<18} {'tok/s':>8} {'vs plain':>9} {'accept':>8} {'tok/step':>9} {'= plain':>8}")
+    print(f"{'setting':<22} {'tok/s':>8} {'vs plain':>9} {'accept':>8} {'tok/step':>9} {'= plain':>8}")
     for r in rows:
         acc = "-" if r.accept is None else f"{r.accept:.1%}"
-        print(f"{r.label:<18} {r.tok_s:>8.1f} {r.tok_s / base:>8.2f}x {acc:>8} {r.tok_step:>9.2f} "
+        print(f"{r.label:<22} {r.tok_s:>8.1f} {r.tok_s / base:>8.2f}x {acc:>8} {r.tok_step:>9.2f} "
               f"{'yes' if r.same else 'NO':>8}")
     if engine.kv_statistics().blocks_used:
         raise SystemExit("KV blocks leaked")
