@@ -23,7 +23,7 @@ from tinyloop.http.connection import install_protocol_errors
 from tinyloop.http.factory import attach, create_app
 from tinyloop.http.serve import serve_http
 from tinyloop.http.service import ServedModel
-from tinyloop.model.artifact import inspect_artifact
+from tinyloop.model.artifact import read_config
 from tinyloop.settings import Settings
 
 __all__ = ["serve", "load_engine", "lazy_app", "check_device"]
@@ -61,7 +61,7 @@ def load_engine(settings: Settings) -> Engine:
     if is_hf_dir(path):
         options["name"] = path.resolve().name  # the model's id: the directory's name
         path = converted_artifact(path, Path(settings.cache_dir) if settings.cache_dir else None)
-    max_position = int(inspect_artifact(path)["config"]["max_position"])
+    max_position = read_config(path).max_position
     engine = Engine.load(path, max_seq_len=settings.context_for(max_position), **options,
                        device=settings.device, dtype=_DTYPES.get(settings.dtype or "", None),
                        kv_cache_mb=settings.kv_cache_mb, block_size=settings.kv_block_size,

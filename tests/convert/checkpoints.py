@@ -13,7 +13,7 @@ import torch
 
 from tinyloop.convert import convert
 from tinyloop.engine.engine import Engine
-from tinyloop.requests import GenerationRequest
+from tinyloop.requests import GenerationRequest, SamplingParams
 from tinyloop.vocabulary import ExitRule
 
 CHECKPOINTS = Path(__file__).parent.parent / "data" / "checkpoints"
@@ -51,6 +51,24 @@ def full_logits(engine: Engine, ids: list[int], loops: int, exit: ExitRule | Non
         return engine.verify([seq], [ids])[0]
     finally:
         engine.free(seq)
+
+
+def cached_decode_logits(engine: Engine, ids: list[int], loops: int = 4) -> torch.Tensor:
+    """The last token's logits ``[V]``, decoded with the KV the prefill of the others left."""
+    seq = engine.start(GenerationRequest(prompt_tokens=tuple(ids[:-1]), loops=loops, max_tokens=2))
+    try:
+        engine.prefill(seq)
+        seq.pending = ids[-1]
+        return engine.decode([seq])[0]
+    finally:
+        engine.free(seq)
+
+
+def greedy_tokens(engine: Engine, ids: list[int], n: int, loops: int = 4, exit: ExitRule | None = None) -> list[int]:
+    """``n`` greedy tokens after ``ids`` (end-of-sequence ignored)."""
+    req = GenerationRequest(prompt_tokens=tuple(ids), loops=loops, max_tokens=n, exit=exit,
+                            sampling=SamplingParams(temperature=0.0, ignore_eos=True))
+    return list(engine.generate(req).tokens)
 
 
 def assert_refused(hf: Path, out_dir: Path, error: type[Exception], message: str) -> None:

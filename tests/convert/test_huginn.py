@@ -12,14 +12,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.convert.checkpoints import CHECKPOINTS, TOL, converted_engine, full_logits, max_diff, writable_copy
+from tests.convert.checkpoints import (
+    CHECKPOINTS,
+    TOL,
+    cached_decode_logits,
+    converted_engine,
+    full_logits,
+    greedy_tokens,
+    max_diff,
+    writable_copy,
+)
 from tinyloop.cli import main
 from tinyloop.convert import convert
 from tinyloop.engine.engine import Engine
 from tinyloop.errors import ArtifactError, ConfigError, TokenizerError
 from tinyloop.model.context import FullContext
 from tinyloop.model.looped import RowSpec
-from tinyloop.requests import GenerationRequest, SamplingParams
 
 FIXTURE = CHECKPOINTS / "huginn-tiny"
 
@@ -52,24 +60,14 @@ def test_padding_rows_match_the_reference_in_the_model(engine: Engine, reference
 
 
 def test_cached_decode_matches_the_reference(engine: Engine, reference: dict[str, torch.Tensor]) -> None:
-    ids = reference["input_ids"][0].tolist()
-    seq = engine.start(GenerationRequest(prompt_tokens=tuple(ids[:12]), loops=4, max_tokens=2))
-    try:
-        engine.prefill(seq)
-        seq.pending = ids[12]
-        logits = engine.decode([seq])[0]
-    finally:
-        engine.free(seq)
+    logits = cached_decode_logits(engine, reference["input_ids"][0].tolist())
     diff = max_diff(engine, logits, reference["decode_last_logits_loops4"])
     assert diff <= TOL, f"max |dlogit| {diff:.3g}"
 
 
 def test_greedy_continuation_matches_the_reference(engine: Engine, reference: dict[str, torch.Tensor]) -> None:
-    ids = reference["input_ids"][0].tolist()
     expected = reference["greedy_loops4"].tolist()
-    req = GenerationRequest(prompt_tokens=tuple(ids), loops=4, max_tokens=len(expected),
-                            sampling=SamplingParams(temperature=0.0, ignore_eos=True))
-    assert list(engine.generate(req).tokens) == expected
+    assert greedy_tokens(engine, reference["input_ids"][0].tolist(), len(expected)) == expected
 
 
 def test_artifact_carries_tokenizer_specials_and_chat_template(engine: Engine) -> None:

@@ -11,7 +11,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.convert.checkpoints import CHECKPOINTS, TOL, converted_engine, full_logits, max_diff, writable_copy
+from tests.convert.checkpoints import (
+    CHECKPOINTS,
+    TOL,
+    cached_decode_logits,
+    converted_engine,
+    full_logits,
+    greedy_tokens,
+    max_diff,
+    writable_copy,
+)
 from tinyloop.cli import main
 from tinyloop.convert import convert, detect_family
 from tinyloop.engine.engine import Engine
@@ -19,7 +28,7 @@ from tinyloop.errors import ArtifactError, ConfigError, RequestError
 from tinyloop.limits import ModelLimits
 from tinyloop.model.context import FullContext
 from tinyloop.model.looped import RowSpec
-from tinyloop.requests import GenerationRequest, SamplingParams
+from tinyloop.requests import GenerationRequest
 from tinyloop.vocabulary import ExitRule
 
 FIXTURE = CHECKPOINTS / "ouro-tiny"
@@ -123,14 +132,7 @@ def test_gate_select_at_half_picks_earlier_loops_than_the_last(reference: dict[s
 
 
 def test_cached_decode_matches_the_reference(engine: Engine, reference: dict[str, torch.Tensor]) -> None:
-    ids = reference["input_ids"][0].tolist()
-    seq = engine.start(GenerationRequest(prompt_tokens=tuple(ids[:10]), loops=4, max_tokens=2))
-    try:
-        engine.prefill(seq)
-        seq.pending = ids[10]
-        logits = engine.decode([seq])[0]
-    finally:
-        engine.free(seq)
+    logits = cached_decode_logits(engine, reference["input_ids"][0].tolist())
     diff = max_diff(engine, logits, reference["decode_last_logits_loops4"])
     assert diff <= TOL, f"max |dlogit| {diff:.3g}"
 
@@ -138,12 +140,8 @@ def test_cached_decode_matches_the_reference(engine: Engine, reference: dict[str
 @pytest.mark.parametrize("exit_rule", [None, ExitRule("none")])
 def test_greedy_continuation_matches_the_reference(engine: Engine, reference: dict[str, torch.Tensor],
                                                    exit_rule: ExitRule | None) -> None:
-    ids = reference["input_ids"][0].tolist()
     expected = reference["greedy_last_step_loops4"].tolist()
-    req = GenerationRequest(prompt_tokens=tuple(ids), loops=4, max_tokens=len(expected), exit=exit_rule,
-                            sampling=SamplingParams(temperature=0.0, ignore_eos=True))
-    result = engine.generate(req)
-    assert list(result.tokens) == expected
+    assert greedy_tokens(engine, reference["input_ids"][0].tolist(), len(expected), exit=exit_rule) == expected
 
 
 def test_artifact_carries_chatml_and_both_stop_tokens(engine: Engine) -> None:

@@ -18,7 +18,6 @@ from tinyloop.cli import main
 from tinyloop.convert import convert, detect_family
 from tinyloop.engine.engine import Engine
 from tinyloop.errors import ArtifactError, ConfigError
-from tinyloop.requests import GenerationRequest, SamplingParams
 
 LLAMA = ck.CHECKPOINTS / "retrofit-llama-tiny"
 OLMO = ck.CHECKPOINTS / "retrofit-olmo-tiny"
@@ -44,25 +43,15 @@ def test_full_forward_logits_match_the_reference(case: tuple[Engine, dict[str, t
 
 def test_cached_decode_matches_the_reference(case: tuple[Engine, dict[str, torch.Tensor]]) -> None:
     engine, reference = case
-    ids = reference["input_ids"][0].tolist()
-    seq = engine.start(GenerationRequest(prompt_tokens=tuple(ids[:-1]), loops=4, max_tokens=2))
-    try:
-        engine.prefill(seq)
-        seq.pending = ids[-1]
-        logits = engine.decode([seq])[0]
-    finally:
-        engine.free(seq)
+    logits = ck.cached_decode_logits(engine, reference["input_ids"][0].tolist())
     diff = ck.max_diff(engine, logits, reference["decode_last_logits_loops4"])
     assert diff <= ck.TOL, f"max |dlogit| {diff:.3g}"
 
 
 def test_greedy_continuation_matches_the_reference(case: tuple[Engine, dict[str, torch.Tensor]]) -> None:
     engine, reference = case
-    ids = reference["input_ids"][0].tolist()
     expected = reference["greedy_loops4"].tolist()
-    req = GenerationRequest(prompt_tokens=tuple(ids), loops=4, max_tokens=len(expected),
-                            sampling=SamplingParams(temperature=0.0, ignore_eos=True))
-    assert list(engine.generate(req).tokens) == expected
+    assert ck.greedy_tokens(engine, reference["input_ids"][0].tolist(), len(expected)) == expected
 
 
 def test_the_layout_follows_the_base_model(tmp_path: Path) -> None:

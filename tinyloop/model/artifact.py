@@ -36,7 +36,8 @@ from tinyloop.model.looped import LoopedLM
 from tinyloop.model.presets import empty_model
 from tinyloop.tokenizer import Tokenizer
 
-__all__ = ["FORMAT_VERSION", "Artifact", "artifact_metadata", "save_artifact", "load_artifact", "inspect_artifact"]
+__all__ = ["FORMAT_VERSION", "Artifact", "artifact_metadata", "save_artifact", "load_artifact", "inspect_artifact",
+           "read_config"]
 
 FORMAT_VERSION = 1
 
@@ -262,6 +263,14 @@ def _check_tensors(path: Path, header: _Header, config: ModelConfig) -> None:
         if header.tensors[name]["dtype"] not in _DTYPES:
             raise ArtifactError(f"{path}: tensor {name} has dtype {header.tensors[name]['dtype']}, "
                                 f"expected one of {', '.join(_DTYPES)}")
+
+
+def read_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """An artifact's model config, from its header alone (no tokenizer, no tensor read)."""
+    path = Path(path)
+    header = _read_header(path)
+    _check_version(path, header)
+    return _config(path, header)
 
 
 def _checked_header(path: Path) -> tuple[_Header, ModelConfig, Tokenizer, dict[str, Any]]:

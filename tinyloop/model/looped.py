@@ -191,7 +191,7 @@ class LoopedLM(nn.Module):
         rules = [s.exit if s.exit is not None else c.exit for s in specs]
         stops = None  # rules that stop a decoded token early run one token per row
         if n_tok == 1 and any(rule.stops for rule in rules):
-            stops = StopTracker(rules, loops, state[:, -1], self.head_width)
+            stops = StopTracker(rules, loops, state[:, -1], c.vocab_size)
         select = Selection.start(state, rules)
         exited = [False] * bsz
         done = [0] * bsz
@@ -228,11 +228,6 @@ class LoopedLM(nn.Module):
         if select is not None:
             logits = select.logits(logits)
         return ForwardOutput(logits=logits, state=state, loops_used=done)
-
-    @property
-    def head_width(self) -> int:
-        """The width of the logits (the embedding's rows)."""
-        return self.config.vocab_size
 
     def _logits_of(self, act: list[int], h: torch.Tensor, ctx: AttentionContext,
                    windows: torch.Tensor) -> Callable[[list[int]], torch.Tensor]:
