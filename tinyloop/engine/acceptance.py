@@ -101,23 +101,16 @@ class Verdict:
     nodes: list[int]  # the node whose logits produced each emitted token
 
 
-def _verdict(tree: DraftTree, path: list[int], last: int | None) -> Verdict:
-    """``last`` None: the path's end was not scored (no bonus token), it is emitted last."""
-    tokens = [tree.tokens[i] for i in path]
-    if last is None:
-        return Verdict(path, tokens, [0, *path][:len(path)])
-    return Verdict(path, tokens + [last], [0, *path])
+def _verdict(tree: DraftTree, path: list[int], last: int) -> Verdict:
+    return Verdict(path, [tree.tokens[i] for i in path] + [last], [0, *path])
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
                   prompt: Sequence[int], output: Sequence[int]) -> Verdict:
-    """Greedy verification of ``tree`` against the verifier's ``logits`` ``[T', V]``; a chain's
-    last node may be unscored (``T' = T - 1``): reached, it ends the path with no bonus token."""
+    """Greedy verification of ``tree`` against the verifier's ``logits`` ``[T, V]``."""
     path: list[int] = []
     node = 0
     while True:
-        if node >= logits.shape[0]:
-            return _verdict(tree, path, None)
         history = [*output, *(tree.tokens[i] for i in path)]
         best = greedy_token(logits[node], params, prompt, history)
         child = next((c for c in tree.children(node) if tree.tokens[c] == best), None)
@@ -134,8 +127,7 @@ def _uniform(generator: torch.Generator) -> float:
 def accept_chain_sampled(tree: DraftTree, logits: torch.Tensor, draft_probs: Sequence[torch.Tensor],
                          params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
                          generator: torch.Generator) -> Verdict:
-    """Speculative sampling of a chain whose node ``j + 1`` was drawn from ``draft_probs[j]``;
-    with its last node unscored (``logits`` one row short) an accepted chain has no bonus token."""
+    """Speculative sampling of a chain whose node ``j + 1`` was drawn from ``draft_probs[j]``."""
     path: list[int] = []
     node = 0
     for q in draft_probs:
@@ -150,8 +142,6 @@ def accept_chain_sampled(tree: DraftTree, logits: torch.Tensor, draft_probs: Seq
         if float(residual.sum()) <= 0:  # p == q up to rounding: rejection had probability ~0
             residual = p
         return _verdict(tree, path, draw(residual, generator))
-    if node >= logits.shape[0]:
-        return _verdict(tree, path, None)
     p = target_probs(logits[node], params, prompt, [*output, *(tree.tokens[i] for i in path)])
     return _verdict(tree, path, draw(p, generator))
 

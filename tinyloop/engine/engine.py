@@ -192,14 +192,9 @@ class Engine(KVAccounting, PrefixEntries):
         """One model forward; rows of the embedding past the tokenizer's vocabulary (padding in
         the checkpoint) get -inf logits, so sampling can never pick a token nobody can decode."""
         out: ForwardOutput = self.model(tokens, ctx, specs, last_only=last_only)
-        self.mask_vocab(out.logits)
+        if self._vocab_limit < out.logits.shape[-1]:
+            out.logits[..., self._vocab_limit:] = float("-inf")
         return out
-
-    def mask_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (in place) with -inf past the tokenizer's vocabulary (``run_model``)."""
-        if self._vocab_limit < logits.shape[-1]:
-            logits[..., self._vocab_limit:] = float("-inf")
-        return logits
 
     def _forward(self, seqs: Seq[Sequence], tokens: torch.Tensor, warm: bool) -> ForwardOutput:
         n_new = tokens.shape[1]

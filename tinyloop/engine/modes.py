@@ -20,7 +20,7 @@ from tinyloop.errors import EngineBroken, KVCacheExhausted
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.context import PagedContext
 from tinyloop.model.kvcache import SeqKV
-from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
+from tinyloop.model.looped import ForwardOutput, RowSpec
 from tinyloop.requests import TokenLogprob
 
 __all__ = ["Core", "Finish", "Strategy", "guard", "no_events", "reserve_or_fail"]
@@ -55,11 +55,6 @@ class Core(Protocol):
                   last_only: bool = True) -> ForwardOutput: ...
 
     def accept(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> TokenEvent: ...
-
-    @property
-    def model(self) -> LoopedLM: ...
-
-    def mask_vocab(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 class Strategy(Protocol):

@@ -62,7 +62,7 @@ from tinyloop.engine.sampling import apply_penalties, draw, greedy_token_prob, t
 from tinyloop.engine.sequence import Sequence
 from tinyloop.errors import KVCacheExhausted
 from tinyloop.model.kvcache import SeqKV
-from tinyloop.model.looped import RowSpec
+from tinyloop.model.looped import ForwardOutput, RowSpec
 from tinyloop.requests import GenerationResult
 
 __all__ = ["Emission", "SpeculationState", "Speculator", "counters"]
@@ -82,13 +82,6 @@ class _Job:
     forks: list[SeqKV] = field(default_factory=list)
     growth: TreeGrowth | None = None  # a tree's nodes while drafting (None for a chain)
     tree: DraftTree | None = None
-    # a chain's draft work per token fed (the pending one, then every drafted one but the last):
-    # the prelude's output and the state after the draft's loops, ``[H]`` each
-    prelude: list[torch.Tensor] = field(default_factory=list)
-    states: list[torch.Tensor] = field(default_factory=list)
-    carried: Carried | None = None  # the pending token's draft work, done by the last verify
-    continued: bool = False  # the verify continues the draft (``_verify_continued``)
-    lagged: Carried | None = None  # the last drafted token's draft work, done by this verify
 
     def __post_init__(self) -> None:
         if self.width > 1:
@@ -102,13 +95,6 @@ class _Job:
     @property
     def sampled_chain(self) -> bool:
         return self.width == 1 and not self.seq.request.sampling.greedy
-
-    def verify_key(self) -> tuple[bool, int, int]:
-        """Jobs with equal keys share a verify forward: (continues the draft, rows, first loop)."""
-        assert self.tree is not None
-        if self.continued:
-            return True, len(self.tree) - 1, self.draft_loops
-        return False, len(self.tree), 0
 
 
 @dataclass(eq=False, slots=True)
@@ -127,7 +113,6 @@ class Speculator:
 
     def __init__(self, core: Core) -> None:
         self.engine = core
-        self.rounds = 0  # verified drafts (one per sequence and step), for bench/speculative.py
 
     def run(self, seqs: Seq[Sequence]) -> tuple[list[tuple[Sequence, list[Emission]]], list[Sequence]]:
         """Speculate for ``seqs``: (each sequence's tokens to append, in order; the sequences that
@@ -144,14 +129,13 @@ class Speculator:
             except KVCacheExhausted:
                 plain.append(job.seq)  # drafted for nothing; the root's block is still reserved
             else:
-                job.continued = self._can_continue(job)
                 verifying.append(job)
-        by_key: dict[tuple[bool, int, int], list[_Job]] = defaultdict(list)
+        by_size: dict[int, list[_Job]] = defaultdict(list)
         for job in verifying:
-            by_key[job.verify_key()].append(job)
+            by_size[len(job.tree or ())].append(job)
         # Every verify forward runs before any commit: a forward that raises leaves every KV
         # length as it was, and the engine decodes these sequences plainly instead.
-        verified = [(group, self._verify(group)) for group in by_key.values()]  # [B, T, V] each
+        verified = [(group, self._verify(group)) for group in by_size.values()]  # [B, T, V] each
         out: list[tuple[Sequence, list[Emission]]] = []
         for group, logits in verified:
             for b, job in enumerate(group):
@@ -190,26 +174,13 @@ class Speculator:
             except KVCacheExhausted:
                 plain.append(seq)
                 continue
-            job = _Job(seq, start, depth, width, draft_loops, [[]] if width == 1 else [])
-            carried, counters(seq).carried = counters(seq).carried, None  # good for this step only
-            if width == 1 and carried is not None and (carried.position, carried.token) == (start, seq.pending):
-                job.carried = carried
-            jobs.append(job)
+            jobs.append(_Job(seq, start, depth, width, draft_loops, [[]] if width == 1 else []))
             left -= depth * width
         return jobs, plain
 
     # -- draft ---------------------------------------------------------------------------------
     def _draft(self, jobs: list[_Job]) -> None:
-        rows = []
-        for job in jobs:
-            root = _Row(job, job.seq.kv, 0, _pending(job.seq), job.start)
-            if job.carried is None:
-                rows.append(root)
-                continue
-            # the last verify ran the pending token's draft forward: its first draft token is chosen
-            job.prelude.append(job.carried.prelude)
-            job.states.append(job.carried.state)
-            rows.extend(self._extend(job, [(root, job.carried.logits)]))
+        rows = [_Row(job, job.seq.kv, 0, _pending(job.seq), job.start) for job in jobs]
         try:
             while rows:
                 logits = self._draft_forward(rows)  # [B, V]
@@ -283,79 +254,20 @@ class Speculator:
         return rows
 
     def _draft_forward(self, rows: list[_Row]) -> torch.Tensor:
-        """``LoopedLM.forward`` in its parts, keeping a chain's prelude output and state for the
-        verify (``_verify_continued``)."""
-        eng, model = self.engine, self.engine.model
+        eng = self.engine
         ctx = eng.context([r.kv for r in rows], [r.start for r in rows], 1)
         specs = [RowSpec(loops=r.job.draft_loops, window=r.job.seq.window, start=r.start,
                          noise_seed=r.job.seq.noise_seed, kv_loops=r.job.seq.loops) for r in rows]
         tokens = torch.tensor([[r.token] for r in rows], dtype=torch.long, device=eng.device)  # [B, 1]
-        e, state = model.start_states(tokens, ctx, specs)  # [B, 1, H] each
-        state = model.run_loops(state, e, ctx, specs)
-        for row, e_row, s_row in zip(rows, e, state):
-            if row.job.width == 1:
-                row.job.prelude.append(e_row[-1])
-                row.job.states.append(s_row[-1])
-        logits = model.tail(state, ctx, model.row_windows(specs), None, True)  # [B, 1, V]
-        return eng.mask_vocab(logits)[:, -1]  # [B, V]
+        out: ForwardOutput = eng.run_model(tokens, ctx, specs)
+        return out.logits[:, -1]  # [B, V]
 
     # -- verify and commit ---------------------------------------------------------------------
     def _verify(self, jobs: list[_Job]) -> torch.Tensor:
-        """The verifier's logits ``[B, T, V]`` for jobs of one ``verify_key``."""
-        self.rounds += len(jobs)
-        if jobs[0].continued:
-            return self._verify_continued(jobs)
         trees = [job.tree for job in jobs if job.tree is not None]
-        tokens = [list(t.tokens) for t in trees]
-        if all(job.width == 1 for job in jobs):  # chains: causal, at consecutive positions
-            return self.engine.verify([j.seq for j in jobs], tokens)
         mask = torch.stack([t.mask() for t in trees])  # [B, T, T]
-        return self.engine.verify([j.seq for j in jobs], tokens, mask=mask,
+        return self.engine.verify([j.seq for j in jobs], [list(t.tokens) for t in trees], mask=mask,
                                   positions=[t.positions(j.start) for t, j in zip(trees, jobs)])  # [B, T, V]
-
-    def _can_continue(self, job: _Job) -> bool:
-        """Whether ``job``'s verify can continue its draft: a chain whose every token but the last
-        has its draft work, with room for the last one's row (``_verify_continued``)."""
-        if job.width != 1 or len(job.states) != len(job.branches[0]):
-            return False
-        end = job.start + 2 * len(job.states)
-        if end > self.engine.config.max_position:
-            return False
-        try:
-            job.seq.kv.reserve(end)
-        except KVCacheExhausted:
-            return False
-        return True
-
-    def _verify_continued(self, jobs: list[_Job]) -> torch.Tensor:
-        """Score the ``k`` chain tokens the draft fed (the pending one, every drafted one but the
-        last) by continuing the draft: from their state after ``draft_loops`` loops and their
-        prelude output, loops ``draft_loops .. loops - 1``, coda and head. Exact: the draft ran
-        those tokens' prelude and first loops as plain decoding does, one token at a time at their
-        own positions after the same tokens, in the verifier's KV slots, and left that KV there.
-
-        The last drafted token gets no verifier row (so no bonus token) but a draft row, run in
-        the same layer calls (a second row per job, from position ``start + k``, the token then
-        ``k - 1`` pads that no other token reads): its prelude, its draft loops beside the first
-        rows' later loops, the coda. When every token is accepted it is the next pending token
-        and its draft work is ``job.lagged``: the next step does not run that draft forward.
-        Logits ``[B, k, V]`` of the first rows."""
-        eng, model = self.engine, self.engine.model
-        k, n = len(jobs[0].states), len(jobs)
-        ctx = eng.context([j.seq.kv for j in jobs] * 2, [j.start for j in jobs] + [j.start + k for j in jobs], k)
-        specs = [RowSpec(loops=j.seq.loops, window=j.seq.window, start=j.start, noise_seed=j.seq.noise_seed)
-                 for j in jobs]
-        specs += [RowSpec(loops=j.draft_loops, window=j.seq.window, start=j.start + k, noise_seed=j.seq.noise_seed,
-                          kv_loops=j.seq.loops) for j in jobs]
-        last = torch.tensor([[j.branches[0][-1]] * k for j in jobs], dtype=torch.long, device=eng.device)  # [B, k]
-        e_last, s_last = model.start_states(last, ctx, specs[n:], rows=torch.arange(n, 2 * n, device=eng.device))
-        e = torch.cat([torch.stack([torch.stack(j.prelude) for j in jobs]), e_last])  # [2B, k, H]
-        state = torch.cat([torch.stack([torch.stack(j.states) for j in jobs]), s_last])  # [2B, k, H]
-        state = model.run_loops(state, e, ctx, specs, first=[jobs[0].draft_loops] * n + [0] * n)
-        logits = eng.mask_vocab(model.tail(state, ctx, model.row_windows(specs), None, False))  # [2B, k, V]
-        for b, job in enumerate(jobs):
-            job.lagged = Carried(job.branches[0][-1], job.start + k, e[n + b, 0], state[n + b, 0], logits[n + b, 0])
-        return logits[:n].float().cpu()
 
     def _commit(self, job: _Job, logits: torch.Tensor) -> list[Emission]:
         """Accept against the verifier's ``logits`` [T, V], fix the KV, count, emit."""
@@ -363,18 +275,12 @@ class Speculator:
         assert tree is not None
         verdict = self._accept(job, tree, logits)
         n = len(verdict.path)
-        seq.kv.length = job.start + logits.shape[0] * (2 if job.continued else 1)  # positions written
+        seq.kv.length = job.start + len(tree)
         wanted = list(range(1, n + 1))
         if verdict.path != wanted:
             _move_positions(seq.kv, [job.start + i for i in verdict.path],
                             [job.start + i for i in wanted], self.engine.device)
-        # the emitted tokens' predecessors: the pending token and every accepted one but the
-        # last emitted, which is pending now (one fewer than 1 + n when no bonus token came)
-        keep = job.start + len(verdict.tokens)
-        carried = job.lagged if job.lagged is not None and job.lagged.position == keep else None
-        seq.kv.truncate(keep + (carried is not None))  # the carried token's KV stays, uncommitted
-        seq.kv.length = keep
-        counters(seq).carried = carried
+        seq.kv.truncate(job.start + 1 + n)
         count = counters(seq)
         count.drafted += len(tree) - 1
         count.accepted += n
@@ -442,20 +348,6 @@ def _move_positions(kv: SeqKV, src: list[int], dst: list[int], device: torch.dev
     pool.store.copy_rows(src_rows.to(device), dst_rows.to(device))
 
 
-@dataclass(frozen=True, slots=True)
-class Carried:
-    """A token's draft forward, run by a verify (``Speculator._verify_continued``): its KV at
-    ``position`` (prelude and draft loops), its prelude output and state after the draft loops
-    ``[H]``, and the draft's logits ``[V]`` after it. Used when it is the pending token at
-    ``position`` at the sequence's next step."""
-
-    token: int
-    position: int
-    prelude: torch.Tensor
-    state: torch.Tensor
-    logits: torch.Tensor
-
-
 @dataclass(eq=False)
 class SpeculationState:
     """A speculative sequence's counters (``modes.ModeState``): tokens drafted, and of them
@@ -465,13 +357,12 @@ class SpeculationState:
     accepted: int = 0
     rejected: int = 0
     stopped_unsure: int = 0  # chains ended before ``draft_ahead`` by ``Engine.draft_min_prob``
-    carried: Carried | None = None  # the pending token's draft work, for the next step only
 
     def blocks(self) -> int:
         return 0
 
     def release(self) -> None:
-        self.carried = None  # the KV it was written to is gone
+        pass
 
     def contribute(self, result: GenerationResult) -> GenerationResult:
         return dataclasses.replace(result, draft_tokens=self.drafted, accepted_draft_tokens=self.accepted,

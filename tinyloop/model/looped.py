@@ -229,55 +229,6 @@ class LoopedLM(nn.Module):
             logits = select.logits(logits)
         return ForwardOutput(logits=logits, state=state, loops_used=done)
 
-    # -- a forward in parts: a speculative verify continues its draft's loops ------------------
-    # ``forward`` is these three steps for rows without an exit rule; speculation runs them
-    # apart so the verify starts where the draft stopped (``engine/speculative.py``).
-    def row_windows(self, specs: Sequence[RowSpec]) -> torch.Tensor:
-        """Each row's cache window ``[B]`` as ``forward`` derives it."""
-        return torch.tensor([min(s.window, s.kv_loops or s.loops) for s in specs], dtype=torch.long,
-                            device=self.embed.weight.device)
-
-    def start_states(self, tokens: torch.Tensor, ctx: AttentionContext, specs: Sequence[RowSpec],
-                     rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embedding, prelude and initial state of tokens ``[B, T]`` (``ctx``'s ``rows``, all when
-        None): (the prelude's output ``e``, the state before the first loop), ``[B, T, H]`` each."""
-        c = self.config
-        dev = self.embed.weight.device
-        x = self.embed(tokens)  # [B, T, H]
-        if c.embed_scale != 1.0:
-            x = x * c.embed_scale
-        for i, layer in enumerate(self.prelude):
-            x = layer(x, ctx, self.rope, rows, torch.full((tokens.shape[0],), i, dtype=torch.long, device=dev))
-        return x, self.initial_state(x, specs)
-
-    def run_loops(self, state: torch.Tensor, e: torch.Tensor, ctx: AttentionContext,
-                  specs: Sequence[RowSpec], first: Sequence[int] | None = None) -> torch.Tensor:
-        """Loops ``first[b] .. specs[b].loops - 1`` of each row ``b`` from ``state`` (its state
-        after loop ``first[b] - 1``; all rows from loop 0 when None), exit rules ignored. Rows
-        advance together: each call of a core layer runs every row still looping, each at its own
-        loop (the same weights, its own KV slot). The state ``[B, T, H]`` after each row's last loop."""
-        c = self.config
-        windows = self.row_windows(specs)
-        starts = list(first) if first is not None else [0] * len(specs)
-        n_tok = state.shape[1]
-        for p in range(max(s.loops - f for s, f in zip(specs, starts))):
-            act = [b for b, (s, f) in enumerate(zip(specs, starts)) if s.loops > f + p]
-            if not act:
-                continue
-            rows = None if len(act) == len(specs) else torch.tensor(act, dtype=torch.long, device=windows.device)
-            win = windows if rows is None else windows[rows]
-            loop = torch.tensor([starts[b] + p for b in act], dtype=torch.long, device=windows.device)  # [R]
-            h = self.inject(state if rows is None else state[rows], e if rows is None else e[rows])
-            base = c.n_prelude + (loop % win) * c.n_core  # [R]
-            for i, layer in enumerate(self.core):
-                h = layer(h, ctx, self.rope, rows, base + i)
-            if c.loop_norm == "every_loop":
-                h = self.final_norm(h)
-            state = h if rows is None else state.index_copy(0, rows, h)
-            self.counters["core_block_calls"] += 1
-            self.counters["core_row_loops"] += len(act) * n_tok
-        return state
-
     def _logits_of(self, act: list[int], h: torch.Tensor, ctx: AttentionContext,
                    windows: torch.Tensor) -> Callable[[list[int]], torch.Tensor]:
         """For a stop rule: the logits ``[len(js), V]`` of the active rows at indices ``js``, the
