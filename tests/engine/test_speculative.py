@@ -132,15 +132,17 @@ def test_tree_branches_at_every_depth_and_keeps_greedy_output(engine: Engine, ve
 
 @pytest.mark.parametrize("min_prob", [0.0, 1.0])
 def test_draft_min_prob_ends_a_chain_at_an_unsure_draft(min_prob: float, verified: list[DraftTree]) -> None:
-    """0: every chain drafts ``draft_ahead`` (the perfect draft: all accepted); 1: the draft is
-    never that sure, so every chain ends after one token. The output is plain greedy's."""
+    """0: every chain drafts to its length, which doubles while the (perfect) draft is accepted
+    whole; 1: the draft is never that sure, so every chain ends after one token. The output is
+    plain greedy's."""
     eng = make_engine(max_seq_len=256, block_size=8, draft_min_prob=min_prob)
     out = eng.generate(req(PROMPT, max_tokens=24, loops=4, mode="speculative", sampling=GREEDY,
                            draft_loops=4, draft_ahead=5))
     assert out.tokens == plain(eng, PROMPT, 4)
     lengths = [len(t) - 1 for t in verified]  # drafted tokens per chain
     if min_prob == 0:
-        assert lengths[:3] == [5, 5, 5] and out.accepted_draft_tokens >= 18
+        # 5, then 10; then the 5 tokens left (1 from the prompt, 6 and 11 from the two chains)
+        assert lengths == [5, 10, 5] and out.accepted_draft_tokens == 20
     else:
         assert lengths == [1] * len(lengths) and out.accepted_draft_tokens == len(lengths) >= 11
     assert out.rejected_draft_tokens == 0 and eng.kv_statistics().blocks_used == 0
@@ -389,3 +391,30 @@ def test_sampled_speculation_has_the_distribution_of_plain_sampling(mode: str, e
     if extra.get("k_branches") == 3:  # here the rule held over trees with siblings at depth 2
         assert sum(map(deep_siblings, verified)) > 0.1 * len(verified)
     assert eng.kv_statistics().blocks_used == 0
+
+
+def test_chain_length_grows_while_accepted_whole_and_shrinks_after_a_rejection() -> None:
+    state = speculative.SpeculationState()
+    lengths = []
+    for full, all_accepted in [(True, True), (True, True), (True, True), (True, True), (False, False),
+                               (True, False), (False, True)]:
+        lengths.append(state.chain_length(4))
+        state.adapt(full, all_accepted)
+    lengths.append(state.chain_length(4))
+    # doubles up to CHAIN_GROWTH * 4, halves after each rejection, never below draft_ahead;
+    # a chain the draft stopped early (unsure) and accepted whole keeps its length
+    assert lengths == [4, 8, 16, 16, 16, 8, 4, 4]
+
+
+def test_a_chain_is_verified_without_a_tree_mask(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    masks: list[Any] = []
+    verify = engine.verify
+
+    def recording(seqs: Any, tokens: Any, **kw: Any) -> torch.Tensor:
+        masks.append((kw.get("mask"), kw.get("positions")))
+        return verify(seqs, tokens, **kw)
+    monkeypatch.setattr(engine, "verify", recording)
+    out = engine.generate(req(PROMPT, max_tokens=24, loops=4, mode="speculative", sampling=GREEDY,
+                              draft_loops=2, draft_ahead=4))
+    assert out.tokens == plain(engine, PROMPT, 4)
+    assert masks and all(m == (None, None) for m in masks)  # causal at consecutive positions: the default

@@ -65,7 +65,10 @@ from tinyloop.model.kvcache import SeqKV
 from tinyloop.model.looped import ForwardOutput, RowSpec
 from tinyloop.requests import GenerationResult
 
-__all__ = ["Emission", "SpeculationState", "Speculator", "counters"]
+__all__ = ["CHAIN_GROWTH", "Emission", "SpeculationState", "Speculator", "counters"]
+
+# A chain accepted whole grows up to this many times the request's ``draft_ahead``.
+CHAIN_GROWTH = 4
 
 
 @dataclass(eq=False)
@@ -162,6 +165,8 @@ class Speculator:
                 continue
             width = min(width, cap)
             start = seq.kv.length
+            if width == 1:  # a chain's length adapts to its acceptance (``SpeculationState.ahead``)
+                ahead = counters(seq).chain_length(ahead)
             depth = min(ahead, seq.request.max_tokens - len(seq.output) - 1, cap // max(width, 1))
             # a tree's nodes are stored side by side past its root: keep them inside the model's
             # positions (h-mode derives RoPE tables from storage positions)
@@ -265,6 +270,8 @@ class Speculator:
     # -- verify and commit ---------------------------------------------------------------------
     def _verify(self, jobs: list[_Job]) -> torch.Tensor:
         trees = [job.tree for job in jobs if job.tree is not None]
+        if all(job.width == 1 for job in jobs):  # chains: causal at consecutive positions, the default
+            return self.engine.verify([j.seq for j in jobs], [list(t.tokens) for t in trees])  # [B, T, V]
         mask = torch.stack([t.mask() for t in trees])  # [B, T, T]
         return self.engine.verify([j.seq for j in jobs], [list(t.tokens) for t in trees], mask=mask,
                                   positions=[t.positions(j.start) for t, j in zip(trees, jobs)])  # [B, T, V]
@@ -285,6 +292,8 @@ class Speculator:
         count.drafted += len(tree) - 1
         count.accepted += n
         count.rejected += len(tree) - 1 - n
+        if job.width == 1:
+            count.adapt(full=len(tree) - 1 == job.depth, all_accepted=n == len(tree) - 1)
         seq.last_loops = seq.loops
         params = seq.request.sampling
         return [(tok, token_logprob(logits[node], tok, params))
@@ -357,6 +366,24 @@ class SpeculationState:
     accepted: int = 0
     rejected: int = 0
     stopped_unsure: int = 0  # chains ended before ``draft_ahead`` by ``Engine.draft_min_prob``
+    ahead: int = 0  # a chain's length now (0: the request's ``draft_ahead``)
+
+    def chain_length(self, draft_ahead: int) -> int:
+        """The length of this step's chain: ``draft_ahead``, doubled after each chain that ran to
+        its length and was accepted whole (up to ``CHAIN_GROWTH`` times ``draft_ahead``), halved
+        back toward it after a rejection. Where the draft is sure for long runs, each verify
+        then covers more tokens; the draft-confidence stop still ends a chain where it is not."""
+        if self.ahead == 0:
+            self.ahead = draft_ahead
+        self.ahead = min(max(self.ahead, draft_ahead), CHAIN_GROWTH * draft_ahead)
+        return self.ahead
+
+    def adapt(self, full: bool, all_accepted: bool) -> None:
+        """After a chain's verification: grow after a whole accepted one, shrink after a rejection."""
+        if full and all_accepted:
+            self.ahead *= 2
+        elif not all_accepted:
+            self.ahead //= 2
 
     def blocks(self) -> int:
         return 0
