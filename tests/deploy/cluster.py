@@ -36,7 +36,8 @@ def free_port() -> int:
 
 def router_binary(router: str) -> str | None:
     """The executable a router needs, or None when it is not installed."""
-    return shutil.which("vllm-router" if router == "vllm-router" else "haproxy")
+    name = "vllm-router" if router == "vllm-router" else "haproxy"
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin")  # Debian's haproxy: not on every PATH
 
 
 def counters(metrics_text: str) -> dict[str, float]:
@@ -128,7 +129,7 @@ class Cluster:
         servers = "".join(f"    server r{i} 127.0.0.1:{r.port}\n" for i, r in enumerate(self.replicas))
         balance = "    balance roundrobin\n" if self.router == "haproxy-rr" else ""
         backends.write_text(f"backend replicas\n{balance}{servers}")
-        return ["haproxy", "-db", "-f", str(ROUTER_DIR / "haproxy.cfg"), "-f", str(backends)]
+        return [str(router_binary("haproxy")), "-db", "-f", str(ROUTER_DIR / "haproxy.cfg"), "-f", str(backends)]
 
     def _router_env(self, port: int) -> dict[str, str]:
         return {"TINYLOOP_ROUTER_BIND": f"127.0.0.1:{port}", "TINYLOOP_ROUTER_STATS_BIND": f"127.0.0.1:{free_port()}",
