@@ -28,7 +28,7 @@ from tinyloop.settings import Settings
 
 __all__ = ["create_app", "attach"]
 
-_OPEN_PATHS = frozenset({"/healthz"})
+_OPEN_PATHS = frozenset({"/healthz", "/health"})
 
 
 def attach(app: QuartTrio, runtime: Runtime, model: ServedModel, settings: Settings) -> None:

@@ -38,7 +38,8 @@ _POSTS: dict[str, tuple[type[BaseModel], str]] = {
 }
 _GETS = {"/v1/models": "List models", "/v1/models/{model}": "One model",
          "/api/v0/models": "List models (LM Studio shape)", "/api/v0/models/{model}": "One model (LM Studio)",
-         "/healthz": "Health probe (text)", "/metrics": "Prometheus metrics (text)"}
+         "/healthz": "Health probe (text)", "/health": "Health probe (text), vLLM's path",
+         "/metrics": "Prometheus metrics (text)"}
 
 
 def _errors() -> dict[str, Any]:

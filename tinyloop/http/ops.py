@@ -1,4 +1,8 @@
-"""Operations routes: ``/healthz`` (plain text) and ``/metrics`` (Prometheus exposition)."""
+"""Operations routes: ``/healthz`` (plain text) and ``/metrics`` (Prometheus exposition).
+
+``/health`` is the same probe under vLLM's name: routers built for vLLM (vllm-router waits on it
+at startup whatever its ``--health-check-endpoint``) find a TinyLoop replica healthy the same way.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ blueprint = Blueprint("ops", __name__)
 
 
 @blueprint.get("/healthz")
+@blueprint.get("/health")
 async def healthz() -> Response:
     state = current_app.extensions.get("tinyloop")
     if state is None:

@@ -119,6 +119,20 @@ class Sampling(Knobs):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
+class RouterDefaults(Strict):
+    """Fields that vLLM's and SGLang's routers (vllm-router) add to every body they forward, each at
+    its default. Accepted at that value only, the one that matches what TinyLoop does; any other
+    value is a 400 naming the field, as for a parameter this server does not implement."""
+
+    no_stop_trim: Literal[False] = False
+    skip_special_tokens: Literal[True] = True
+    return_hidden_states: Literal[False] = False
+    continue_final_message: Literal[False] = False
+    separate_reasoning: Literal[True] = True
+    stream_reasoning: Literal[True] = True
+    include_reasoning: Literal[True] = True
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -139,7 +153,7 @@ class ChatMessage(Strict):
         return self.content or ""
 
 
-class ChatCompletionRequest(Sampling):
+class ChatCompletionRequest(Sampling, RouterDefaults):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=-1)
@@ -160,7 +174,7 @@ class ChatCompletionRequest(Sampling):
         return self
 
 
-class CompletionRequest(Sampling):
+class CompletionRequest(Sampling, RouterDefaults):
     model: str | None = None
     prompt: str | list[TokenId] = Field(description="text, or token ids")
     max_tokens: int | None = Field(16, ge=-1)
