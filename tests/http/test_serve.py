@@ -199,7 +199,8 @@ async def test_hypercorn_serves_the_package_app(tiny_artifact: Path, tmp_path: P
         async with server_process(argv, log, clean_env(TINYLOOP_MODEL_PATH=str(tiny_artifact))) as proc:
             await wait_healthy(url, log, proc)
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+                resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3,
+                                                                   "ignore_eos": True})
                 assert resp.status_code == 200, resp.text
                 assert resp.json()["usage"]["completion_tokens"] == 3
                 assert resp.json()["model"] == tiny_artifact.stem
