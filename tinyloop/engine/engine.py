@@ -16,6 +16,7 @@ Every method blocks on the caller's thread; one engine is driven by one thread a
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence as Seq
 from os import PathLike
 from typing import Any
@@ -97,6 +98,12 @@ class Engine(KVAccounting, PrefixEntries):
             fits = blocks // slot_count(self.config, self.config.default_loops, self.config.default_loops) * block_size
             if fits < self.max_seq_len:
                 self.max_seq_len, self.context_capped_by_kv = fits, True
+        self._pool_shape = blocks, block_size, prefix_caching
+        self._open_pool()
+
+    def _open_pool(self) -> None:
+        """The engine's own state around the model: KV pool, its budget, limits, prefix cache, batch."""
+        blocks, block_size, prefix_caching = self._pool_shape
         self.pool = KVPool(self.config, blocks, block_size, dtype=self.dtype, device=self.device,
                            mode=self.kv_mode)
         self.budget = KVBudget(self.config, self.pool, self.max_seq_len)
@@ -104,6 +111,14 @@ class Engine(KVAccounting, PrefixEntries):
         self.prefix_cache = PrefixCache(self.pool, self.kv_mode, prefix_caching)
         self.batch = Batch(self)
         self.prefilled_tokens = 0  # prompt tokens run through the model (cache hits excluded)
+
+    def replica(self) -> Engine:
+        """Another engine over this one's model: the weights (read only) shared, a KV pool,
+        prefix cache and batch of its own, the same options. Several of them run side by side
+        in one runtime, each stepping in its own worker thread (``open_runtime([a, a.replica()])``)."""
+        twin = copy.copy(self)
+        twin._open_pool()
+        return twin
 
     @classmethod
     def load(cls, path: str | PathLike[str], *, max_seq_len: int | None = None, device: str = "cpu",
