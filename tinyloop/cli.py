@@ -312,7 +312,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     overrides = {f.name: getattr(args, f.name) for f in Settings.fields()}
     settings = Settings.from_env(**overrides)
-    check_device(settings.device)  # before the server starts (or detaches): a plain error and status 2
+    for device in dict.fromkeys(settings.engine_devices):  # before the server starts (or detaches):
+        check_device(device)  # a plain error and status 2
     if args.detach:
         return _detach(args, settings)
 

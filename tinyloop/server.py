@@ -26,7 +26,7 @@ from tinyloop.http.service import ServedModel
 from tinyloop.model.artifact import read_config
 from tinyloop.settings import Settings
 
-__all__ = ["serve", "load_engine", "lazy_app", "check_device"]
+__all__ = ["serve", "load_engine", "load_engines", "lazy_app", "check_device"]
 
 log = logging.getLogger("tinyloop")
 
@@ -74,6 +74,25 @@ def load_engine(settings: Settings) -> Engine:
                     "%d loops; set TINYLOOP_KV_CACHE_MB or TINYLOOP_MAX_SEQ_LEN to change it",
                     engine.max_seq_len, max_position, engine.config.default_loops)
     return engine
+
+
+def load_engines(settings: Settings) -> list[Engine]:
+    """The engines the runtime drives: one per CUDA device of ``devices``, else ``engines`` on
+    ``device``. Engines on one device share its model's weights (``Engine.replica``); on the CPU
+    they split the cores, ``torch.set_num_threads(cores // engines)`` each (every engine steps
+    in its own worker thread)."""
+    devices = settings.engine_devices
+    engines: list[Engine] = []
+    by_device: dict[str, Engine] = {}
+    for device in devices:
+        first = by_device.get(device)
+        engine = first.replica() if first else load_engine(settings.replace(device=device, devices=None))
+        by_device.setdefault(device, engine)
+        engines.append(engine)
+    cpu_engines = sum(1 for d in devices if d == "cpu")
+    if cpu_engines > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // cpu_engines))
+    return engines
 
 
 async def serve(settings: Settings, *, engine: Engine | None = None,

@@ -45,6 +45,11 @@ class Settings:
                                    "at least 2048, down to what the KV cache holds for one sequence at the "
                                    "default loops)")
     device: str = _opt("cpu", "TINYLOOP_DEVICE", "cpu or cuda")
+    engines: int = _opt(1, "TINYLOOP_ENGINES",
+                        "engines under the one scheduler, each with its own batch, KV pool and prefix cache "
+                        "(on CPU they share the weights and split the cores)")
+    devices: str | None = _opt(None, "TINYLOOP_DEVICES",
+                               "comma-separated CUDA device indices, one engine on each (sets engines)")
     dtype: str | None = _opt(None, "TINYLOOP_DTYPE", "float32, bfloat16 or float16 (default: the artifact's)")
     kv_cache_mb: float | None = _opt(None, "TINYLOOP_KV_CACHE_MB", "KV cache budget in MiB")
     kv_block_size: int = _opt(16, "TINYLOOP_KV_BLOCK_SIZE", "tokens per KV block")
@@ -100,7 +105,7 @@ class Settings:
     def __post_init__(self) -> None:
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError("max_seq_len must be >= 1")
-        for name in ("kv_block_size", "prefill_chunk", "max_batch_size",
+        for name in ("kv_block_size", "prefill_chunk", "max_batch_size", "engines",
                      "max_queue_depth", "prefix_pool_capacity", "downgrade_min_loops", "max_body_bytes",
                      "max_draft_nodes"):
             if getattr(self, name) < 1:
@@ -113,6 +118,10 @@ class Settings:
             raise ConfigError("priority_aging_ms, kv_aging_ms and graceful_timeout must be >= 0")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.devices is not None:
+            indices = self.devices.split(",")
+            if not all(i.strip().isdigit() for i in indices) or len(set(indices)) != len(indices):
+                raise ConfigError(f"devices must be distinct CUDA device indices such as 0,1, got {self.devices!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.keep_alive_timeout <= 0:
@@ -160,6 +169,14 @@ class Settings:
             raise ConfigError(f"no model given and the bundled demo model is missing ({path}); "
                               "set TINYLOOP_MODEL_PATH or pass --model")
         return path
+
+    @property
+    def engine_devices(self) -> list[str]:
+        """The device of each engine: ``cuda:i`` for each index of ``devices``, else ``engines``
+        times ``device``."""
+        if self.devices is not None:
+            return [f"cuda:{int(i)}" for i in self.devices.split(",")]
+        return [self.device] * self.engines
 
     @property
     def kv_mode(self) -> KVMode:
