@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
+from tinyloop.actors.chute import Chute
 from tinyloop.actors.port import EnginePort, engine_errors
 from tinyloop.actors.ticket import Failure, Final, Ticket
 from tinyloop.errors import EngineBroken, EngineError, SchedulerShutdown, TinyLoopError
@@ -94,6 +95,7 @@ class Health:
 @dataclass(frozen=True, slots=True)
 class EngineStatistics:
     retired: int  # requests retired after their dispatch, ever
+    slots_freed: int  # the dispatcher's slots those requests held (``Ticket.slots``), ever
     decoding: int  # requests whose sequence exists (running or preempted)
     prefix_pool_size: int
     kv: KVPoolStats | None
@@ -125,13 +127,14 @@ class EngineState:
     pool: PrefixPool[Any]
     health: Health
     freed: trio.MemorySendChannel[SlotFreed]
-    observe: trio.MemorySendChannel[list[Observe]]
+    observe: Chute[list[Observe]]
     events: trio.MemorySendChannel[Event | EventBatch]
     planner: KVPlanner
     active: dict[int, _Entry] = field(default_factory=dict)  # id(seq) -> entry
     waiting: deque[_Entry] = field(default_factory=deque)  # dispatched, not running
     counter: itertools.count[int] = field(default_factory=itertools.count)
     retired: int = 0
+    slots_freed: int = 0  # as ``retired``, in slots: published at once, the SlotFreed message lags
     pending: list[Event] = field(default_factory=list)  # events for the metrics actor, sent once per step
     steps: list[StepDone] = field(default_factory=list)  # steps not reported yet (report())
     freed_pending: list[Ticket] = field(default_factory=list)  # retired: their slots, for the dispatcher
@@ -139,8 +142,8 @@ class EngineState:
     decoding: int = 0  # requests whose sequence exists (running or preempted): counted as they start and retire
 
     def statistics(self) -> EngineStatistics:
-        return EngineStatistics(self.retired, self.decoding, self.pool.size(), self.engine.kv_statistics(),
-                                self.health.broken)
+        return EngineStatistics(self.retired, self.slots_freed, self.decoding, self.pool.size(),
+                                self.engine.kv_statistics(), self.health.broken)
 
     def pool_size(self) -> int:
         """``statistics().prefix_pool_size`` without the rest of the snapshot (the dispatcher
@@ -164,9 +167,10 @@ class EngineState:
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: Dispatch | RegisterPrefix) -> None:
         match msg:
-            case Dispatch(ticket=ticket, via_pool=via_pool):
-                self.waiting.append(_Entry(ticket, via_pool, order=next(self.counter),
-                                           since=trio.current_time()))
+            case Dispatch(tickets=tickets, via_pool=via_pool):
+                now = trio.current_time()
+                self.waiting.extend(_Entry(ticket, via_pool, order=next(self.counter), since=now)
+                                    for ticket in tickets)
             case RegisterPrefix():
                 self.waiting.append(_Entry(None, prefix=msg, order=next(self.counter),
                                            since=trio.current_time()))
@@ -395,6 +399,7 @@ class EngineState:
             ticket.terminate(state, Failure(error) if error is not None else None)
         self.pending.append(Finished(state, wall_ms, dispatch_ms, result))
         self.freed_pending.append(ticket)
+        self.slots_freed += ticket.slots
 
     def close(self) -> None:
         """Retire everything still held (the actor is stopping): sequences are freed."""
@@ -411,7 +416,7 @@ def _on_runtime_clock(result: GenerationResult, submitted_at: float, first_token
     return result.timed(wall_ms, ttft)
 
 
-def _send_feedback(channel: trio.MemorySendChannel[T], msg: T) -> None:
+def _send_feedback(channel: trio.MemorySendChannel[T] | Chute[T], msg: T) -> None:
     try:
         channel.send_nowait(msg)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -439,13 +444,13 @@ def drain(inbox: trio.MemoryReceiveChannel[EngineInbox], loop: EngineState) -> b
 
 async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.MemorySendChannel[Event | EventBatch],
               settings: Settings, engine: EnginePort, freed: trio.MemorySendChannel[SlotFreed],
-              observe: trio.MemorySendChannel[list[Observe]],
+              observe: Chute[list[Observe]],
               task_status: trio.TaskStatus[EngineState] = trio.TASK_STATUS_IGNORED) -> None:
     """Started with ``nursery.start``, which returns the actor's state: read it through its
     ``statistics()`` (and ``health``), never write it."""
     pool: PrefixPool[Any] = PrefixPool(settings.prefix_pool_capacity)
     loop = EngineState(engine, pool, Health(), freed, observe, outbox, KVPlanner(settings.kv_aging_ms / 1000))
-    async with inbox, freed, observe, outbox:
+    async with inbox, freed, outbox:
         task_status.started(loop)
         try:
             closed = False
@@ -466,5 +471,6 @@ async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.Mem
                     await trio.lowlevel.checkpoint()
         finally:
             loop.close()
+            observe.close()
             for handle in pool.clear():
                 engine.free(handle)

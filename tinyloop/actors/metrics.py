@@ -81,8 +81,8 @@ class Tally:
                 self.inc("requests_submitted", n)
             case Rejected():
                 self.inc("requests_rejected")
-            case PoolDispatched():
-                self.inc("prefix_pool_hits")
+            case PoolDispatched(count=n):
+                self.inc("prefix_pool_hits", n)
             case Preempted():
                 self.inc("preemptions")
 

@@ -6,15 +6,14 @@ only the actor that holds it at the moment writes it (ownership moves with the m
 =====================  ==================================================================
 field                  writer
 =====================  ==================================================================
-``request``            admission, on a downgrade, before it forwards the ticket
+``request``            admission, on a downgrade, before it sends the ticket on
 ``state`` QUEUED       set at creation (the caller's task)
 DISPATCHED             the dispatcher, as it sends ``Dispatch``
 DECODING               the engine actor, once the engine started the sequence
-terminal               the holder: admission (refused), the runtime (refused before admission
-                       had it), the queue (cancelled
-                       while queued), the dispatcher (cancelled before dispatch), the engine
-                       actor (whatever it held); once every actor has stopped, the runtime
-                       retires what is left (``Runtime._orphans``)
+terminal               the holder: the runtime (refused at admission, or before it), the
+                       queue (cancelled while queued), the dispatcher (cancelled before
+                       dispatch), the engine actor (whatever it held); once every actor has
+                       stopped, the runtime retires what is left (``Runtime._orphans``)
 ``cancelled``,         the caller side only (``RequestStream.cancel``, ``Runtime.shutdown``),
 ``cancel_error``       through ``cancel()``, once; the holder reads them at its next step
 =====================  ==================================================================
@@ -28,7 +27,6 @@ leaves the queue at once instead of when it would be popped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import trio
 
@@ -36,19 +34,7 @@ from tinyloop.actors.chute import Chute
 from tinyloop.limits import Resolved
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
-if TYPE_CHECKING:
-    from tinyloop.policy.admission import Decision
-
-__all__ = ["Ticket", "Final", "Failure", "AdmitReply", "Item"]
-
-
-@dataclass(frozen=True, slots=True)
-class AdmitReply:
-    """Admission's answer, the first item on the ticket's own channel: a refusal always, a
-    go-ahead only when the caller asked to wait for one (``tinyloop.messages.Admit.reply``)."""
-
-    decision: Decision | None
-    error: BaseException | None
+__all__ = ["Ticket", "Final", "Failure", "Item"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,15 +51,15 @@ class Failure:
     error: BaseException
 
 
-Item = GenerationChunk | Final | Failure | AdmitReply  # an AdmitReply only ever comes first
+Item = GenerationChunk | Final | Failure
 
 
 @dataclass(eq=False)
 class Ticket:
     """One admitted (or being admitted) request (the module docstring says who writes what).
 
-    Admission may write an ``AdmitReply`` first; then the holder writes chunks and one
-    ``Final``/``Failure`` into ``items`` (``deliver``, ``terminate``); the caller reads it. A
+    The holder writes chunks and one ``Final``/``Failure`` into ``items`` (``deliver``,
+    ``terminate``); the caller reads it. A
     ``Chute`` never blocks its writer, so no actor waits on a slow reader.
     """
 
@@ -98,6 +84,14 @@ class Ticket:
         if self.resolved is None:
             raise RuntimeError(f"{self!r} was not checked against the model (RequestStream.start)")
         return self.resolved.loops
+
+    @property
+    def slots(self) -> int:
+        """Engine slots the request takes: one per beam of a beam search (its beams decode as
+        that many rows of every step), one otherwise. Speculation's extra rows are capped per
+        step by the engine (``max_draft_nodes``) instead."""
+        beam = self.request.beam
+        return beam[0] if beam is not None else 1
 
     @property
     def request_id(self) -> str:
@@ -135,7 +129,7 @@ class Ticket:
             return False
         return True
 
-    def terminate(self, state: RequestState, item: Final | Failure | AdmitReply | None = None) -> None:
+    def terminate(self, state: RequestState, item: Final | Failure | None = None) -> None:
         """Enter a terminal state, deliver the last item, close the holder's end."""
         self.state = state
         if item is None and state is RequestState.CANCELLED and self.cancel_error is not None:
