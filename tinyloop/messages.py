@@ -6,7 +6,7 @@ which then closes its own outbox; the bottom rows are feedback, read beside the 
     caller (admission) ──Enqueue──▶ queue ──Ready──▶ dispatcher ──Dispatch──▶ engine
     Runtime ──RegisterPrefix───────────────────────────────────────────▶ engine
     Runtime ──Cancel──▶ queue ◀──Pull── dispatcher ◀──SlotFreed── engine
-    engine ──Observe──▶ admission            every actor ──Event──▶ metrics
+    engine ──Finished──▶ admission           every actor ──Event──▶ metrics
 
 Admission is no actor: it decides in the caller's task (``actors/admission.py``). Ready,
 Dispatch and SlotFreed carry every ticket of one wake-up, so the actors exchange one message per
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from tinyloop.actors.ticket import Ticket
 
 __all__ = [
-    "Observe", "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
+    "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
     "RegisterPrefix", "Event", "Admitted", "Rejected", "Started", "FirstToken", "Finished",
     "StepDone", "PoolDispatched", "Preempted",
     "EventBatch", "QueueFeedback", "EngineInbox",
@@ -34,16 +34,6 @@ __all__ = [
 
 
 # -- control -----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Observe:
-    """A finished request's service time, for the admission predictor (the engine sends a
-    step's worth in one list)."""
-
-    service_ms: float
-    loops: int
-    tokens: int
-
-
 @dataclass(frozen=True, slots=True)
 class Enqueue:
     ticket: Ticket

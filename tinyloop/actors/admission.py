@@ -3,8 +3,9 @@
 Not an actor: every check is pure (the ``Admission`` policy, and the snapshots the other actors
 publish), so it runs synchronously inside ``submit`` and a refusal is raised right there, with
 no message and no wake-up per request. ``Admitter`` owns the policy (queue cap, SLO with an EMA
-predictor, downgrade) and the count of tickets it sent the queue; it feeds the predictor from
-the engine's ``Observe`` lists, read before each decision from a ``Chute`` (nobody waits on it).
+predictor, downgrade) and the count of tickets it sent the queue; it feeds the predictor with
+the ``Finished`` events of completed requests, which the engine actor hands it a step's worth at
+a time on a ``Chute`` (read before each decision; nobody waits on it).
 
 Its view of the load comes from the snapshots (``Sources``), never from the actors' state:
 queued is the queue's heap plus the tickets admission sent that the queue has not taken in yet
@@ -35,7 +36,7 @@ from tinyloop.actors.mailbox import Pipe
 from tinyloop.actors.ticket import Ticket
 from tinyloop.errors import SchedulerError, SchedulerShutdown
 from tinyloop.limits import Resolved
-from tinyloop.messages import Enqueue, Event, EventBatch, Observe, Rejected
+from tinyloop.messages import Enqueue, Event, EventBatch, Finished, Rejected
 from tinyloop.policy.admission import Admission, Decision, least_loops
 from tinyloop.requests import GenerationRequest
 from tinyloop.settings import Settings
@@ -62,7 +63,7 @@ class Sources:
 class Admitter:
     """Admit a ticket into the queue, or raise the refusal (module docstring)."""
 
-    def __init__(self, *, outbox: Pipe[Enqueue], settings: Settings, observations: Chute[list[Observe]],
+    def __init__(self, *, outbox: Pipe[Enqueue], settings: Settings, observations: Chute[list[Finished]],
                  events: trio.MemorySendChannel[Event | EventBatch], sources: Sources,
                  check: Callable[[GenerationRequest], Resolved]) -> None:
         self.policy = Admission.from_settings(settings)
@@ -111,8 +112,10 @@ class Admitter:
                 step = observations.receive_nowait()
             except trio.EndOfChannel:  # the engine actor has stopped
                 return
-            for seen in step:
-                self.policy.predictor.observe(seen.service_ms, loops=seen.loops, tokens=seen.tokens)
+            for done in step:  # service: dispatch to done; every result has run a loop and a token
+                assert done.result is not None
+                self.policy.predictor.observe(done.dispatch_ms or 0.0, loops=done.result.loops_used or 1,
+                                              tokens=max(done.result.completion_tokens, 1))
 
     def _decide(self, ticket: Ticket) -> Decision:
         sources = self._sources

@@ -71,7 +71,7 @@ from tinyloop.messages import (
     Enqueue,
     Event,
     EventBatch,
-    Observe,
+    Finished,
     QueueFeedback,
     Ready,
     RegisterPrefix,
@@ -87,6 +87,7 @@ if TYPE_CHECKING:
 __all__ = ["Runtime", "RuntimeStatistics", "open_runtime"]
 
 _KEEP_STATES = 4096  # terminal request states remembered for request_state()
+_SWEEP_SLACK = 64  # ended tickets held, at most, beyond twice the live ones before a sweep
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +122,12 @@ class Runtime:
         self._shutting_down = False
         self._stopped = trio.Event()  # every actor has returned
         self._actors = trio.CancelScope()
-        self._tickets: OrderedDict[str, Ticket] = OrderedDict()
+        # request_state()'s registry: the tickets admitted, and once they have ended only their
+        # state (a ticket and what it holds are garbage as soon as its caller is done, instead of
+        # living on, for the collector to walk, through the next thousands of requests)
+        self._live: dict[str, Ticket] = {}
+        self._ended: OrderedDict[str, RequestState] = OrderedDict()  # oldest first
+        self._sweep_at = _SWEEP_SLACK
         self.started_at = time.time()
         self._prefix_send, self._engine_recv = trio.open_memory_channel[EngineInbox](settings.max_batch_size + 1)
         # the queue's mailbox: admission's pipe in, the runtime's Cancel and the dispatcher's Pull back
@@ -150,7 +156,7 @@ class Runtime:
     async def _start(self, n: trio.Nursery) -> None:
         settings = self.settings
         events_send, events_recv = trio.open_memory_channel[Event | EventBatch](math.inf)
-        observations: Chute[list[Observe]] = Chute()  # the engine's, for admission's predictor
+        observations: Chute[list[Finished]] = Chute()  # completed requests, for admission's predictor
         # the dispatcher's mailbox: the queue's pipe in, the engine's SlotFreed back
         ready_pipe: Pipe[Ready]
         freed_send: trio.MemorySendChannel[SlotFreed]
@@ -221,7 +227,6 @@ class Runtime:
         """Admission never took the ticket on: the runtime, still its holder, ends it."""
         ticket.state = RequestState.CANCELLED
         ticket.items.close()
-        self._tickets.pop(ticket.request_id, None)
 
     def _cancel(self, ticket: Ticket, error: BaseException | None = None) -> None:
         """The caller left (or the runtime is closing): mark the ticket cancelled; its holder
@@ -234,17 +239,26 @@ class Runtime:
             pass  # the queue has stopped: whoever holds the ticket reads the flag
 
     def _remember(self, ticket: Ticket) -> None:
-        self._tickets[ticket.request_id] = ticket
-        while len(self._tickets) > _KEEP_STATES:
-            oldest = next(iter(self._tickets))
-            if not self._tickets[oldest].state.terminal:
-                break
-            self._tickets.popitem(last=False)
+        self._live[ticket.request_id] = ticket
+        if len(self._live) >= self._sweep_at:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Keep only the state of the tickets that have ended (the last ``_KEEP_STATES`` of
+        them). Amortised: the next sweep waits for as many admissions as tickets are left live."""
+        live, ended = self._live, self._ended
+        for request_id, ticket in [(i, t) for i, t in live.items() if t.state.terminal]:
+            del live[request_id]
+            ended[request_id] = ticket.state
+            ended.move_to_end(request_id)
+        while len(ended) > _KEEP_STATES:
+            ended.popitem(last=False)
+        self._sweep_at = 2 * len(live) + _SWEEP_SLACK
 
     def request_state(self, request_id: str) -> RequestState | None:
         """Where a request is in QUEUED -> DISPATCHED -> DECODING -> DONE | ERROR | CANCELLED."""
-        ticket = self._tickets.get(request_id)
-        return None if ticket is None else ticket.state
+        ticket = self._live.get(request_id)
+        return self._ended.get(request_id) if ticket is None else ticket.state
 
     # -- prefix pool ---------------------------------------------------------------------------
     async def register_prefix(self, tokens: Sequence[int], loops: int | None = None,
@@ -301,7 +315,7 @@ class Runtime:
         actor has stopped."""
         self.refuse_new_requests()
         if not drain:
-            for ticket in list(self._tickets.values()):
+            for ticket in list(self._live.values()):
                 self._cancel(ticket, SchedulerShutdown("the runtime shut down before this request ran"))
         await self._stopped.wait()
 
@@ -313,7 +327,7 @@ class Runtime:
     def _orphans(self) -> None:
         """Every actor has stopped, so the runtime holds every ticket again: none may leave its
         caller waiting (a cancelled runtime leaves tickets in channels and in the queue)."""
-        for ticket in self._tickets.values():
+        for ticket in self._live.values():
             if not ticket.state.terminal:
                 ticket.terminate(RequestState.CANCELLED,
                                  Failure(ticket.cancel_error or SchedulerShutdown("the runtime closed")))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from tinyloop.actors.ticket import Failure, Final, Item, Ticket
+from tinyloop.actors.ticket import Failure, Item, Ticket
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
 if TYPE_CHECKING:
@@ -89,8 +89,8 @@ class RequestStream:
         match item:
             case GenerationChunk():
                 return item
-            case Final(result=result):
-                self.result = result
+            case GenerationResult():
+                self.result = item
                 raise StopAsyncIteration
             case Failure(error=error):
                 raise error
@@ -113,7 +113,7 @@ class RequestStream:
                 break
             if isinstance(item, GenerationChunk):
                 burst.append(item)
-            else:  # Final or Failure
+            else:  # the result or a Failure
                 self._terminal = item
         return burst
 

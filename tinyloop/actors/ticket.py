@@ -15,7 +15,9 @@ terminal               the holder: the runtime (refused at admission, or before 
                        dispatch), the engine actor (whatever it held); once every actor has
                        stopped, the runtime retires what is left (``Runtime._orphans``)
 ``cancelled``,         the caller side only (``RequestStream.cancel``, ``Runtime.shutdown``),
-``cancel_error``       through ``cancel()``, once; the holder reads them at its next step
+``cancel_error``,      through ``cancel()`` and ``close_receiver()``, once; the holder reads
+``receiver_closed``,   them at its next step
+``gone``
 =====================  ==================================================================
 
 Caller-side cancellation is a flag, not a message, because it must be synchronous (it runs in
@@ -34,14 +36,7 @@ from tinyloop.actors.chute import Chute
 from tinyloop.limits import Resolved
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
-__all__ = ["Ticket", "Final", "Failure", "Item"]
-
-
-@dataclass(frozen=True, slots=True)
-class Final:
-    """The last item on a request's channel when it completed."""
-
-    result: GenerationResult
+__all__ = ["Ticket", "Failure", "Item"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +46,16 @@ class Failure:
     error: BaseException
 
 
-Item = GenerationChunk | Final | Failure
+Item = GenerationChunk | GenerationResult | Failure  # the result (or a Failure) comes last
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket:
     """One admitted (or being admitted) request (the module docstring says who writes what).
 
-    The holder writes chunks and one ``Final``/``Failure`` into ``items`` (``deliver``,
-    ``terminate``); the caller reads it. A
-    ``Chute`` never blocks its writer, so no actor waits on a slow reader.
+    The holder writes chunks and then the ``GenerationResult`` or a ``Failure`` into ``items``
+    (``deliver``, ``terminate``); the caller reads it. A ``Chute`` never blocks its writer, so
+    no actor waits on a slow reader.
     """
 
     request: GenerationRequest
@@ -73,10 +68,17 @@ class Ticket:
     cancelled: bool = False
     cancel_error: BaseException | None = None  # told to the caller when the runtime cancels it
     receiver_closed: bool = False  # written by the caller's side only (close_receiver)
+    gone: bool = False  # cancelled or receiver_closed: nobody would read what comes next
     items: Chute[Item] = field(init=False, repr=False)
+    # Engine slots the request takes: one per beam of a beam search (its beams decode as that
+    # many rows of every step), one otherwise. Speculation's extra rows are capped per step by
+    # the engine (``max_draft_nodes``) instead. A downgrade changes loops only, never this.
+    slots: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.items = Chute()
+        beam = self.request.beam
+        self.slots = beam[0] if beam is not None else 1
 
     @property
     def loops(self) -> int:
@@ -84,14 +86,6 @@ class Ticket:
         if self.resolved is None:
             raise RuntimeError(f"{self!r} was not checked against the model (RequestStream.start)")
         return self.resolved.loops
-
-    @property
-    def slots(self) -> int:
-        """Engine slots the request takes: one per beam of a beam search (its beams decode as
-        that many rows of every step), one otherwise. Speculation's extra rows are capped per
-        step by the engine (``max_draft_nodes``) instead."""
-        beam = self.request.beam
-        return beam[0] if beam is not None else 1
 
     @property
     def request_id(self) -> str:
@@ -107,18 +101,13 @@ class Ticket:
         was, or had already ended: the first reason wins."""
         if self.state.terminal or self.cancelled:
             return False
-        self.cancelled, self.cancel_error = True, error
+        self.cancelled, self.cancel_error, self.gone = True, error, True
         return True
 
     # -- the holder ----------------------------------------------------------------------------
-    @property
-    def gone(self) -> bool:
-        """The caller cancelled, or closed its end (nobody would read what comes next)."""
-        return self.cancelled or self.receiver_closed
-
     def close_receiver(self) -> None:
         """The caller's side: stop reading (what the engine side delivers next is dropped)."""
-        self.receiver_closed = True
+        self.receiver_closed = self.gone = True
         self.items.close_receiver()
 
     def deliver(self, item: Item) -> bool:
@@ -129,7 +118,7 @@ class Ticket:
             return False
         return True
 
-    def terminate(self, state: RequestState, item: Final | Failure | None = None) -> None:
+    def terminate(self, state: RequestState, item: GenerationResult | Failure | None = None) -> None:
         """Enter a terminal state, deliver the last item, close the holder's end."""
         self.state = state
         if item is None and state is RequestState.CANCELLED and self.cancel_error is not None:
