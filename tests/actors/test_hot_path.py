@@ -178,3 +178,24 @@ async def test_chute_contract() -> None:
     chute.close_receiver()
     with pytest.raises(trio.BrokenResourceError):
         chute.send_nowait(5)
+
+
+async def test_request_state_remembers_live_requests_and_the_last_ended_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry keeps live tickets and only the state of ended ones (the last
+    ``_KEEP_STATES``): a request still running is never forgotten, however many pass it."""
+    monkeypatch.setattr(runtime_module, "_KEEP_STATES", 50)
+    engine = FakeEngine(latency_ms=0, stream_tokens=[1] * 10_000, max_seq_len=20_000)
+    with trio.fail_after(10):
+        async with open_runtime(engine, Settings(max_batch_size=4)) as rt:
+            slow = rt.submit_stream(GenerationRequest(prompt_tokens=(1,), max_tokens=10_000))
+            await slow.start()  # a token per step: it outlives the 300 below (a few steps each)
+            done = [GenerationRequest(prompt_tokens=(1,), max_tokens=1) for _ in range(300)]
+            for r in done:
+                await rt.submit(r)
+            assert rt.request_state(slow.request_id) is RequestState.DECODING
+            states = [rt.request_state(r.request_id) for r in done]
+            assert states[-50:] == [RequestState.DONE] * 50
+            assert states[0] is None  # forgotten
+            assert len(rt._live) + len(rt._ended) <= 2 * 50 + 300 // 2
+            await slow.aclose()

@@ -250,7 +250,6 @@ class Runtime:
         for request_id, ticket in [(i, t) for i, t in live.items() if t.state.terminal]:
             del live[request_id]
             ended[request_id] = ticket.state
-            ended.move_to_end(request_id)
         while len(ended) > _KEEP_STATES:
             ended.popitem(last=False)
         self._sweep_at = 2 * len(live) + _SWEEP_SLACK
