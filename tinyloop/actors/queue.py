@@ -1,10 +1,11 @@
 """The queue actor: a priority heap (FIFO within a priority, with aging) in front of the engine.
 
-It hands the best tickets to the dispatcher, one for each slot a ``Pull`` asks to fill (free engine
-slots), so a request is chosen at the moment a slot frees up, never earlier; what one wake-up
-hands out goes in one ``Ready``. It reports the tickets it takes in to the metrics actor
-(``Admitted``, one event per wake-up: admission, in callers' tasks, sends none). ``Cancel`` (a caller's nudge,
-``Ticket.cancel``) takes a queued ticket out; the queue then retires it as cancelled.
+It hands the best tickets to the dispatcher, one for each slot a ``Pull`` asks to fill (free
+engine slots), so a request is chosen at the moment a slot frees up, never earlier; what one
+wake-up hands out goes in one ``Ready``. It reports the tickets it takes in to the metrics actor
+(``Admitted``, one event per wake-up: admission, in callers' tasks, sends none). ``Cancel`` (a
+caller's nudge, ``Ticket.cancel``) takes a queued ticket out; the queue then retires it as
+cancelled.
 
 It owns the heap and publishes ``QueueStatistics``: the queued count, and how many tickets it
 has taken in (admission counts the ones it sent and the queue has not taken in yet as queued).
