@@ -1,9 +1,9 @@
 """An actor's inbox for its pipeline messages and the feedback that flows back to it.
 
-The actors form a pipeline (admission -> queue -> dispatcher -> engine) with feedback flowing
-back (``Pull``, ``SlotFreed``, ``Cancel``). Shutdown cascades down the pipeline by closing
-channels: an actor whose upstream closed finishes what it holds, then closes its own outbox,
-which ends the next one. Feedback shares the inbox (one channel: no forwarding task, no extra
+The actors form a pipeline (admission, in callers' tasks -> queue -> dispatcher -> engine) with
+feedback flowing back (``Pull``, ``SlotFreed``, ``Cancel``). Shutdown cascades down the pipeline
+by closing channels: an actor whose upstream closed finishes what it holds, then closes its own
+outbox, which ends the next one. Feedback shares the inbox (one channel: no forwarding task, no extra
 hop per message), but its senders sit downstream and close only after this actor has, so the
 channel itself cannot end while the actor runs. Hence the upstream actor's end is a ``Pipe``:
 closing it puts one ``UpstreamClosed`` in the inbox after everything it sent, then closes its

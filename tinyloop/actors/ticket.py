@@ -1,7 +1,8 @@
 """A request's record while the runtime holds it: priority, SLO, state, and its result channel.
 
-Who writes what. A ticket travels admission -> queue -> dispatcher -> engine inside messages, and
-only the actor that holds it at the moment writes it (ownership moves with the message):
+Who writes what. A ticket travels admission (in its caller's task) -> queue -> dispatcher ->
+engine inside messages, and only the one that holds it at the moment writes it (ownership moves
+with the message):
 
 =====================  ==================================================================
 field                  writer
