@@ -7,7 +7,8 @@ The engine does no work (``FakeEngine(latency_ms=0, token_latency_ms=0)``), so e
 the cost of the runtime and the HTTP stack. Rows:
 
 - ``actors in-process``: ``rt.submit`` of a one-token request from ``--concurrency`` Trio
-  tasks in this process (admission -> queue -> dispatcher -> engine actor -> caller);
+  tasks in this process (admission in the caller's task -> queue -> dispatcher -> engine actor
+  -> caller);
 - ``HTTP /generate``: the full server (``serve_http``: runtime + QuartTrio app + hypercorn's
   trio worker) in a child process, driven over loopback by an httpx client with a pool of
   ``--concurrency`` connections and as many Trio tasks, one-token non-streaming requests;

@@ -3,10 +3,14 @@
 Control flow (the top row is the pipeline: closing a channel there ends the actor it feeds,
 which then closes its own outbox; the bottom rows are feedback, read beside the pipeline)::
 
-    Runtime ──Admit──▶ admission ──Enqueue──▶ queue ──Ready──▶ dispatcher ──Dispatch──▶ engine
-    Runtime ──RegisterPrefix─────────────────────────────────────────────────────────▶ engine
+    caller (admission) ──Enqueue──▶ queue ──Ready──▶ dispatcher ──Dispatch──▶ engine
+    Runtime ──RegisterPrefix───────────────────────────────────────────▶ engine
     Runtime ──Cancel──▶ queue ◀──Pull── dispatcher ◀──SlotFreed── engine
-    engine ──Observe──▶ admission            every actor ──Event──▶ metrics
+    engine ──Finished──▶ admission           every actor ──Event──▶ metrics
+
+Admission is no actor: it decides in the caller's task (``actors/admission.py``). Ready,
+Dispatch and SlotFreed carry every ticket of one wake-up, so the actors exchange one message per
+batch, not one per request.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ if TYPE_CHECKING:
     from tinyloop.actors.ticket import Ticket
 
 __all__ = [
-    "Admit", "Observe", "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
+    "Enqueue", "Cancel", "Pull", "Ready", "Dispatch", "SlotFreed",
     "RegisterPrefix", "Event", "Admitted", "Rejected", "Started", "FirstToken", "Finished",
     "StepDone", "PoolDispatched", "Preempted",
     "EventBatch", "QueueFeedback", "EngineInbox",
@@ -30,22 +34,6 @@ __all__ = [
 
 
 # -- control -----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Admit:
-    ticket: Ticket
-    reply: bool  # answer a go-ahead too (``RequestStream.start``); a refusal is always answered
-
-
-@dataclass(frozen=True, slots=True)
-class Observe:
-    """A finished request's service time, for the admission predictor (the engine sends a
-    step's worth in one list)."""
-
-    service_ms: float
-    loops: int
-    tokens: int
-
-
 @dataclass(frozen=True, slots=True)
 class Enqueue:
     ticket: Ticket
@@ -67,12 +55,16 @@ class Pull:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    ticket: Ticket
+    """The queue's answer to the Pulls it has: the best tickets, best first (one per slot)."""
+
+    tickets: list[Ticket]
 
 
 @dataclass(frozen=True, slots=True)
 class Dispatch:
-    ticket: Ticket
+    """Tickets for the engine, in dispatch order; ``via_pool``: they go through the prefix pool."""
+
+    tickets: list[Ticket]
     via_pool: bool
 
 
@@ -94,7 +86,7 @@ class RegisterPrefix:
 # -- events for the metrics actor --------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    count: int = 1  # requests admitted (admission sends one event per batch)
+    count: int = 1  # requests admitted (the queue sends one event per batch it takes in)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +129,7 @@ class StepDone:
 
 @dataclass(frozen=True, slots=True)
 class PoolDispatched:
-    pass
+    count: int = 1  # ``generate`` requests dispatched through the prefix pool (one event per batch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from tinyloop.requests import GenerationRequest, GenerationResult
 __all__ = ["FakeEngine", "FakeSequence"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class FakeSequence:
     """What FakeEngine keeps per request: the tokens it will emit and how far it got."""
 
@@ -63,17 +63,18 @@ class FakeSequence:
         return self.finish_reason is not None
 
     def result(self) -> GenerationResult:
+        """The result timed from the sequence's start (the runtime asks ``FakeEngine.result``)."""
+        ttft = None if self.first_token_at is None else (self.first_token_at - self.started_at) * 1000
+        return self.timed_result((trio.current_time() - self.started_at) * 1000, ttft)
+
+    def timed_result(self, wall_ms: float, time_to_first_token_ms: float | None) -> GenerationResult:
         n = len(self.output)
-        now = trio.current_time()
+        length = self.finish_reason == "length"
         return GenerationResult(
-            tokens=list(self.output), text="".join(self.text),
-            finish_reason="length" if self.finish_reason == "length" else "stop",
-            prompt_tokens=len(self.request.prompt_tokens), completion_tokens=n,
-            wall_ms=(now - self.started_at) * 1000,
-            stop_reason="length" if self.finish_reason == "length" else "eos",
-            loops_used=self.loops, mean_loops=float(self.loops) if n else None,
-            time_to_first_token_ms=None if self.first_token_at is None
-            else (self.first_token_at - self.started_at) * 1000)
+            tokens=list(self.output), text="".join(self.text), finish_reason="length" if length else "stop",
+            prompt_tokens=len(self.request.prompt_tokens), completion_tokens=n, wall_ms=wall_ms,
+            stop_reason="length" if length else "eos", loops_used=self.loops,
+            mean_loops=float(self.loops) if n else None, time_to_first_token_ms=time_to_first_token_ms)
 
 
 @dataclass
@@ -134,21 +135,25 @@ class FakeEngine:
         if self.fail_with is not None:
             raise self.fail_with
         self.batches.append(len(seqs))
-        events = []
+        events, now = [], trio.current_time()
         for seq in seqs:
             if not seq.script:
                 seq.finish_reason = "stop"
                 continue
             token = seq.script.pop(0)
+            text = f"<{token}>"
             seq.output.append(token)
-            seq.text.append(f"<{token}>")
+            seq.text.append(text)
             if seq.first_token_at is None:
-                seq.first_token_at = trio.current_time()
+                seq.first_token_at = now
             if not seq.script:
                 seq.finish_reason = "length" if len(seq.output) >= seq.request.max_tokens else "stop"
-            events.append(TokenEvent(seq, token, f"<{token}>", len(seq.output) - 1,  # type: ignore[arg-type]
+            events.append(TokenEvent(seq, token, text, len(seq.output) - 1,  # type: ignore[arg-type]
                                      None, seq.loops, seq.finished))
         return events
+
+    def result(self, seq: FakeSequence, wall_ms: float, time_to_first_token_ms: float | None) -> GenerationResult:
+        return seq.timed_result(wall_ms, time_to_first_token_ms)
 
     def free(self, seq: FakeSequence) -> None:
         self.live -= 1

@@ -50,6 +50,64 @@ async def test_no_channel_is_opened_per_request(monkeypatch: pytest.MonkeyPatch)
     assert opened["channels"] == 0
 
 
+class _Steps(trio.abc.Instrument):
+    """Counts each task's steps (a step: the task ran from one wake-up to its next wait)."""
+
+    def __init__(self) -> None:
+        self.by_task = Counter[str]()
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.by_task[task.name] += 1
+
+
+async def test_a_request_wakes_its_caller_once_and_the_actors_once_per_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 callers submitting one-token requests back to back (bench/overhead.py's in-process
+    row): admission decides in the caller's task, and the actors pass a wake-up's worth of
+    tickets per message, so the engine runs full batches, each caller takes about one step per
+    request, and the actors' steps and channel messages are spread over a batch. Before: 2
+    caller steps, 3.4 actor steps and 5.6 messages per request, batches of 3.4."""
+    callers, each, batch = 16, 20, 16
+    engine = FakeEngine(latency_ms=0, stream_tokens=[1])
+    steps = _Steps()
+    sent = Counter[str]()
+    real_send_nowait = trio.MemorySendChannel.send_nowait
+
+    def counting_send_nowait(self: trio.MemorySendChannel[object], value: object) -> None:
+        sent[type(value).__name__] += 1  # trio's send() goes through send_nowait: counted once
+        real_send_nowait(self, value)
+
+    async def caller(n: int) -> None:
+        for _ in range(n):
+            await rt.submit(GenerationRequest(prompt_tokens=(1,), max_tokens=1))
+
+    async def run(n: int) -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(callers):
+                nursery.start_soon(caller, n)
+
+    with trio.fail_after(30):
+        async with open_runtime(engine, Settings(max_batch_size=batch)) as rt:
+            await run(2)  # warm up
+            engine.batches.clear()
+            monkeypatch.setattr(trio.MemorySendChannel, "send_nowait", counting_send_nowait)
+            trio.lowlevel.add_instrument(steps)
+            try:
+                await run(each)
+            finally:
+                trio.lowlevel.remove_instrument(steps)
+                monkeypatch.undo()
+    requests = callers * each
+    caller_steps = sum(n for name, n in steps.by_task.items() if name.endswith(".caller"))
+    actor_steps = sum(n for name, n in steps.by_task.items() if name.startswith("tinyloop.actors."))
+    assert sum(engine.batches) == requests
+    assert requests / len(engine.batches) >= batch / 2, engine.batches  # now 16
+    assert caller_steps / requests <= 1.5, steps.by_task  # now 1.05
+    assert actor_steps / requests <= 1.0, steps.by_task  # now 0.66
+    assert sum(sent.values()) / requests <= 2.0, sent  # now 1.4: an Enqueue each, the rest per batch
+    assert "Admit" not in sent and sent["Dispatch"] < requests / 4, sent
+
+
 def _events(n: int) -> list[object]:
     result = GenerationResult(tokens=[1], text="<1>", finish_reason="length", prompt_tokens=1,
                               completion_tokens=1, wall_ms=3.0, loops_used=8, mean_loops=8.0)
@@ -120,3 +178,24 @@ async def test_chute_contract() -> None:
     chute.close_receiver()
     with pytest.raises(trio.BrokenResourceError):
         chute.send_nowait(5)
+
+
+async def test_request_state_remembers_live_requests_and_the_last_ended_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry keeps live tickets and only the state of ended ones (the last
+    ``_KEEP_STATES``): a request still running is never forgotten, however many pass it."""
+    monkeypatch.setattr(runtime_module, "_KEEP_STATES", 50)
+    engine = FakeEngine(latency_ms=0, stream_tokens=[1] * 10_000, max_seq_len=20_000)
+    with trio.fail_after(10):
+        async with open_runtime(engine, Settings(max_batch_size=4)) as rt:
+            slow = rt.submit_stream(GenerationRequest(prompt_tokens=(1,), max_tokens=10_000))
+            await slow.start()  # a token per step: it outlives the 300 below (a few steps each)
+            done = [GenerationRequest(prompt_tokens=(1,), max_tokens=1) for _ in range(300)]
+            for r in done:
+                await rt.submit(r)
+            assert rt.request_state(slow.request_id) is RequestState.DECODING
+            states = [rt.request_state(r.request_id) for r in done]
+            assert states[-50:] == [RequestState.DONE] * 50
+            assert states[0] is None  # forgotten
+            assert len(rt._live) + len(rt._ended) <= 2 * 50 + 300 // 2
+            await slow.aclose()

@@ -1,22 +1,25 @@
-"""The admission actor: answers each ``Admit`` at once with a decision or a refusal.
+"""Admission: decides each request at once, in its caller's task, and hands it to the queue actor.
 
-It owns the ``Admission`` policy (queue cap, SLO with an EMA predictor, downgrade) and feeds the
-predictor from the engine's ``Observe`` messages, read before each decision. Its view of the load
-comes from the snapshots the other actors publish (``Sources``), never from their state: queued
-is the queue's heap plus the tickets admission sent that the queue has not taken in yet (so a
-burst of submissions cannot overshoot ``max_queue_depth``); busy slots and the slot count are the
-dispatcher's; ``broken`` is the engine's. Admitted tickets go to the queue actor.
+Not an actor: every check is pure (the ``Admission`` policy, and the snapshots the other actors
+publish), so it runs synchronously inside ``submit`` and a refusal is raised right there, with
+no message and no wake-up per request. ``Admitter`` owns the policy (queue cap, SLO with an EMA
+predictor, downgrade) and the count of tickets it sent the queue; it feeds the predictor with
+the ``Finished`` events of completed requests, which the engine actor hands it a step's worth at
+a time on a ``Chute`` (read before each decision; nobody waits on it).
 
-Answers go on the ticket's own channel (no reply channel per request): a refusal always (the
-ticket ends there), a go-ahead only when the caller waits for one (``RequestStream.start``; a
-caller that only iterates learns of the go-ahead from its first chunk).
+Its view of the load comes from the snapshots (``Sources``), never from the actors' state:
+queued is the queue's heap plus the tickets admission sent that the queue has not taken in yet
+(so a burst of submissions cannot overshoot ``max_queue_depth``); busy slots are those the
+dispatcher filled less those the engine freed (a caller that got its result finds its slot free,
+though the engine's SlotFreed may not have reached the dispatcher yet); the slot count is the
+dispatcher's; ``broken`` is the engine's. Admitted tickets go down the queue's ``Pipe``
+(unbounded: the queue cap bounds it); the queue reports them to the metrics actor as it takes
+them in, so an admission costs no event of its own (a refusal sends ``Rejected``).
 
-Shutdown: the runtime closes the Admit inbox (``refuse_new_requests``); a caller sending later
-gets ``ClosedResourceError`` (SchedulerShutdown to it); admission answers what was buffered
-before, then closes its outbox to the queue. Cancellation: cancelled with its nursery; the
-tickets still in its inbox are retired by the runtime once every actor has stopped
-(``Runtime._orphans``). Errors in the policy are refusals delivered to the caller, never raised
-here.
+Shutdown: ``Runtime.refuse_new_requests`` closes the admitter, which closes its pipe (so
+starts the actors' cascade) and its end of the event channel; the runtime refuses later callers
+before they get here. No task,
+so nothing to cancel. Errors in the policy are refusals raised to the caller.
 """
 
 from __future__ import annotations
@@ -28,93 +31,107 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from tinyloop.actors.mailbox import Pipe, receive_all
-from tinyloop.actors.ticket import AdmitReply
+from tinyloop.actors.chute import Chute
+from tinyloop.actors.mailbox import Pipe
+from tinyloop.actors.ticket import Ticket
 from tinyloop.errors import SchedulerError, SchedulerShutdown
 from tinyloop.limits import Resolved
-from tinyloop.messages import Admit, Admitted, Enqueue, Event, Observe, Rejected
+from tinyloop.messages import Enqueue, Event, EventBatch, Finished, Rejected
 from tinyloop.policy.admission import Admission, Decision, least_loops
-from tinyloop.requests import GenerationRequest, RequestState
+from tinyloop.requests import GenerationRequest
 from tinyloop.settings import Settings
 
 if TYPE_CHECKING:
     from tinyloop.actors.dispatcher import DispatcherStatistics
     from tinyloop.actors.queue import QueueStatistics
 
-__all__ = ["run", "Sources"]
+__all__ = ["Admitter", "Sources"]
 
 
 @dataclass(frozen=True, slots=True)
 class Sources:
     """Where admission reads the other actors' published state: the queue's and the
-    dispatcher's snapshots, and why the engine is broken (None while it is fine)."""
+    dispatcher's snapshots, the slots the engine freed (``EngineStatistics.slots_freed``) and
+    why it is broken (None while it is fine)."""
 
     queue: Callable[[], QueueStatistics]
     dispatcher: Callable[[], DispatcherStatistics]
+    slots_freed: Callable[[], int]
     broken: Callable[[], str | None]
 
 
-async def run(*, inbox: trio.MemoryReceiveChannel[Admit], outbox: Pipe[Enqueue],
-              settings: Settings, observations: trio.MemoryReceiveChannel[list[Observe]],
-              events: trio.MemorySendChannel[Event], sources: Sources,
-              check: Callable[[GenerationRequest], Resolved],
-              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    policy = Admission.from_settings(settings)
-    sent = 0  # Enqueue messages sent to the queue, ever
-    admitted = 0  # in this batch (one Admitted event per batch)
-    async with inbox, outbox, events, observations:
-        task_status.started()
-        while True:
+class Admitter:
+    """Admit a ticket into the queue, or raise the refusal (module docstring)."""
+
+    def __init__(self, *, outbox: Pipe[Enqueue], settings: Settings, observations: Chute[list[Finished]],
+                 events: trio.MemorySendChannel[Event | EventBatch], sources: Sources,
+                 check: Callable[[GenerationRequest], Resolved]) -> None:
+        self.policy = Admission.from_settings(settings)
+        self.sent = 0  # Enqueue messages sent to the queue, ever
+        self._outbox = outbox
+        self._observations = observations
+        self._events = events
+        self._sources = sources
+        self._check = check
+
+    def __repr__(self) -> str:
+        return f"<Admitter sent={self.sent} {self.policy.predictor!r}>"
+
+    def admit(self, ticket: Ticket) -> Decision:
+        """Send ``ticket`` to the queue, downgraded if the policy says so; raise
+        ``QueueFullError``, ``AdmissionRejected``, or ``SchedulerShutdown`` when the engine is
+        broken or the queue has stopped. A refused ticket is left to the caller to end."""
+        self._learn()
+        try:
+            decision = self._decide(ticket)
+        except SchedulerError as exc:
+            if not isinstance(exc, SchedulerShutdown):  # the seeds count queue-full and SLO only
+                self._report(Rejected(type(exc).__name__))
+            raise
+        if decision.downgraded and decision.loops is not None:
+            ticket.request = dataclasses.replace(ticket.request, loops=decision.loops)
+            ticket.resolved = self._check(ticket.request)  # the limits resolve it again
+        try:
+            self._outbox.send_nowait(Enqueue(ticket))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise SchedulerShutdown("the runtime is shutting down") from None
+        self.sent += 1
+        return decision
+
+    def close(self) -> None:
+        """No more admissions: close the pipe (the queue finishes what it holds, then the
+        cascade goes on) and this end of the event channel. Idempotent."""
+        self._outbox.close()
+        self._events.close()
+
+    def _learn(self) -> None:
+        """The predictor learns from every request finished so far."""
+        observations = self._observations
+        while observations.ready:
             try:
-                batch = await receive_all(inbox)
-            except trio.EndOfChannel:
-                break
-            while True:  # the predictor learns from every request finished so far
-                try:
-                    step = observations.receive_nowait()
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-                for seen in step:
-                    policy.predictor.observe(seen.service_ms, loops=seen.loops, tokens=seen.tokens)
-            # Nothing awaits while a batch is decided, so the other actors' snapshots hold for
-            # all of it (admission's own ``sent`` counts the batch's tickets as queued).
-            load = Load(sources.queue(), sources.dispatcher(), sources.broken())
-            for msg in batch:
-                ticket = msg.ticket
-                try:
-                    decision = _decide(policy, msg, load, sent)
-                except SchedulerError as exc:
-                    if not isinstance(exc, SchedulerShutdown):  # the seeds count queue-full and SLO only
-                        events.send_nowait(Rejected(type(exc).__name__))
-                    ticket.terminate(RequestState.CANCELLED, AdmitReply(None, exc))  # the caller raises it
-                    continue
-                if decision.downgraded and decision.loops is not None:
-                    ticket.request = dataclasses.replace(ticket.request, loops=decision.loops)
-                    ticket.resolved = check(ticket.request)  # the limits resolve it again
-                sent += 1
-                if msg.reply:  # before the Enqueue: the go-ahead is the ticket's first item
-                    ticket.deliver(AdmitReply(decision, None))
-                outbox.send_nowait(Enqueue(ticket))  # the queue's mailbox is unbounded
-                admitted += 1
-            if admitted:
-                events.send_nowait(Admitted(admitted))
-                admitted = 0
+                step = observations.receive_nowait()
+            except trio.EndOfChannel:  # the engine actor has stopped
+                return
+            for done in step:  # service: dispatch to done; every result has run a loop and a token
+                assert done.result is not None
+                self.policy.predictor.observe(done.dispatch_ms or 0.0, loops=done.result.loops_used or 1,
+                                              tokens=max(done.result.completion_tokens, 1))
 
-@dataclass(frozen=True, slots=True)
-class Load:
-    """The other actors' snapshots, read once per batch of Admit messages."""
+    def _decide(self, ticket: Ticket) -> Decision:
+        sources = self._sources
+        broken = sources.broken()
+        if broken is not None:
+            raise SchedulerShutdown(f"the engine is broken: {broken}")
+        queue, dispatcher = sources.queue(), sources.dispatcher()
+        req = ticket.request
+        return self.policy.check(
+            queue_depth=queue.queued + self.sent - queue.taken_in,
+            in_flight=dispatcher.slots_taken - sources.slots_freed(),
+            slots=dispatcher.slots, slo_ms=ticket.slo_ms, shutting_down=False,
+            loops=ticket.loops, max_tokens=req.max_tokens, least_loops=least_loops(req))
 
-    queue: QueueStatistics
-    dispatcher: DispatcherStatistics
-    broken: str | None
-
-
-def _decide(policy: Admission, msg: Admit, load: Load, sent: int) -> Decision:
-    if load.broken is not None:
-        raise SchedulerShutdown(f"the engine is broken: {load.broken}")
-    queue, dispatcher = load.queue, load.dispatcher
-    req = msg.ticket.request
-    return policy.check(
-        queue_depth=queue.queued + sent - queue.taken_in, in_flight=dispatcher.slots_used,
-        slots=dispatcher.slots, slo_ms=msg.ticket.slo_ms, shutting_down=False,
-        loops=msg.ticket.loops, max_tokens=req.max_tokens, least_loops=least_loops(req))
+    def _report(self, event: Event) -> None:
+        try:
+            self._events.send_nowait(event)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # the metrics actor has stopped

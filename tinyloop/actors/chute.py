@@ -77,11 +77,8 @@ class Chute(Generic[T]):
 
     async def receive(self) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
-        try:
+        if self.ready:  # no WouldBlock raised and caught on the way to a wait
             value = self.receive_nowait()
-        except trio.WouldBlock:
-            pass
-        else:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return value
         if self._waiter is not None:

@@ -48,8 +48,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
+from tinyloop.actors.chute import Chute
 from tinyloop.actors.port import EnginePort, engine_errors
-from tinyloop.actors.ticket import Failure, Final, Ticket
+from tinyloop.actors.ticket import Failure, Ticket
 from tinyloop.errors import EngineBroken, EngineError, SchedulerShutdown, TinyLoopError
 from tinyloop.messages import (
     Dispatch,
@@ -58,7 +59,6 @@ from tinyloop.messages import (
     EventBatch,
     Finished,
     FirstToken,
-    Observe,
     Preempted,
     RegisterPrefix,
     SlotFreed,
@@ -94,6 +94,7 @@ class Health:
 @dataclass(frozen=True, slots=True)
 class EngineStatistics:
     retired: int  # requests retired after their dispatch, ever
+    slots_freed: int  # the dispatcher's slots those requests held (``Ticket.slots``), ever
     decoding: int  # requests whose sequence exists (running or preempted)
     prefix_pool_size: int
     kv: KVPoolStats | None
@@ -125,22 +126,23 @@ class EngineState:
     pool: PrefixPool[Any]
     health: Health
     freed: trio.MemorySendChannel[SlotFreed]
-    observe: trio.MemorySendChannel[list[Observe]]
+    observe: Chute[list[Finished]]
     events: trio.MemorySendChannel[Event | EventBatch]
     planner: KVPlanner
     active: dict[int, _Entry] = field(default_factory=dict)  # id(seq) -> entry
     waiting: deque[_Entry] = field(default_factory=deque)  # dispatched, not running
     counter: itertools.count[int] = field(default_factory=itertools.count)
     retired: int = 0
+    slots_freed: int = 0  # as ``retired``, in slots: published at once, the SlotFreed message lags
     pending: list[Event] = field(default_factory=list)  # events for the metrics actor, sent once per step
     steps: list[StepDone] = field(default_factory=list)  # steps not reported yet (report())
     freed_pending: list[Ticket] = field(default_factory=list)  # retired: their slots, for the dispatcher
-    observed: list[Observe] = field(default_factory=list)  # for admission's predictor
+    observed: list[Finished] = field(default_factory=list)  # completed requests, for admission's predictor
     decoding: int = 0  # requests whose sequence exists (running or preempted): counted as they start and retire
 
     def statistics(self) -> EngineStatistics:
-        return EngineStatistics(self.retired, self.decoding, self.pool.size(), self.engine.kv_statistics(),
-                                self.health.broken)
+        return EngineStatistics(self.retired, self.slots_freed, self.decoding, self.pool.size(),
+                                self.engine.kv_statistics(), self.health.broken)
 
     def pool_size(self) -> int:
         """``statistics().prefix_pool_size`` without the rest of the snapshot (the dispatcher
@@ -164,9 +166,10 @@ class EngineState:
     # -- messages ------------------------------------------------------------------------------
     def handle(self, msg: Dispatch | RegisterPrefix) -> None:
         match msg:
-            case Dispatch(ticket=ticket, via_pool=via_pool):
-                self.waiting.append(_Entry(ticket, via_pool, order=next(self.counter),
-                                           since=trio.current_time()))
+            case Dispatch(tickets=tickets, via_pool=via_pool):
+                now = trio.current_time()
+                self.waiting.extend(_Entry(ticket, via_pool, order=next(self.counter), since=now)
+                                    for ticket in tickets)
             case RegisterPrefix():
                 self.waiting.append(_Entry(None, prefix=msg, order=next(self.counter),
                                            since=trio.current_time()))
@@ -315,14 +318,15 @@ class EngineState:
                 self._retire_entry(entry, RequestState.ERROR, exc)
             return True
         self.steps.append(StepDone(len(seqs), len(events)))
+        now = trio.current_time()
         for ev in events:
             entry = self.active[id(ev.sequence)]
             ticket = entry.ticket
             assert ticket is not None
             if entry.first_token_at is None:
-                entry.first_token_at = trio.current_time()
+                entry.first_token_at = now
                 if ticket.stream:
-                    self.pending.append(FirstToken(ticket.ms_since(ticket.submitted_at) or 0.0))
+                    self.pending.append(FirstToken((now - ticket.submitted_at) * 1000))
             ticket.deliver(ev.chunk())
         self.reap()
         return True
@@ -371,30 +375,32 @@ class EngineState:
 
     def retire(self, seq: Any, ticket: Ticket, state: RequestState,
                error: BaseException | None = None, entry: _Entry | None = None) -> None:
+        now = trio.current_time()
+        wall_ms = (now - ticket.submitted_at) * 1000
         result: GenerationResult | None = None
         if seq is not None:
             self.active.pop(id(seq), None)
             self.decoding -= 1
             if state is RequestState.DONE:
-                result = seq.result()
+                assert entry is not None
+                first = entry.first_token_at
+                result = self.engine.result(seq, wall_ms, None if first is None else
+                                            (first - ticket.submitted_at) * 1000)
             self.engine.free(seq)
         self.retired += 1
-        now = trio.current_time()
-        wall_ms = (now - ticket.submitted_at) * 1000
         dispatched_at = None if entry is None else entry.dispatched_at
         dispatch_ms = None if dispatched_at is None else (now - dispatched_at) * 1000
+        finished = Finished(state, wall_ms, dispatch_ms, result)
         if result is not None:
-            assert entry is not None
-            result = _on_runtime_clock(result, ticket.submitted_at, entry.first_token_at, wall_ms)
-            ticket.terminate(state, Final(result))
-            self.observed.append(Observe(dispatch_ms or 0.0, result.loops_used or 1,
-                                         max(result.completion_tokens, 1)))
+            ticket.terminate(state, result)
+            self.observed.append(finished)
         else:
             if error is None and state is RequestState.CANCELLED and not ticket.cancelled:
                 error = SchedulerShutdown("the runtime stopped while this request ran")  # close()
             ticket.terminate(state, Failure(error) if error is not None else None)
-        self.pending.append(Finished(state, wall_ms, dispatch_ms, result))
+        self.pending.append(finished)
         self.freed_pending.append(ticket)
+        self.slots_freed += ticket.slots
 
     def close(self) -> None:
         """Retire everything still held (the actor is stopping): sequences are freed."""
@@ -404,14 +410,7 @@ class EngineState:
         self.report()
 
 
-def _on_runtime_clock(result: GenerationResult, submitted_at: float, first_token_at: float | None,
-                      wall_ms: float) -> GenerationResult:
-    """The engine's result with the runtime's times: one clock for results and metrics."""
-    ttft = None if first_token_at is None else (first_token_at - submitted_at) * 1000
-    return result.timed(wall_ms, ttft)
-
-
-def _send_feedback(channel: trio.MemorySendChannel[T], msg: T) -> None:
+def _send_feedback(channel: trio.MemorySendChannel[T] | Chute[T], msg: T) -> None:
     try:
         channel.send_nowait(msg)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -439,13 +438,13 @@ def drain(inbox: trio.MemoryReceiveChannel[EngineInbox], loop: EngineState) -> b
 
 async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.MemorySendChannel[Event | EventBatch],
               settings: Settings, engine: EnginePort, freed: trio.MemorySendChannel[SlotFreed],
-              observe: trio.MemorySendChannel[list[Observe]],
+              observe: Chute[list[Finished]],
               task_status: trio.TaskStatus[EngineState] = trio.TASK_STATUS_IGNORED) -> None:
     """Started with ``nursery.start``, which returns the actor's state: read it through its
     ``statistics()`` (and ``health``), never write it."""
     pool: PrefixPool[Any] = PrefixPool(settings.prefix_pool_capacity)
     loop = EngineState(engine, pool, Health(), freed, observe, outbox, KVPlanner(settings.kv_aging_ms / 1000))
-    async with inbox, freed, observe, outbox:
+    async with inbox, freed, outbox:
         task_status.started(loop)
         try:
             closed = False
@@ -466,5 +465,6 @@ async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.Mem
                     await trio.lowlevel.checkpoint()
         finally:
             loop.close()
+            observe.close()
             for handle in pool.clear():
                 engine.free(handle)

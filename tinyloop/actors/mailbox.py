@@ -1,9 +1,9 @@
 """An actor's inbox for its pipeline messages and the feedback that flows back to it.
 
-The actors form a pipeline (admission -> queue -> dispatcher -> engine) with feedback flowing
-back (``Pull``, ``SlotFreed``, ``Cancel``). Shutdown cascades down the pipeline by closing
-channels: an actor whose upstream closed finishes what it holds, then closes its own outbox,
-which ends the next one. Feedback shares the inbox (one channel: no forwarding task, no extra
+The actors form a pipeline (admission, in callers' tasks -> queue -> dispatcher -> engine) with
+feedback flowing back (``Pull``, ``SlotFreed``, ``Cancel``). Shutdown cascades down the pipeline
+by closing channels: an actor whose upstream closed finishes what it holds, then closes its own
+outbox, which ends the next one. Feedback shares the inbox (one channel: no forwarding task, no extra
 hop per message), but its senders sit downstream and close only after this actor has, so the
 channel itself cannot end while the actor runs. Hence the upstream actor's end is a ``Pipe``:
 closing it puts one ``UpstreamClosed`` in the inbox after everything it sent, then closes its
@@ -42,14 +42,19 @@ class Pipe(Generic[M]):
     def send_nowait(self, msg: M) -> None:
         self._send.send_nowait(msg)
 
+    def close(self) -> None:
+        """Announce the end, then close (idempotent; synchronous, so admission, which runs in
+        callers' tasks, closes its pipe from ``Runtime.refuse_new_requests``)."""
+        try:
+            self._send.send_nowait(UpstreamClosed())  # the mailbox buffer is unbounded
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the reader is gone already, or the pipe was closed before
+        self._send.close()
+
     async def aclose(self) -> None:
-        """Announce the end, then close (shielded: a cancelled upstream still ends its pipe)."""
-        with trio.CancelScope(shield=True):
-            try:
-                self._send.send_nowait(UpstreamClosed())  # the mailbox buffer is unbounded
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the reader is gone already
-            await self._send.aclose()
+        """``close``, then a checkpoint that a cancelled upstream still gets through."""
+        self.close()
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def __aenter__(self) -> Pipe[M]:
         return self

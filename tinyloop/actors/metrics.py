@@ -64,10 +64,7 @@ class Tally:
             case EventBatch(events=events):
                 for e in events:
                     self.add(e)
-            case StepDone(batch_size=n, tokens=tokens):
-                self.observe("batch_size", n)
-                self.inc("tokens_generated", tokens)
-            case Finished(state=state, wall_ms=wall, dispatch_ms=dispatch, result=result):
+            case Finished(state=state, wall_ms=wall, dispatch_ms=dispatch, result=result):  # per request first
                 self._finished(state, wall, dispatch, result)
             case Started(queue_wait_ms=ms, prompt_tokens=prompt, hit_tokens=hit):
                 self.observe("queue_wait_ms", ms)
@@ -75,14 +72,17 @@ class Tally:
                 if hit is not None:  # the engine started it: its prompt went through the prefix cache
                     self.inc("prefix_cache_queried_tokens", prompt)
                     self.inc("prefix_cache_hit_tokens", hit)
+            case StepDone(batch_size=n, tokens=tokens):
+                self.observe("batch_size", n)
+                self.inc("tokens_generated", tokens)
             case FirstToken(ms=ms):
                 self.observe("first_token_ms", ms)
             case Admitted(count=n):
                 self.inc("requests_submitted", n)
             case Rejected():
                 self.inc("requests_rejected")
-            case PoolDispatched():
-                self.inc("prefix_pool_hits")
+            case PoolDispatched(count=n):
+                self.inc("prefix_pool_hits", n)
             case Preempted():
                 self.inc("preemptions")
 

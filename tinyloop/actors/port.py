@@ -20,7 +20,7 @@ import trio
 
 from tinyloop.errors import EngineError, TinyLoopError
 from tinyloop.limits import Resolved
-from tinyloop.requests import GenerationRequest
+from tinyloop.requests import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
     from tinyloop.engine.engine import Engine
@@ -52,6 +52,11 @@ class EnginePort(Protocol):
         """One iteration over the active sequences. It yields to the scheduler (any Trio
         sleep, thread or channel wait does): the engine actor takes no checkpoint of its own
         after a step that ran."""
+        ...
+
+    def result(self, seq: Any, wall_ms: float, time_to_first_token_ms: float | None) -> GenerationResult:
+        """A finished sequence's result, its times those given (the runtime's clock, from
+        submission: one clock for results and metrics)."""
         ...
 
     def free(self, seq: Any) -> None: ...
@@ -138,6 +143,9 @@ class ThreadedEngine:
     async def step(self, seqs: Sequence[Seq]) -> list[TokenEvent]:
         with engine_errors():
             return await trio.to_thread.run_sync(self.engine.step, list(seqs))
+
+    def result(self, seq: Seq, wall_ms: float, time_to_first_token_ms: float | None) -> GenerationResult:
+        return seq.result().timed(wall_ms, time_to_first_token_ms)
 
     def free(self, seq: Seq) -> None:
         self.engine.free(seq)

@@ -1,13 +1,16 @@
 """The queue actor: a priority heap (FIFO within a priority, with aging) in front of the engine.
 
-It hands the best ticket to the dispatcher for each slot a ``Pull`` asks to fill (free engine slots), so a
-request is chosen at the moment a slot frees up, never earlier. ``Cancel`` (a caller's nudge,
-``Ticket.cancel``) takes a queued ticket out; the queue then retires it as cancelled.
+It hands the best tickets to the dispatcher, one for each slot a ``Pull`` asks to fill (free
+engine slots), so a request is chosen at the moment a slot frees up, never earlier; what one
+wake-up hands out goes in one ``Ready``. It reports the tickets it takes in to the metrics actor
+(``Admitted``, one event per wake-up: admission, in callers' tasks, sends none). ``Cancel`` (a
+caller's nudge, ``Ticket.cancel``) takes a queued ticket out; the queue then retires it as
+cancelled.
 
 It owns the heap and publishes ``QueueStatistics``: the queued count, and how many tickets it
 has taken in (admission counts the ones it sent and the queue has not taken in yet as queued).
 
-Shutdown: when admission closes the Enqueue inbox, the queue goes on answering ``Pull`` until
+Shutdown: when admission closes its Enqueue pipe, the queue goes on answering ``Pull`` until
 the heap is empty, then closes its outbox to the dispatcher. Cancellation: cancelled with its
 nursery; the tickets still queued are retired by the runtime once every actor has stopped.
 """
@@ -20,7 +23,7 @@ import trio
 
 from tinyloop.actors.mailbox import Pipe, UpstreamClosed, receive_all
 from tinyloop.actors.ticket import Ticket
-from tinyloop.messages import Cancel, Enqueue, Event, Finished, Pull, QueueFeedback, Ready
+from tinyloop.messages import Admitted, Cancel, Enqueue, Event, Finished, Pull, QueueFeedback, Ready
 from tinyloop.policy.queue import PriorityQueue
 from tinyloop.requests import RequestState
 from tinyloop.settings import Settings
@@ -66,11 +69,16 @@ async def run(*, inbox: trio.MemoryReceiveChannel[Enqueue | QueueFeedback | Upst
                 batch = await receive_all(inbox)
             except trio.EndOfChannel:
                 break
+            taken_in = state.taken_in
             for msg in batch:
                 upstream_open = _take(msg, state, events) and upstream_open
-            while state.pulls and len(heap):
-                state.pulls -= 1
-                outbox.send_nowait(Ready(heap.pop(_now_ms())))
+            if state.taken_in != taken_in:
+                events.send_nowait(Admitted(state.taken_in - taken_in))
+            if state.pulls and len(heap):
+                now = _now_ms()
+                ready = [heap.pop(now) for _ in range(min(state.pulls, len(heap)))]
+                state.pulls -= len(ready)
+                outbox.send_nowait(Ready(ready))
 
 
 def _take(msg: Enqueue | QueueFeedback | UpstreamClosed, state: QueueState,

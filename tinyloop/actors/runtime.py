@@ -8,29 +8,34 @@
             async for chunk in stream:
                 ...
 
-Ownership. Each piece of state has one owner: admission its policy and the count of tickets it
-sent on; the queue its heap; the dispatcher its slots; the engine actor its entries, the prefix
-pool and ``Health``; the metrics actor the counters and histograms; the runtime (this module,
-running in callers' tasks) the lifecycle flag and the registry of tickets for
-``request_state``. Each actor publishes a frozen ``...Statistics`` snapshot that the runtime and
-admission read; nothing else of theirs is read or written from outside. A ticket's fields are
+Ownership. Each piece of state has one owner: admission (``Admitter``, run in callers' tasks)
+its policy and the count of tickets it sent on; the queue its heap; the dispatcher its slots;
+the engine actor its entries, the prefix pool and ``Health``; the metrics actor the counters and
+histograms; the runtime (this module, running in callers' tasks) the lifecycle flag and the
+registry of tickets for ``request_state``. Each actor publishes a frozen ``...Statistics``
+snapshot that the runtime and admission read; nothing else of theirs is read or written from
+outside. A ticket's fields are
 written by whoever holds it (``ticket.py`` has the table). In flight is one count: the
 dispatcher's ``dispatched`` minus the engine's ``retired``.
 
 Shutdown cascades by closing channels (each actor ends when its pipeline inbox ends and it holds
-nothing, then closes its outbox): ``refuse_new_requests`` closes admission's inbox (and the
-prefix channel to the engine); admission closes the queue's; the queue, once empty, closes the
-dispatcher's; the dispatcher, once nothing waits for a slot, closes the engine's; the engine,
+nothing, then closes its outbox): ``refuse_new_requests`` closes admission's pipe to the queue
+(and the prefix channel to the engine); the queue, once empty, closes the dispatcher's; the
+dispatcher, once nothing waits for a slot, closes the engine's; the engine,
 once what it holds has finished, closes the metrics actor's. ``shutdown`` waits for the last
 actor to return; without ``drain`` it first cancels every request, so each actor's hold empties
 at once. When the runtime is left by an exception or cancellation the actors are cancelled
 instead; once they have all stopped the runtime retires what they left (``_orphans``).
 
-Channel buffers: admission's inbox is unbounded but holds at most one Admit per caller (each
-then waits on its ticket; closing it refuses later callers, and admission answers the ones
-buffered before); the ready and dispatch channels carry at most ``max_batch_size``
-messages (one per engine slot); the enqueue, feedback and event channels are unbounded but carry
-at most a few messages per live request; nobody blocks on a feedback channel.
+Hops. A request costs its caller one wake-up (its result); admission runs in the caller's task,
+and the actors pass tickets on in batches (one Ready, one Dispatch, one SlotFreed per wake-up),
+so each actor wakes once per batch of requests, not once per request.
+
+Channel buffers: the dispatch channel holds ``max_batch_size + 1`` messages (each Dispatch
+carries at least one ticket for a free slot; register_prefix callers wait there beside them);
+the enqueue channel is unbounded but admission's queue cap bounds it; the ready, feedback and
+event channels are unbounded but carry at most a few messages per live request; nobody blocks
+on a feedback channel.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import trio
 from tinyloop.actors import admission, dispatcher, queue
 from tinyloop.actors import engine as engine_actor
 from tinyloop.actors import metrics as metrics_actor
+from tinyloop.actors.chute import Chute
 from tinyloop.actors.dispatcher import DispatcherState
 from tinyloop.actors.engine import EngineState
 from tinyloop.actors.mailbox import Pipe, UpstreamClosed, open_mailbox
@@ -57,16 +63,15 @@ from tinyloop.actors.port import EnginePort, ThreadedEngine
 from tinyloop.actors.queue import QueueState
 from tinyloop.actors.stream import RequestStream
 from tinyloop.actors.ticket import Failure, Ticket
-from tinyloop.errors import SchedulerShutdown
+from tinyloop.errors import SchedulerError, SchedulerShutdown
 from tinyloop.limits import Resolved
 from tinyloop.messages import (
-    Admit,
     Cancel,
     EngineInbox,
     Enqueue,
     Event,
     EventBatch,
-    Observe,
+    Finished,
     QueueFeedback,
     Ready,
     RegisterPrefix,
@@ -82,6 +87,7 @@ if TYPE_CHECKING:
 __all__ = ["Runtime", "RuntimeStatistics", "open_runtime"]
 
 _KEEP_STATES = 4096  # terminal request states remembered for request_state()
+_SWEEP_SLACK = 64  # ended tickets held, at most, beyond twice the live ones before a sweep
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +113,7 @@ class Runtime:
     _queue: QueueState  # the actors' published state, set once they have started
     _dispatcher: DispatcherState
     _engine: EngineState
+    _admission: admission.Admitter
 
     def __init__(self, engine: EnginePort, settings: Settings) -> None:
         self.engine = engine
@@ -115,9 +122,13 @@ class Runtime:
         self._shutting_down = False
         self._stopped = trio.Event()  # every actor has returned
         self._actors = trio.CancelScope()
-        self._tickets: OrderedDict[str, Ticket] = OrderedDict()
+        # request_state()'s registry: the tickets admitted, and once they have ended only their
+        # state (a ticket and what it holds are garbage as soon as its caller is done, instead of
+        # living on, for the collector to walk, through the next thousands of requests)
+        self._live: dict[str, Ticket] = {}
+        self._ended: OrderedDict[str, RequestState] = OrderedDict()  # oldest first
+        self._sweep_at = _SWEEP_SLACK
         self.started_at = time.time()
-        self._admit_send, self._admit_recv = trio.open_memory_channel[Admit](math.inf)
         self._prefix_send, self._engine_recv = trio.open_memory_channel[EngineInbox](settings.max_batch_size + 1)
         # the queue's mailbox: admission's pipe in, the runtime's Cancel and the dispatcher's Pull back
         self._enqueue_pipe: Pipe[Enqueue]
@@ -145,7 +156,7 @@ class Runtime:
     async def _start(self, n: trio.Nursery) -> None:
         settings = self.settings
         events_send, events_recv = trio.open_memory_channel[Event | EventBatch](math.inf)
-        observe_send, observe_recv = trio.open_memory_channel[list[Observe]](math.inf)
+        observations: Chute[list[Finished]] = Chute()  # completed requests, for admission's predictor
         # the dispatcher's mailbox: the queue's pipe in, the engine's SlotFreed back
         ready_pipe: Pipe[Ready]
         freed_send: trio.MemorySendChannel[SlotFreed]
@@ -155,7 +166,7 @@ class Runtime:
         await n.start(partial(metrics_actor.run, inbox=events_recv, metrics=self.metrics))
         self._engine = await n.start(partial(
             engine_actor.run, inbox=self._engine_recv, outbox=events_send.clone(), settings=settings,
-            engine=self.engine, freed=freed_send, observe=observe_send))
+            engine=self.engine, freed=freed_send, observe=observations))
         self._dispatcher = await n.start(partial(
             dispatcher.run, inbox=dispatcher_inbox, outbox=dispatch_send, settings=settings,
             pulls=self._cancel_send.clone(), events=events_send.clone(),
@@ -164,10 +175,10 @@ class Runtime:
             queue.run, inbox=self._queue_inbox, outbox=ready_pipe, settings=settings,
             events=events_send.clone()))
         sources = admission.Sources(self._queue.statistics, self._dispatcher.statistics,
-                                    lambda: self._engine.health.broken)
-        await n.start(partial(
-            admission.run, inbox=self._admit_recv, outbox=self._enqueue_pipe, settings=settings,
-            observations=observe_recv, events=events_send, sources=sources, check=self.engine.check))
+                                    lambda: self._engine.slots_freed, lambda: self._engine.health.broken)
+        self._admission = admission.Admitter(
+            outbox=self._enqueue_pipe, settings=settings, observations=observations, events=events_send,
+            sources=sources, check=self.engine.check)
         kv_bytes = self.engine.kv_bytes_per_token()
         self.metrics.set_engine_info(max_seq_len=self.engine.max_seq_len,
                                      default_loops=self.engine.default_loops,
@@ -192,31 +203,30 @@ class Runtime:
                      slo_ms: float | None = None) -> GenerationResult:
         """Run a request to completion and return its result (cancel the caller to cancel it)."""
         async with RequestStream(self, request, priority, slo_ms, stream=False) as stream:
-            async for _ in stream:
+            while await stream.next_burst():  # what piled up in one go: one wake-up, no more
                 pass
         assert stream.result is not None
         return stream.result
 
-    def _admit(self, ticket: Ticket, reply: bool) -> None:
-        """Hand the ticket to admission (its answer comes on the ticket's channel: a refusal
-        always, a go-ahead when ``reply``); SchedulerShutdown once the runtime refuses new
-        requests."""
+    def _admit(self, ticket: Ticket) -> None:
+        """Admit the ticket into the queue, in the caller's task, or end it and raise the
+        refusal: QueueFullError, AdmissionRejected, SchedulerShutdown (also once the runtime
+        refuses new requests)."""
         if self._shutting_down:
             self._refused(ticket)
             raise SchedulerShutdown("the runtime has stopped" if self._stopped.is_set()
                                     else "the runtime is shutting down")
-        self._remember(ticket)
-        try:  # unbounded: each caller sends one Admit and then waits on its ticket
-            self._admit_send.send_nowait(Admit(ticket, reply))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+        try:
+            self._admission.admit(ticket)
+        except SchedulerError:
             self._refused(ticket)
-            raise SchedulerShutdown("the runtime is shutting down") from None  # refuse_new_requests
+            raise
+        self._remember(ticket)
 
     def _refused(self, ticket: Ticket) -> None:
         """Admission never took the ticket on: the runtime, still its holder, ends it."""
         ticket.state = RequestState.CANCELLED
         ticket.items.close()
-        self._tickets.pop(ticket.request_id, None)
 
     def _cancel(self, ticket: Ticket, error: BaseException | None = None) -> None:
         """The caller left (or the runtime is closing): mark the ticket cancelled; its holder
@@ -229,17 +239,25 @@ class Runtime:
             pass  # the queue has stopped: whoever holds the ticket reads the flag
 
     def _remember(self, ticket: Ticket) -> None:
-        self._tickets[ticket.request_id] = ticket
-        while len(self._tickets) > _KEEP_STATES:
-            oldest = next(iter(self._tickets))
-            if not self._tickets[oldest].state.terminal:
-                break
-            self._tickets.popitem(last=False)
+        self._live[ticket.request_id] = ticket
+        if len(self._live) >= self._sweep_at:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Keep only the state of the tickets that have ended (the last ``_KEEP_STATES`` of
+        them). Amortised: the next sweep waits for as many admissions as tickets are left live."""
+        live, ended = self._live, self._ended
+        for request_id, ticket in [(i, t) for i, t in live.items() if t.state.terminal]:
+            del live[request_id]
+            ended[request_id] = ticket.state
+        while len(ended) > _KEEP_STATES:
+            ended.popitem(last=False)
+        self._sweep_at = 2 * len(live) + _SWEEP_SLACK
 
     def request_state(self, request_id: str) -> RequestState | None:
         """Where a request is in QUEUED -> DISPATCHED -> DECODING -> DONE | ERROR | CANCELLED."""
-        ticket = self._tickets.get(request_id)
-        return None if ticket is None else ticket.state
+        ticket = self._live.get(request_id)
+        return self._ended.get(request_id) if ticket is None else ticket.state
 
     # -- prefix pool ---------------------------------------------------------------------------
     async def register_prefix(self, tokens: Sequence[int], loops: int | None = None,
@@ -284,9 +302,10 @@ class Runtime:
     # -- shutdown ------------------------------------------------------------------------------
     def refuse_new_requests(self) -> None:
         """Start shutting down: from now on ``submit`` and ``register_prefix`` raise
-        SchedulerShutdown. Closing admission's inbox starts the cascade (module docstring)."""
+        SchedulerShutdown. Closing admission's pipe to the queue starts the cascade (module
+        docstring)."""
         self._shutting_down = True
-        self._admit_send.close()
+        self._admission.close()
         self._prefix_send.close()
 
     async def shutdown(self, drain: bool = True) -> None:
@@ -295,7 +314,7 @@ class Runtime:
         actor has stopped."""
         self.refuse_new_requests()
         if not drain:
-            for ticket in list(self._tickets.values()):
+            for ticket in list(self._live.values()):
                 self._cancel(ticket, SchedulerShutdown("the runtime shut down before this request ran"))
         await self._stopped.wait()
 
@@ -307,7 +326,7 @@ class Runtime:
     def _orphans(self) -> None:
         """Every actor has stopped, so the runtime holds every ticket again: none may leave its
         caller waiting (a cancelled runtime leaves tickets in channels and in the queue)."""
-        for ticket in self._tickets.values():
+        for ticket in self._live.values():
             if not ticket.state.terminal:
                 ticket.terminate(RequestState.CANCELLED,
                                  Failure(ticket.cancel_error or SchedulerShutdown("the runtime closed")))

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from tinyloop.actors.ticket import AdmitReply, Failure, Final, Item, Ticket
-from tinyloop.errors import SchedulerShutdown
+from tinyloop.actors.ticket import Failure, Item, Ticket
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
 if TYPE_CHECKING:
@@ -23,14 +22,12 @@ __all__ = ["RequestStream", "Gate"]
 
 
 class Gate(Protocol):
-    """What a stream needs from its runtime (``Runtime`` is one): the model's check, admission,
-    and withdrawal of a ticket its caller left."""
+    """What a stream needs from its runtime (``Runtime`` is one): the model's check, admission
+    (raises the refusal), and withdrawal of a ticket its caller left."""
 
     def check(self, request: GenerationRequest) -> Resolved: ...
 
-    def _admit(self, ticket: Ticket, reply: bool) -> None: ...
-
-    def _refused(self, ticket: Ticket) -> None: ...
+    def _admit(self, ticket: Ticket) -> None: ...
 
     def _cancel(self, ticket: Ticket, error: BaseException | None = None) -> None: ...
 
@@ -58,52 +55,31 @@ class RequestStream:
         return f"<RequestStream {self.ticket!r}>"
 
     async def start(self) -> None:
-        """Validate against the model (RequestError), then pass admission (raises its refusal).
+        """A checkpoint, then the check against the model (RequestError) and admission (raises
+        its refusal: QueueFullError, AdmissionRejected, SchedulerShutdown), both synchronous.
         Idempotent; iteration calls it if needed."""
         if self._started:
             return
-        self._begin(reply=True)
-        try:
-            item = await self.ticket.items.receive()
-        except trio.EndOfChannel:  # ended before admission answered (the runtime closed)
-            self.cancel()
-            raise SchedulerShutdown("the runtime is shutting down") from None
-        except BaseException:
-            self.cancel()
-            raise
-        self._admitted(item)
+        await trio.lowlevel.checkpoint()  # a cancelled caller is admitted nowhere
+        self._begin()
 
-    def _begin(self, reply: bool) -> None:
-        """Check the request and hand the ticket to admission (which answers on its channel)."""
+    def _begin(self) -> None:
+        """Check the request and pass admission, in this task (the refusal is raised here)."""
         self.ticket.resolved = self._runtime.check(self.ticket.request)  # the one check
         self._started = True
         try:
-            self._runtime._admit(self.ticket, reply)
+            self._runtime._admit(self.ticket)
         except BaseException:
             self.ticket.close_receiver()
             raise
-
-    def _admitted(self, item: Item) -> None:
-        """Admission's answer, or what ended the ticket before one came: raise a refusal."""
-        match item:
-            case AdmitReply(error=None):
-                return
-            case AdmitReply(error=BaseException() as error):
-                self._runtime._refused(self.ticket)
-                self.ticket.close_receiver()
-                raise error
-            case Failure(error=error):  # the runtime closed before admission answered
-                self.ticket.close_receiver()
-                raise error
-        raise AssertionError(f"{item!r} before admission answered")  # pragma: no cover
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> GenerationChunk:
         try:
-            if not self._started:  # no go-ahead asked for: a refusal comes as the first item
-                self._begin(reply=False)
+            if not self._started:
+                self._begin()
             item, self._terminal = self._terminal or await self.ticket.items.receive(), None
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
@@ -113,13 +89,11 @@ class RequestStream:
         match item:
             case GenerationChunk():
                 return item
-            case Final(result=result):
-                self.result = result
+            case GenerationResult():
+                self.result = item
                 raise StopAsyncIteration
             case Failure(error=error):
                 raise error
-            case AdmitReply(error=error) if error is not None:
-                self._admitted(item)
         raise AssertionError(f"unexpected {item!r}")  # pragma: no cover
 
     async def next_burst(self) -> list[GenerationChunk]:
@@ -139,7 +113,7 @@ class RequestStream:
                 break
             if isinstance(item, GenerationChunk):
                 burst.append(item)
-            else:  # Final or Failure (an AdmitReply only ever comes first)
+            else:  # the result or a Failure
                 self._terminal = item
         return burst
 

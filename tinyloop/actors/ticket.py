@@ -1,22 +1,24 @@
 """A request's record while the runtime holds it: priority, SLO, state, and its result channel.
 
-Who writes what. A ticket travels admission -> queue -> dispatcher -> engine inside messages, and
-only the actor that holds it at the moment writes it (ownership moves with the message):
+Who writes what. A ticket travels admission (in its caller's task) -> queue -> dispatcher ->
+engine inside messages, and only the one that holds it at the moment writes it (ownership moves
+with the message):
 
 =====================  ==================================================================
 field                  writer
 =====================  ==================================================================
-``request``            admission, on a downgrade, before it forwards the ticket
+``request``            admission, on a downgrade, before it sends the ticket on
 ``state`` QUEUED       set at creation (the caller's task)
 DISPATCHED             the dispatcher, as it sends ``Dispatch``
 DECODING               the engine actor, once the engine started the sequence
-terminal               the holder: admission (refused), the runtime (refused before admission
-                       had it), the queue (cancelled
-                       while queued), the dispatcher (cancelled before dispatch), the engine
-                       actor (whatever it held); once every actor has stopped, the runtime
-                       retires what is left (``Runtime._orphans``)
+terminal               the holder: the runtime (refused at admission, or before it), the
+                       queue (cancelled while queued), the dispatcher (cancelled before
+                       dispatch), the engine actor (whatever it held); once every actor has
+                       stopped, the runtime retires what is left (``Runtime._orphans``)
 ``cancelled``,         the caller side only (``RequestStream.cancel``, ``Runtime.shutdown``),
-``cancel_error``       through ``cancel()``, once; the holder reads them at its next step
+``cancel_error``,      through ``cancel()`` and ``close_receiver()``, once; the holder reads
+``receiver_closed``,   them at its next step
+``gone``
 =====================  ==================================================================
 
 Caller-side cancellation is a flag, not a message, because it must be synchronous (it runs in
@@ -28,7 +30,6 @@ leaves the queue at once instead of when it would be popped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import trio
 
@@ -36,26 +37,7 @@ from tinyloop.actors.chute import Chute
 from tinyloop.limits import Resolved
 from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, RequestState
 
-if TYPE_CHECKING:
-    from tinyloop.policy.admission import Decision
-
-__all__ = ["Ticket", "Final", "Failure", "AdmitReply", "Item"]
-
-
-@dataclass(frozen=True, slots=True)
-class AdmitReply:
-    """Admission's answer, the first item on the ticket's own channel: a refusal always, a
-    go-ahead only when the caller asked to wait for one (``tinyloop.messages.Admit.reply``)."""
-
-    decision: Decision | None
-    error: BaseException | None
-
-
-@dataclass(frozen=True, slots=True)
-class Final:
-    """The last item on a request's channel when it completed."""
-
-    result: GenerationResult
+__all__ = ["Ticket", "Failure", "Item"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,16 +47,16 @@ class Failure:
     error: BaseException
 
 
-Item = GenerationChunk | Final | Failure | AdmitReply  # an AdmitReply only ever comes first
+Item = GenerationChunk | GenerationResult | Failure  # the result (or a Failure) comes last
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket:
     """One admitted (or being admitted) request (the module docstring says who writes what).
 
-    Admission may write an ``AdmitReply`` first; then the holder writes chunks and one
-    ``Final``/``Failure`` into ``items`` (``deliver``, ``terminate``); the caller reads it. A
-    ``Chute`` never blocks its writer, so no actor waits on a slow reader.
+    The holder writes chunks and then the ``GenerationResult`` or a ``Failure`` into ``items``
+    (``deliver``, ``terminate``); the caller reads it. A ``Chute`` never blocks its writer, so
+    no actor waits on a slow reader.
     """
 
     request: GenerationRequest
@@ -87,10 +69,17 @@ class Ticket:
     cancelled: bool = False
     cancel_error: BaseException | None = None  # told to the caller when the runtime cancels it
     receiver_closed: bool = False  # written by the caller's side only (close_receiver)
+    gone: bool = False  # cancelled or receiver_closed: nobody would read what comes next
     items: Chute[Item] = field(init=False, repr=False)
+    # Engine slots the request takes: one per beam of a beam search (its beams decode as that
+    # many rows of every step), one otherwise. Speculation's extra rows are capped per step by
+    # the engine (``max_draft_nodes``) instead. A downgrade changes loops only, never this.
+    slots: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.items = Chute()
+        beam = self.request.beam
+        self.slots = beam[0] if beam is not None else 1
 
     @property
     def loops(self) -> int:
@@ -113,18 +102,13 @@ class Ticket:
         was, or had already ended: the first reason wins."""
         if self.state.terminal or self.cancelled:
             return False
-        self.cancelled, self.cancel_error = True, error
+        self.cancelled, self.cancel_error, self.gone = True, error, True
         return True
 
     # -- the holder ----------------------------------------------------------------------------
-    @property
-    def gone(self) -> bool:
-        """The caller cancelled, or closed its end (nobody would read what comes next)."""
-        return self.cancelled or self.receiver_closed
-
     def close_receiver(self) -> None:
         """The caller's side: stop reading (what the engine side delivers next is dropped)."""
-        self.receiver_closed = True
+        self.receiver_closed = self.gone = True
         self.items.close_receiver()
 
     def deliver(self, item: Item) -> bool:
@@ -135,7 +119,7 @@ class Ticket:
             return False
         return True
 
-    def terminate(self, state: RequestState, item: Final | Failure | AdmitReply | None = None) -> None:
+    def terminate(self, state: RequestState, item: GenerationResult | Failure | None = None) -> None:
         """Enter a terminal state, deliver the last item, close the holder's end."""
         self.state = state
         if item is None and state is RequestState.CANCELLED and self.cancel_error is not None:
