@@ -3,10 +3,13 @@
 Control flow (the top row is the pipeline: closing a channel there ends the actor it feeds,
 which then closes its own outbox; the bottom rows are feedback, read beside the pipeline)::
 
-    caller (admission) ──Enqueue──▶ queue ──Ready──▶ dispatcher ──Dispatch──▶ engine
-    Runtime ──RegisterPrefix───────────────────────────────────────────▶ engine
-    Runtime ──Cancel──▶ queue ◀──Pull── dispatcher ◀──SlotFreed── engine
-    engine ──Finished──▶ admission           every actor ──Event──▶ metrics
+    caller (admission) ──Enqueue──▶ queue ──Ready──▶ dispatcher ──Dispatch──▶ engine i
+    Runtime ──RegisterPrefix───────────────────────────────────────────▶ engine i
+    Runtime ──Cancel──▶ queue ◀──Pull── dispatcher ◀──SlotFreed── engine i
+    engine i ──Finished──▶ admission         every actor ──Event──▶ metrics
+
+With several engines (``open_runtime([...])``) each has its own engine actor and inbox; the one
+dispatcher places every request on one of them.
 
 Admission is no actor: it decides in the caller's task (``actors/admission.py``). Ready,
 Dispatch and SlotFreed carry every ticket of one wake-up, so the actors exchange one message per
@@ -62,7 +65,7 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Dispatch:
-    """Tickets for the engine, in dispatch order; ``via_pool``: they go through the prefix pool."""
+    """Tickets for one engine, in dispatch order; ``via_pool``: they go through its prefix pool."""
 
     tickets: list[Ticket]
     via_pool: bool
@@ -70,9 +73,10 @@ class Dispatch:
 
 @dataclass(frozen=True, slots=True)
 class SlotFreed:
-    """The engine retired these tickets (a step's worth, in one message): their slots are free."""
+    """Engine ``engine`` retired these tickets (a step's worth, in one message): their slots are free."""
 
     tickets: list[Ticket]
+    engine: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +143,11 @@ class Preempted:
 
 @dataclass(frozen=True, slots=True)
 class EventBatch:
-    """Several events in one message: the engine actor reports a step's events at once."""
+    """Several events in one message: the engine actor reports a step's events at once.
+    ``engine``: which engine's, when the runtime drives several (its ``engine="i"`` series)."""
 
     events: list[Event]
+    engine: int | None = None
 
 
 Event = (Admitted | Rejected | Started | FirstToken | Finished | StepDone | PoolDispatched

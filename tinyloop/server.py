@@ -103,10 +103,9 @@ async def serve(settings: Settings, *, engine: Engine | None = None,
 
     Reports the bound addresses (``http://host:port``) through ``task_status``.
     """
-    if engine is None:
-        engine = await trio.to_thread.run_sync(load_engine, settings)
-    model = ServedModel.from_engine(engine, settings)
-    async with open_runtime(engine, settings) as rt:
+    engines = [engine] if engine is not None else await trio.to_thread.run_sync(load_engines, settings)
+    model = ServedModel.from_engine(engines[0], settings)
+    async with open_runtime(engines, settings) as rt:
         await serve_http(rt, model, settings, shutdown_trigger=shutdown_trigger,
                          handle_signals=handle_signals, task_status=task_status)
 
@@ -119,11 +118,11 @@ def lazy_app() -> QuartTrio:
     scope: dict[str, Any] = {}
 
     async def run_runtime(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        engine = await trio.to_thread.run_sync(load_engine, settings)
+        engines = await trio.to_thread.run_sync(load_engines, settings)
         with trio.CancelScope() as cancel:
             scope["cancel"] = cancel
-            async with open_runtime(engine, settings) as rt:
-                attach(app, rt, ServedModel.from_engine(engine, settings), settings)
+            async with open_runtime(engines, settings) as rt:
+                attach(app, rt, ServedModel.from_engine(engines[0], settings), settings)
                 task_status.started()
                 await trio.sleep_forever()
 

@@ -41,8 +41,8 @@ def test_the_longest_match_wins() -> None:
     assert p.choose(base, SALT, rooms(8, 7)) == 0
     longer = base + prompt(2, 2)
     assert p.choose(longer, SALT, rooms(7, 8)) == 0  # shares two blocks with engine 0's
-    p.pin(longer + prompt(3, 1), SALT, [1])  # engine 1 registered a longer prefix
-    assert p.choose(longer + prompt(3, 1) + [5], SALT, rooms(8, 8)) == 1
+    registered = {1: len(longer) + 4}  # engine 1's prefix pool holds a longer prefix
+    assert p.choose(longer + prompt(3, 1) + [5], SALT, rooms(8, 8), registered=registered) == 1
 
 
 def test_salt_separates_loops() -> None:
@@ -82,18 +82,14 @@ def test_a_broken_engine_is_forgotten() -> None:
     assert p.choose(conv, SALT, [Room(1, 8)]) == 1
 
 
-def test_pinned_prefixes_outlive_the_lru_and_unpin_returns_them_to_it() -> None:
+def test_the_memory_is_bounded_oldest_first() -> None:
     p = Placement(2, block_size=4, capacity=4)
-    registered = prompt(1, 2)
-    p.pin(registered, SALT, [1])
-    for tag in range(2, 8):  # fill the LRU many times over
-        p.choose(prompt(tag, 2), SALT, rooms(8, 8))
-    assert p.matches(p.keys(registered, SALT)) == {1: 2}
-    p.unpin(registered, SALT)
-    assert p.matches(p.keys(registered, SALT)) == {1: 2}  # now an ordinary, recent memory
-    for tag in range(8, 12):
-        p.choose(prompt(tag, 2), SALT, rooms(8, 8))
-    assert p.matches(p.keys(registered, SALT)) == {}
+    first = prompt(1, 2)
+    p.choose(first, SALT, rooms(8, 8))
+    p.choose(prompt(2, 2), SALT, rooms(8, 8))
+    assert p.matches(p.keys(first, SALT)) == {0: 2}
+    p.choose(prompt(3, 2), SALT, rooms(8, 8))  # two more blocks push the oldest two out
+    assert p.matches(p.keys(first, SALT)) == {}
     assert p.statistics().remembered_blocks == 4
 
 

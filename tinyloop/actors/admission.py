@@ -25,7 +25,7 @@ so nothing to cancel. Errors in the policy are refusals raised to the caller.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,8 +51,8 @@ __all__ = ["Admitter", "Sources"]
 @dataclass(frozen=True, slots=True)
 class Sources:
     """Where admission reads the other actors' published state: the queue's and the
-    dispatcher's snapshots, the slots the engine freed (``EngineStatistics.slots_freed``) and
-    why it is broken (None while it is fine)."""
+    dispatcher's snapshots, the slots the engines freed (``EngineStatistics.slots_freed``, all
+    engines together) and why they are broken (None while one of them is fine)."""
 
     queue: Callable[[], QueueStatistics]
     dispatcher: Callable[[], DispatcherStatistics]
@@ -63,7 +63,8 @@ class Sources:
 class Admitter:
     """Admit a ticket into the queue, or raise the refusal (module docstring)."""
 
-    def __init__(self, *, outbox: Pipe[Enqueue], settings: Settings, observations: Chute[list[Finished]],
+    def __init__(self, *, outbox: Pipe[Enqueue], settings: Settings,
+                 observations: Sequence[Chute[list[Finished]]],
                  events: trio.MemorySendChannel[Event | EventBatch], sources: Sources,
                  check: Callable[[GenerationRequest], Resolved]) -> None:
         self.policy = Admission.from_settings(settings)
@@ -105,23 +106,23 @@ class Admitter:
         self._events.close()
 
     def _learn(self) -> None:
-        """The predictor learns from every request finished so far."""
-        observations = self._observations
-        while observations.ready:
-            try:
-                step = observations.receive_nowait()
-            except trio.EndOfChannel:  # the engine actor has stopped
-                return
-            for done in step:  # service: dispatch to done; every result has run a loop and a token
-                assert done.result is not None
-                self.policy.predictor.observe(done.dispatch_ms or 0.0, loops=done.result.loops_used or 1,
-                                              tokens=max(done.result.completion_tokens, 1))
+        """The predictor learns from every request finished so far (on any engine)."""
+        for observations in self._observations:
+            while observations.ready:
+                try:
+                    step = observations.receive_nowait()
+                except trio.EndOfChannel:  # the engine actor has stopped
+                    break
+                for done in step:  # service: dispatch to done; every result has run a loop and a token
+                    assert done.result is not None
+                    self.policy.predictor.observe(done.dispatch_ms or 0.0, loops=done.result.loops_used or 1,
+                                                  tokens=max(done.result.completion_tokens, 1))
 
     def _decide(self, ticket: Ticket) -> Decision:
         sources = self._sources
         broken = sources.broken()
         if broken is not None:
-            raise SchedulerShutdown(f"the engine is broken: {broken}")
+            raise SchedulerShutdown(f"the engine is broken: {broken}")  # every engine is
         queue, dispatcher = sources.queue(), sources.dispatcher()
         req = ticket.request
         return self.policy.check(

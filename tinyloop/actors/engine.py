@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -139,6 +140,8 @@ class EngineState:
     freed_pending: list[Ticket] = field(default_factory=list)  # retired: their slots, for the dispatcher
     observed: list[Finished] = field(default_factory=list)  # completed requests, for admission's predictor
     decoding: int = 0  # requests whose sequence exists (running or preempted): counted as they start and retire
+    index: int = 0  # which of the runtime's engines (in its SlotFreed)
+    label: int | None = None  # the same, on its events, when the runtime drives several
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(self.retired, self.slots_freed, self.decoding, self.pool.size(),
@@ -149,6 +152,16 @@ class EngineState:
         reads it for every dispatch)."""
         return self.pool.size()
 
+    def prefix_covers(self, prompt: Sequence[int], loops: int, window: int) -> int:
+        """Prompt tokens the longest prefix-pool entry covers (the dispatcher's placement reads it)."""
+        return self.pool.peek(prompt, loops, window)
+
+    def free_blocks(self) -> int | None:
+        return self.engine.kv_available()
+
+    def broken(self) -> str | None:
+        return self.health.broken
+
     def __repr__(self) -> str:
         return f"<EngineActor active={len(self.active)} waiting={len(self.waiting)} retired={self.retired}>"
 
@@ -157,7 +170,7 @@ class EngineState:
         retired, one message each; both read these beside their pipeline inbox, unbounded, so
         this never blocks. Once they have stopped nobody needs to know."""
         if self.freed_pending:
-            _send_feedback(self.freed, SlotFreed(self.freed_pending))
+            _send_feedback(self.freed, SlotFreed(self.freed_pending, self.index))
             self.freed_pending = []
         if self.observed:
             _send_feedback(self.observe, self.observed)
@@ -297,7 +310,7 @@ class EngineState:
             self.pending.extend(self.steps)
             self.steps = []
         if self.pending:
-            self.events.send_nowait(EventBatch(self.pending))
+            self.events.send_nowait(EventBatch(self.pending, self.label))
             self.pending = []
 
     async def _step(self) -> bool:
@@ -438,12 +451,14 @@ def drain(inbox: trio.MemoryReceiveChannel[EngineInbox], loop: EngineState) -> b
 
 async def run(*, inbox: trio.MemoryReceiveChannel[EngineInbox], outbox: trio.MemorySendChannel[Event | EventBatch],
               settings: Settings, engine: EnginePort, freed: trio.MemorySendChannel[SlotFreed],
-              observe: Chute[list[Finished]],
+              observe: Chute[list[Finished]], index: int = 0, label: int | None = None,
               task_status: trio.TaskStatus[EngineState] = trio.TASK_STATUS_IGNORED) -> None:
     """Started with ``nursery.start``, which returns the actor's state: read it through its
-    ``statistics()`` (and ``health``), never write it."""
+    ``statistics()`` (and ``health``), never write it. ``index``: which of the runtime's engines
+    this is; ``label``: the same, when its events are to be told apart from other engines'."""
     pool: PrefixPool[Any] = PrefixPool(settings.prefix_pool_capacity)
-    loop = EngineState(engine, pool, Health(), freed, observe, outbox, KVPlanner(settings.kv_aging_ms / 1000))
+    loop = EngineState(engine, pool, Health(), freed, observe, outbox, KVPlanner(settings.kv_aging_ms / 1000),
+                       index=index, label=label)
     async with inbox, freed, outbox:
         task_status.started(loop)
         try:

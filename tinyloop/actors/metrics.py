@@ -24,7 +24,7 @@ from tinyloop.messages import (
     Started,
     StepDone,
 )
-from tinyloop.metrics import Metrics
+from tinyloop.metrics import ENGINE_COUNTERS, Metrics
 from tinyloop.requests import GenerationResult, RequestState
 
 __all__ = ["run", "record", "Tally"]
@@ -43,14 +43,19 @@ class Tally:
     of requests and tokens the batch reports. The exposition is the same as applying the
     events one by one."""
 
-    __slots__ = ("counts", "observed")
+    __slots__ = ("counts", "observed", "per_engine", "_engine")
 
     def __init__(self) -> None:
         self.counts: dict[str, float] = {}  # Metrics attribute -> amount
         self.observed: dict[str, list[float]] = {}  # Metrics attribute -> values
+        self.per_engine: dict[tuple[str, int], float] = {}  # (ENGINE_COUNTERS name, engine) -> amount
+        self._engine: int | None = None  # the engine whose batch is being added, when labelled
 
     def inc(self, name: str, amount: float = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + amount
+        if self._engine is not None and name in ENGINE_COUNTERS:
+            key = (name, self._engine)
+            self.per_engine[key] = self.per_engine.get(key, 0) + amount
 
     def observe(self, name: str, value: float) -> None:
         values = self.observed.get(name)
@@ -61,9 +66,13 @@ class Tally:
 
     def add(self, event: Event | EventBatch) -> None:
         match event:
-            case EventBatch(events=events):
-                for e in events:
-                    self.add(e)
+            case EventBatch(events=events, engine=engine):
+                self._engine = engine
+                try:
+                    for e in events:
+                        self.add(e)
+                finally:
+                    self._engine = None
             case Finished(state=state, wall_ms=wall, dispatch_ms=dispatch, result=result):  # per request first
                 self._finished(state, wall, dispatch, result)
             case Started(queue_wait_ms=ms, prompt_tokens=prompt, hit_tokens=hit):
@@ -111,6 +120,11 @@ class Tally:
             getattr(metrics, name).inc(amount)
         for name, values in self.observed.items():
             metrics.observe_all(getattr(metrics, name), values)
+        if self.per_engine:
+            series = metrics.engine_series()
+            for (name, engine), amount in self.per_engine.items():
+                getattr(series, name).labels(str(engine)).inc(amount)
+            self.per_engine.clear()
         self.counts.clear()
         self.observed.clear()
 

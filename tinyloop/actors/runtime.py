@@ -57,7 +57,7 @@ from tinyloop.actors import engine as engine_actor
 from tinyloop.actors import metrics as metrics_actor
 from tinyloop.actors.chute import Chute
 from tinyloop.actors.dispatcher import DispatcherState
-from tinyloop.actors.engine import EngineState
+from tinyloop.actors.engine import EngineState, EngineStatistics
 from tinyloop.actors.mailbox import Pipe, UpstreamClosed, open_mailbox
 from tinyloop.actors.port import EnginePort, ThreadedEngine
 from tinyloop.actors.queue import QueueState
@@ -103,20 +103,24 @@ class RuntimeStatistics:
     kv_blocks_used: int | None
     kv_blocks_total: int | None
     healthy: bool
-    broken: str | None
+    broken: str | None  # every engine is broken (None while one works)
     shutting_down: bool
+    engines: tuple[EngineStatistics, ...] = ()  # each engine's own snapshot
 
 
 class Runtime:
-    """The actors of one engine; build it with ``open_runtime``."""
+    """The actors around one engine or several; build it with ``open_runtime``."""
 
     _queue: QueueState  # the actors' published state, set once they have started
     _dispatcher: DispatcherState
-    _engine: EngineState
+    _engines: list[EngineState]
     _admission: admission.Admitter
 
-    def __init__(self, engine: EnginePort, settings: Settings) -> None:
-        self.engine = engine
+    def __init__(self, engines: Sequence[EnginePort], settings: Settings) -> None:
+        if not engines:
+            raise ValueError("a runtime needs at least one engine")
+        self.engines = list(engines)
+        self.engine = self.engines[0]  # they all serve one model: its limits, its info
         self.settings = settings
         self.metrics = Metrics()
         self._shutting_down = False
@@ -129,7 +133,10 @@ class Runtime:
         self._ended: OrderedDict[str, RequestState] = OrderedDict()  # oldest first
         self._sweep_at = _SWEEP_SLACK
         self.started_at = time.time()
-        self._prefix_send, self._engine_recv = trio.open_memory_channel[EngineInbox](settings.max_batch_size + 1)
+        # each engine's inbox: the dispatcher's Dispatch and the runtime's RegisterPrefix
+        inboxes = [trio.open_memory_channel[EngineInbox](settings.max_batch_size + 1) for _ in self.engines]
+        self._prefix_sends = [send for send, _ in inboxes]
+        self._engine_recvs = [recv for _, recv in inboxes]
         # the queue's mailbox: admission's pipe in, the runtime's Cancel and the dispatcher's Pull back
         self._enqueue_pipe: Pipe[Enqueue]
         self._cancel_send: trio.MemorySendChannel[QueueFeedback]
@@ -156,26 +163,31 @@ class Runtime:
     async def _start(self, n: trio.Nursery) -> None:
         settings = self.settings
         events_send, events_recv = trio.open_memory_channel[Event | EventBatch](math.inf)
-        observations: Chute[list[Finished]] = Chute()  # completed requests, for admission's predictor
-        # the dispatcher's mailbox: the queue's pipe in, the engine's SlotFreed back
+        # completed requests, for admission's predictor: one chute per engine (each closes its own)
+        observations: list[Chute[list[Finished]]] = [Chute() for _ in self.engines]
+        # the dispatcher's mailbox: the queue's pipe in, the engines' SlotFreed back
         ready_pipe: Pipe[Ready]
         freed_send: trio.MemorySendChannel[SlotFreed]
         dispatcher_inbox: trio.MemoryReceiveChannel[Ready | SlotFreed | UpstreamClosed]
         ready_pipe, freed_send, dispatcher_inbox = open_mailbox()
-        dispatch_send = self._prefix_send.clone()  # the dispatcher sends Dispatch on it
         await n.start(partial(metrics_actor.run, inbox=events_recv, metrics=self.metrics))
-        self._engine = await n.start(partial(
-            engine_actor.run, inbox=self._engine_recv, outbox=events_send.clone(), settings=settings,
-            engine=self.engine, freed=freed_send, observe=observations))
+        several = len(self.engines) > 1
+        self._engines = []
+        with freed_send:
+            for i, engine in enumerate(self.engines):
+                self._engines.append(await n.start(partial(
+                    engine_actor.run, inbox=self._engine_recvs[i], outbox=events_send.clone(), settings=settings,
+                    engine=engine, freed=freed_send.clone(), observe=observations[i], index=i,
+                    label=i if several else None)))
         self._dispatcher = await n.start(partial(
-            dispatcher.run, inbox=dispatcher_inbox, outbox=dispatch_send, settings=settings,
-            pulls=self._cancel_send.clone(), events=events_send.clone(),
-            pool_size=lambda: self._engine.pool_size()))
+            dispatcher.run, inbox=dispatcher_inbox, outboxes=[send.clone() for send in self._prefix_sends],
+            settings=settings, pulls=self._cancel_send.clone(), events=events_send.clone(),
+            engines=self._engines))
         self._queue = await n.start(partial(
             queue.run, inbox=self._queue_inbox, outbox=ready_pipe, settings=settings,
             events=events_send.clone()))
         sources = admission.Sources(self._queue.statistics, self._dispatcher.statistics,
-                                    lambda: self._engine.slots_freed, lambda: self._engine.health.broken)
+                                    lambda: sum(e.slots_freed for e in self._engines), self._broken)
         self._admission = admission.Admitter(
             outbox=self._enqueue_pipe, settings=settings, observations=observations, events=events_send,
             sources=sources, check=self.engine.check)
@@ -261,35 +273,56 @@ class Runtime:
 
     # -- prefix pool ---------------------------------------------------------------------------
     async def register_prefix(self, tokens: Sequence[int], loops: int | None = None,
-                              cache_window: int | None = None) -> None:
+                              cache_window: int | None = None, *, everywhere: bool = False) -> None:
         """Prefill ``tokens`` once and keep the KV; later ``generate`` requests whose prompt starts
-        with them (at the same loops and window) reuse it."""
+        with them (at the same loops and window) reuse it. With several engines the prefix goes
+        to one of them (the working one with the fewest entries), and the dispatcher sends the
+        requests it serves there; ``everywhere`` registers it on every working engine."""
         if self._shutting_down:
             raise SchedulerShutdown("the runtime is shutting down")
-        reply_send, reply_recv = trio.open_memory_channel[BaseException | None](1)
-        try:
-            await self._prefix_send.send(RegisterPrefix(tuple(tokens), loops, cache_window, reply_send))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise SchedulerShutdown("the runtime is shutting down") from None
-        error = await reply_recv.receive()
-        if error is not None:
+        working = [i for i, e in enumerate(self._engines) if e.broken() is None] or [0]
+        targets = working if everywhere else [min(working, key=lambda i: self._engines[i].pool_size())]
+        replies = []
+        for i in targets:
+            reply_send, reply_recv = trio.open_memory_channel[BaseException | None](1)
+            try:
+                await self._prefix_sends[i].send(RegisterPrefix(tuple(tokens), loops, cache_window, reply_send))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                raise SchedulerShutdown("the runtime is shutting down") from None
+            replies.append(reply_recv)
+        errors = [await reply.receive() for reply in replies]
+        if (error := next((e for e in errors if e is not None), None)) is not None:
             raise error
 
     # -- observing -----------------------------------------------------------------------------
     def statistics(self) -> RuntimeStatistics:
-        """Read from the snapshots the actors publish."""
-        q, d, e = self._queue.statistics(), self._dispatcher.statistics(), self._engine.statistics()
-        in_flight = d.dispatched - e.retired
+        """Read from the snapshots the actors publish (the engines' summed up)."""
+        q, d = self._queue.statistics(), self._dispatcher.statistics()
+        engines = tuple(e.statistics() for e in self._engines)
+        retired = sum(e.retired for e in engines)
+        in_flight = d.dispatched - retired
+        kvs = [e.kv for e in engines if e.kv is not None]
+        broken = self._broken()
         return RuntimeStatistics(
-            queue_depth=q.queued, in_flight=in_flight, waiting_for_kv=in_flight - e.decoding,
-            slots=d.slots, dispatched=d.dispatched, prefix_pool_size=e.prefix_pool_size,
-            kv_blocks_used=None if e.kv is None else e.kv.blocks_used,
-            kv_blocks_total=None if e.kv is None else e.kv.blocks_total,
-            healthy=e.broken is None, broken=e.broken, shutting_down=self._shutting_down)
+            queue_depth=q.queued, in_flight=in_flight, waiting_for_kv=in_flight - sum(e.decoding for e in engines),
+            slots=d.slots, dispatched=d.dispatched, prefix_pool_size=sum(e.prefix_pool_size for e in engines),
+            kv_blocks_used=sum(kv.blocks_used for kv in kvs) if kvs else None,
+            kv_blocks_total=sum(kv.blocks_total for kv in kvs) if kvs else None,
+            healthy=broken is None, broken=broken, shutting_down=self._shutting_down, engines=engines)
+
+    def _broken(self) -> str | None:
+        """None while an engine works; once every one is broken, why (each engine's reason)."""
+        reasons = [e.health.broken for e in self._engines]
+        if any(r is None for r in reasons):
+            return None
+        if len(reasons) == 1:
+            return reasons[0]
+        return "; ".join(f"engine {i}: {r}" for i, r in enumerate(reasons))
 
     @property
     def healthy(self) -> bool:
-        return self._engine.health.broken is None
+        """Some engine works (with several, a broken one has left the pool and the rest serve)."""
+        return self._broken() is None
 
     def metrics_text(self) -> str:
         """The Prometheus exposition of this runtime's registry."""
@@ -297,6 +330,8 @@ class Runtime:
         self.metrics.set_gauges(queue_depth=s.queue_depth, in_flight=s.in_flight,
                                 waiting_for_kv=s.waiting_for_kv, kv_used=s.kv_blocks_used,
                                 kv_total=s.kv_blocks_total)
+        if len(s.engines) > 1:
+            self.metrics.set_engine_gauges(s.engines, self._dispatcher.statistics().engine_slots_used)
         return self.metrics.render().decode()
 
     # -- shutdown ------------------------------------------------------------------------------
@@ -306,7 +341,8 @@ class Runtime:
         docstring)."""
         self._shutting_down = True
         self._admission.close()
-        self._prefix_send.close()
+        for send in self._prefix_sends:
+            send.close()
 
     async def shutdown(self, drain: bool = True) -> None:
         """Refuse new requests; with ``drain`` let queued and in-flight ones finish, else fail
@@ -333,18 +369,17 @@ class Runtime:
 
 
 @asynccontextmanager
-async def open_runtime(engine: Engine | EnginePort, settings: Settings | None = None) -> AsyncIterator[Runtime]:
+async def open_runtime(engine: Engine | EnginePort | Sequence[Engine | EnginePort],
+                       settings: Settings | None = None) -> AsyncIterator[Runtime]:
     """Start the runtime's actors around ``engine``; on exit, drain and stop them.
 
     ``engine`` is a loaded ``Engine`` (its model work then runs in a worker thread) or anything
-    implementing ``EnginePort``, such as ``tinyloop.testing.FakeEngine``.
+    implementing ``EnginePort``, such as ``tinyloop.testing.FakeEngine``; or a list of them, all
+    serving one model (``Engine.replica``, or one per GPU), which the one scheduler drives side by
+    side, each with its own engine actor.
     """
-    # A blocking engine (``Engine``: ``step`` is a plain method) runs in a worker thread.
-    if inspect.iscoroutinefunction(engine.step):
-        port = cast(EnginePort, engine)
-    else:
-        port = ThreadedEngine(cast("Engine", engine))
-    rt = Runtime(port, settings or Settings())
+    engines = list(engine) if isinstance(engine, Sequence) else [engine]
+    rt = Runtime([_port(e) for e in engines], settings or Settings())
     async with trio.open_nursery() as nursery:
         # The actors run in a task of their own (``_supervise``): the caller's body is not under
         # their cancel scope, so stopping them never cuts the body short.
@@ -354,3 +389,10 @@ async def open_runtime(engine: Engine | EnginePort, settings: Settings | None = 
             await rt.shutdown(drain=True)
         finally:
             rt._close()
+
+
+def _port(engine: Engine | EnginePort) -> EnginePort:
+    """A blocking engine (``Engine``: ``step`` is a plain method) runs in a worker thread."""
+    if inspect.iscoroutinefunction(engine.step):
+        return cast(EnginePort, engine)
+    return ThreadedEngine(cast("Engine", engine))

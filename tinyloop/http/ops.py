@@ -26,7 +26,11 @@ async def healthz() -> Response:
         return Response(f"engine broken: {stats.broken}\n", status=503, content_type="text/plain")
     if stats.shutting_down:
         return Response("shutting down\n", status=503, content_type="text/plain")
-    return Response("ok\n", content_type="text/plain")
+    if len(stats.engines) <= 1:
+        return Response("ok\n", content_type="text/plain")
+    # several engines: still serving while one works; a line per engine says which
+    lines = [f"engine {i}: {'ok' if e.broken is None else 'broken: ' + e.broken}" for i, e in enumerate(stats.engines)]
+    return Response("ok\n" + "\n".join(lines) + "\n", content_type="text/plain")
 
 
 @blueprint.get("/metrics")

@@ -8,9 +8,9 @@ engine's :class:`Room` (free slots, free KV blocks). The rule:
    block's KV depends on besides its tokens: the loops and the KV window). A request goes to
    the engine holding the longest run of its leading blocks, when that engine has room and
    holds at most ``slack`` more requests than the least loaded one (a prefix every request
-   shares, a system prompt, must not pile the whole load onto one engine).
-   Registered prefix-pool entries are remembered the same way, pinned (never forgotten) for as
-   long as they are registered.
+   shares, a system prompt, must not pile the whole load onto one engine). The prefix-pool
+   entries registered on an engine count too (the dispatcher looks them up in each engine's
+   pool).
 2. **Load.** Otherwise (no block of the prompt seen, or the engine that has it is full) the
    least loaded engine with room: the most free slots, then the most free KV blocks, then the
    lowest index.
@@ -26,7 +26,7 @@ Python's ``hash`` of integer tuples is deterministic, so the keys are the same i
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Placement", "PlacementStatistics", "Room"]
@@ -45,7 +45,7 @@ class Room:
 class PlacementStatistics:
     placed: int  # requests placed, ever
     by_prefix: int  # of them, on the engine that held a prefix of their prompt
-    remembered_blocks: int  # block keys in the memory (pinned ones included)
+    remembered_blocks: int  # block keys in the memory
 
 
 class Placement:
@@ -59,8 +59,6 @@ class Placement:
         self.block_size = block_size
         self.capacity = capacity
         self._holders: OrderedDict[int, set[int]] = OrderedDict()  # block key -> engines, LRU first
-        # block key -> (registrations holding it, their engines): outside the LRU, never evicted
-        self._pinned: dict[int, tuple[int, set[int]]] = {}
         self.placed = 0
         self.by_prefix = 0
 
@@ -70,7 +68,7 @@ class Placement:
                 f"blocks={s.remembered_blocks}>")
 
     def statistics(self) -> PlacementStatistics:
-        return PlacementStatistics(self.placed, self.by_prefix, len(self._holders.keys() | self._pinned.keys()))
+        return PlacementStatistics(self.placed, self.by_prefix, len(self._holders))
 
     def keys(self, prompt: Sequence[int], salt: Hashable) -> list[int]:
         """The chain of keys of ``prompt``'s full blocks: each key covers every block before it."""
@@ -86,7 +84,7 @@ class Placement:
         found: dict[int, int] = {}
         alive: set[int] | None = None
         for depth, key in enumerate(keys, start=1):
-            holders = self._holders.get(key, set()) | self._pinned.get(key, (0, set()))[1]
+            holders = self._holders.get(key, set())
             alive = holders if alive is None else alive & holders
             if not alive:
                 break
@@ -94,14 +92,19 @@ class Placement:
                 found[engine] = depth
         return found
 
-    def choose(self, prompt: Sequence[int], salt: Hashable, rooms: Sequence[Room], weight: int = 1) -> int:
-        """The engine for a request of ``weight`` slots: the longest remembered prefix among the
-        engines with room that are within ``slack`` slots of the least loaded, else the least
-        loaded. ``rooms`` lists the usable engines (the dispatcher only pulls requests for free
-        slots; a request wider than every engine's free slots goes to the least loaded)."""
+    def choose(self, prompt: Sequence[int], salt: Hashable, rooms: Sequence[Room], weight: int = 1,
+               registered: Mapping[int, int] | None = None) -> int:
+        """The engine for a request of ``weight`` slots: the longest prefix among the engines
+        with room that are within ``slack`` slots of the least loaded, else the least loaded.
+        ``rooms`` lists the usable engines (the dispatcher only pulls requests for free slots; a
+        request wider than every engine's free slots goes to the least loaded). ``registered``:
+        engine -> prompt tokens a prefix-pool entry registered there covers (they count as
+        remembered blocks)."""
         least = max(rooms, key=_load_order)
         keys = self.keys(prompt, salt) if self.engines > 1 else []
         found = self.matches(keys)
+        for engine, tokens in (registered or {}).items():
+            found[engine] = max(found.get(engine, 0), tokens // self.block_size)
         near = [r for r in rooms if r.free_slots >= weight and least.free_slots - r.free_slots <= self.slack]
         best = max(near, key=lambda r: (found.get(r.engine, 0), *_load_order(r))) if near else least
         self.placed += 1
@@ -110,49 +113,21 @@ class Placement:
         self._remember(keys, best.engine)
         return best.engine
 
-    def pin(self, prompt: Sequence[int], salt: Hashable, engines: Sequence[int]) -> None:
-        """A prefix registered on ``engines``: remembered there until :meth:`unpin`."""
-        for key in self.keys(prompt, salt):
-            count, holders = self._pinned.get(key, (0, set()))
-            self._pinned[key] = (count + 1, holders | set(engines))
-
-    def unpin(self, prompt: Sequence[int], salt: Hashable) -> None:
-        """One registration of the prefix ended (its engines keep it in the LRU memory)."""
-        for key in self.keys(prompt, salt):
-            count, holders = self._pinned.get(key, (0, set()))
-            if count > 1:
-                self._pinned[key] = (count - 1, holders)
-            elif key in self._pinned:
-                del self._pinned[key]
-                for engine in holders:
-                    self._remember_key(key, engine)
-        self._evict()
-
     def forget_engine(self, engine: int) -> None:
         """The engine left the pool (it broke): no prefix draws requests to it any more."""
         for key, holders in list(self._holders.items()):
             holders.discard(engine)
             if not holders:
                 del self._holders[key]
-        for key, (_, pinned) in list(self._pinned.items()):
-            pinned.discard(engine)
-            if not pinned:
-                del self._pinned[key]
 
     def _remember(self, keys: Sequence[int], engine: int) -> None:
         for key in keys:
-            self._remember_key(key, engine)
-        self._evict()
-
-    def _remember_key(self, key: int, engine: int) -> None:
-        holders = self._holders.get(key)
-        if holders is None:
-            self._holders[key] = {engine}
-        else:
-            holders.add(engine)
-            self._holders.move_to_end(key)
-
-    def _evict(self) -> None:
+            holders = self._holders.get(key)
+            if holders is None:
+                self._holders[key] = {engine}
+            else:
+                holders.add(engine)
+                self._holders.move_to_end(key)
         while len(self._holders) > self.capacity:
             self._holders.popitem(last=False)
 

@@ -63,6 +63,22 @@ class PrefixPool(Generic[H]):
         """The longest entry at ``loops``/``window`` whose tokens prefix ``prompt``, as
         ``(matched_length, handle)``; marks it most recently used."""
         self._lookups += 1
+        best = self._longest(prompt, loops, window)
+        if best is None:
+            return None
+        self._entries.move_to_end(best)
+        self._matches += 1
+        self._matched_tokens += len(best[0])
+        return len(best[0]), self._entries[best]
+
+    def peek(self, prompt: Sequence[int], loops: int, window: int) -> int:
+        """How many tokens of ``prompt`` the longest entry covers (0: none), as ``find`` would
+        match them, but without using the entry (no LRU move, no count): placement asks this
+        of every engine's pool."""
+        best = self._longest(prompt, loops, window)
+        return 0 if best is None else len(best[0])
+
+    def _longest(self, prompt: Sequence[int], loops: int, window: int) -> Key | None:
         prompt = tuple(prompt)
         best: Key | None = None
         for key in self._entries:
@@ -70,12 +86,7 @@ class PrefixPool(Generic[H]):
             if (k_loops, k_window) == (loops, window) and len(tokens) <= len(prompt) \
                     and prompt[:len(tokens)] == tokens and (best is None or len(tokens) > len(best[0])):
                 best = key
-        if best is None:
-            return None
-        self._entries.move_to_end(best)
-        self._matches += 1
-        self._matched_tokens += len(best[0])
-        return len(best[0]), self._entries[best]
+        return best
 
     def handles(self) -> list[H]:
         """The registered prefixes' handles (least recently used first)."""
