@@ -1,0 +1,70 @@
+"""Two engines behind one server: the same answers as one engine, /healthz per engine, the
+engine="i" series adding up to the totals; ``load_engines`` for ``--engines``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import torch
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.http.conftest import running_server, tiny_engine
+from tinyloop.http.service import ServedModel
+from tinyloop.server import load_engines
+from tinyloop.settings import Settings
+
+PROMPTS = [f"Story {i}: once upon a time" for i in range(6)]
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    """``name``'s samples by their ``engine`` label ('' for the unlabelled one)."""
+    return {s.labels.get("engine", ""): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == name}
+
+
+async def completions(url: str) -> list[list[str]]:
+    out: dict[int, list[str]] = {}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async def one(i: int) -> None:
+            body = {"prompt": PROMPTS[i], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            out[i] = resp.json()["choices"][0]["logprobs"]["tokens"]
+
+        async with trio.open_nursery() as n:
+            for i in range(len(PROMPTS)):
+                n.start_soon(one, i)
+    return [out[i] for i in range(len(PROMPTS))]
+
+
+async def test_two_engines_serve_what_one_serves() -> None:
+    settings = Settings(port=0, max_batch_size=2)
+    with trio.fail_after(120):
+        async with running_server(settings) as one:
+            alone = await completions(one.url)
+        engine = tiny_engine()
+        model = ServedModel.from_engine(engine, settings)
+        async with running_server(settings, engine=[engine, engine.replica()], model=model) as two:
+            assert await completions(two.url) == alone
+            async with httpx.AsyncClient(base_url=two.url) as client:
+                health = await client.get("/healthz")
+                metrics = (await client.get("/metrics")).text
+    assert health.status_code == 200 and health.text == "ok\nengine 0: ok\nengine 1: ok\n"
+    per_engine = samples(metrics, "tinyloop_engine_tokens_generated_total")
+    total = samples(metrics, "tinyloop_tokens_generated_total")[""]
+    assert set(per_engine) == {"0", "1"} and all(v > 0 for v in per_engine.values())  # both engines worked
+    assert sum(per_engine.values()) == total
+    assert samples(metrics, "tinyloop_engine_healthy") == {"0": 1.0, "1": 1.0}
+
+
+def test_load_engines_shares_one_model_and_splits_the_threads(tiny_artifact: Path) -> None:
+    threads = torch.get_num_threads()
+    try:
+        engines = load_engines(Settings(model_path=str(tiny_artifact), engines=3))
+        assert len(engines) == 3 and len({id(e.model) for e in engines}) == 1
+        assert len({id(e.pool) for e in engines}) == 3
+        assert torch.get_num_threads() == max(1, threads // 3)
+    finally:
+        torch.set_num_threads(threads)
