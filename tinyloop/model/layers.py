@@ -26,13 +26,13 @@ class AttentionContext(Protocol):
     """Where attention finds positions, past keys and values for the rows of one forward."""
 
     def rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the new positions of ``rows``: ``[R, T, D]`` each."""
+        """cos, sin for the new positions of ``rows``: ``[R, 1, T, D]`` each (``Rope.apply``'s)."""
         ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               rows: torch.Tensor | None, slots: torch.Tensor,
+               rows: torch.Tensor | None, slots: torch.Tensor | int,
                h: torch.Tensor | None = None, layer: Attention | None = None) -> torch.Tensor:
-        """Store k, v (or h) in ``slots`` (one per row) and attend; q ``[R, Hq, T, D]``, k/v
+        """Store k, v (or h) in ``slots`` (one per row, or one int for all) and attend; q ``[R, Hq, T, D]``, k/v
         ``[R, Hkv, T, D]`` after RoPE, h ``[R, T, H]`` the attention input, ``layer`` the
         attention whose projection recomputes K, V from stored h."""
         ...
@@ -81,7 +81,7 @@ class Rope:
         return self.cos[positions], self.sin[positions]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x ``[R, H, T, D]``; cos/sin ``[R, T, D]``."""
+        """x ``[R, H, T, D]``; cos/sin ``[R, T, D]`` or ``[R, 1, T, D]``."""
         if self.compute_float32 and x.dtype != torch.float32:
             return self.backend.rope(x.float(), cos, sin, self.style).to(x.dtype)
         return self.backend.rope(x, cos, sin, self.style)
@@ -131,6 +131,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_dim, config.norm_eps, cast_first)
             self.k_norm = RMSNorm(kv_dim, config.norm_eps, cast_first)
         self.o = nn.Linear(q_dim, config.hidden, bias=False)
+        # q and k straight from the fused projection: RoPE rotates both in one call
+        self.rope_qk_together = config.fused_qkv and not config.qk_norm and not config.qk_bias
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[R, T, H]`` -> q ``[R, T, Hq, D]``, k and v ``[R, T, Hkv, D]`` (before RoPE)."""
@@ -174,12 +176,19 @@ class Attention(nn.Module):
         return weight if dtype is None else weight.to(dtype)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
-                rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project(x)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, H, T, D]
+                rows: torch.Tensor | None, slots: torch.Tensor | int) -> torch.Tensor:
         cos, sin = ctx.rope(rows)
-        q = rope.apply(q, cos, sin)
-        k = rope.apply(k, cos, sin)
+        if self.rope_qk_together:
+            c = self.config
+            heads = c.heads + c.kv_heads
+            qkv = self.qkv(x).unflatten(-1, (heads + c.kv_heads, c.head_dim)).transpose(1, 2)  # [R, Hq+2Hkv, T, D]
+            qk = rope.apply(qkv[:, :heads], cos, sin)  # [R, Hq+Hkv, T, D]
+            q, k, v = qk[:, :c.heads], qk[:, c.heads:], qkv[:, heads:]
+        else:
+            q, k, v = self.project(x)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, H, T, D]
+            q = rope.apply(q, cos, sin)
+            k = rope.apply(k, cos, sin)
         out = ctx.attend(q, k, v, rows, slots, x, self)  # [R, Hq, T, D]
         y: torch.Tensor = self.o(out.transpose(1, 2).flatten(-2))  # [R, T, H]
         return y
@@ -223,7 +232,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
-                rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+                rows: torch.Tensor | None, slots: torch.Tensor | int) -> torch.Tensor:
         y: torch.Tensor
         if self.style == "post_ln":
             x = x + self.attn_post_norm(self.attn(x, ctx, rope, rows, slots))
