@@ -10,7 +10,7 @@ and RoPE run on the module's kernel backend (``backend.py``; ``LoopedLM.use_back
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,16 @@ from torch import nn
 from tinyloop.model.backend import TORCH, Backend
 from tinyloop.model.config import ModelConfig
 
-__all__ = ["RMSNorm", "Rope", "Attention", "MLP", "Block", "AttentionContext"]
+__all__ = ["RMSNorm", "Rope", "Attention", "MLP", "Block", "AttentionContext", "HookFree"]
+
+
+class HookFree(nn.Module):
+    """A module called straight through to ``forward``, without ``nn.Module.__call__``'s hook
+    machinery: that costs about as much as a small op (1-2 us), and a decode step calls a dozen
+    modules per layer. Forward hooks registered on these modules do not run."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
 
 class AttentionContext(Protocol):
@@ -38,7 +47,7 @@ class AttentionContext(Protocol):
         ...
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(HookFree):
     backend: Backend = TORCH
 
     def __init__(self, dim: int, eps: float, cast_first: bool = False) -> None:
@@ -112,7 +121,7 @@ def rope_for(config: ModelConfig) -> Rope:
                 tables=config.rope_tables, compute=config.rope_compute, llama3=llama3)
 
 
-class Attention(nn.Module):
+class Attention(HookFree):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -194,7 +203,7 @@ class Attention(nn.Module):
         return y
 
 
-class MLP(nn.Module):
+class MLP(HookFree):
     """SwiGLU with one fused input projection: ``fc`` = [gate; up], then ``proj``."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -208,7 +217,7 @@ class MLP(nn.Module):
         return y
 
 
-class Block(nn.Module):
+class Block(HookFree):
     """One transformer layer in one of four norm placements.
 
     ``pre_ln``:   x = x + attn(n1(x));      x = x + mlp(n3(x))
