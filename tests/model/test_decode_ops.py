@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
+import pytest
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from tinyloop.engine.engine import Engine
@@ -35,11 +38,36 @@ def decode_ops(batch: int) -> tuple[Counter[str], int]:
 def test_a_decode_step_dispatches_few_ops_per_layer() -> None:
     for batch in (1, 4):
         ops, layers = decode_ops(batch)
-        # about 120 per layer before the CPU pass (rms_norm as 9 ops, block tables re-indexed per layer)
-        assert sum(ops.values()) <= 90 * layers, (batch, sum(ops.values()) / layers, ops.most_common(12))
+        # about 120 per layer before the CPU pass (rms_norm as 9 ops, block tables re-indexed per
+        # layer), 76-79 after it; 50-56 once q and k share one RoPE call, slots are ints, the
+        # random initial states are kept and attention at equal lengths takes no mask
+        assert sum(ops.values()) <= 60 * layers, (batch, sum(ops.values()) / layers, ops.most_common(12))
 
 
 def test_the_kv_is_read_by_row_copies_once_per_field_and_layer() -> None:
     ops, layers = decode_ops(4)
     assert ops["aten::index_select"] == 2 * layers  # K and V: a row copy, not advanced indexing
-    assert ops["aten::index"] <= 2 * layers + 6  # the per-slot write and key rows, sampling
+    # rows sharing a window find each layer's write and key rows by an int slot: no index op per
+    # layer (2 per layer before), a few per step (sampling, the context's tables)
+    assert ops["aten::index"] <= 6, ops["aten::index"]
+
+
+def test_a_decode_step_calls_no_module_hook_machinery_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nn.Module.__call__`` costs about a small op; blocks, norms, attention, MLP and the
+    packed linears are called straight to ``forward`` (``layers.HookFree``)."""
+    engine = Engine(init_model(PRESETS["tiny"].replace(max_position=128), seed=0), default_tokenizer(),
+                    max_seq_len=128)
+    seqs = [engine.start(GenerationRequest(prompt_tokens=(5, 6, 7), max_tokens=8, loops=LOOPS,
+                                           sampling=SamplingParams(temperature=0, ignore_eos=True)))]
+    engine.step(seqs)
+    calls: Counter[str] = Counter()
+    wrapped = nn.Module._call_impl
+
+    def counting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        calls[type(self).__name__] += 1
+        return wrapped(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "_call_impl", counting)
+    monkeypatch.setattr(nn.Module, "__call__", counting)
+    engine.step(seqs)
+    assert sum(calls.values()) <= 2, calls  # the embedding, the model itself

@@ -164,3 +164,18 @@ def test_randn_initial_state_is_the_references_truncated_normal_seeded_per_posit
     assert abs(float(s.std()) - truncated_std) < 0.02
     later = model.initial_state(e[:, 100:101], [RowSpec(loops=1, window=1, noise_seed=3, start=100)])
     assert torch.equal(later[0, 0], s[0, 100]), "a position's draw depends on (seed, position) only"
+
+
+def test_randn_initial_states_are_drawn_once_per_seed_and_position() -> None:
+    """A decode step needs each row's draw again for the next token's position only: a draw is a
+    generator and five ops per row, so each (seed, position) is drawn once and kept."""
+    model = make_model(state_init="randn", state_init_std=0.5, hidden=32)
+    e = torch.zeros(1, 8, 32)
+    first = model.initial_state(e, [RowSpec(loops=1, window=1, noise_seed=3)])
+    assert model.counters["noise_draws"] == 8
+    again = model.initial_state(e[:, :1].expand(4, 1, 32), [RowSpec(loops=1, window=1, noise_seed=3, start=p)
+                                                            for p in (7, 0, 3, 3)])
+    assert model.counters["noise_draws"] == 8, "every position was drawn already"
+    assert torch.equal(again[:, 0], first[0, [7, 0, 3, 3]])
+    model.initial_state(e[:, :1], [RowSpec(loops=1, window=1, noise_seed=4, start=0)])
+    assert model.counters["noise_draws"] == 9, "another seed draws its own"

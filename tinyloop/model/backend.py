@@ -36,7 +36,8 @@ class Backend(Protocol):
         ...
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-        """x ``[R, H, T, D]`` rotated by cos/sin ``[R, T, D]``; ``style`` ``half`` or ``interleaved``."""
+        """x ``[R, H, T, D]`` rotated by cos/sin ``[R, T, D]`` (or ``[R, 1, T, D]``, ready to
+        broadcast over the heads); ``style`` ``half`` or ``interleaved``."""
         ...
 
     def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
@@ -55,7 +56,8 @@ class Backend(Protocol):
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None) -> torch.Tensor:
         """q ``[R, Hq, T, D]`` over k, v ``[R, Hkv, L, D]`` (GQA when Hkv < Hq); ``mask``
-        ``[R, 1, T, L]`` (True = may attend), None for causal over ``T == L``."""
+        ``[R, 1, T, L]`` (True = may attend), None for causal over ``T == L`` or, with one query
+        (``T == 1``), every key."""
         ...
 
 
@@ -77,8 +79,10 @@ class TorchBackend:
         return out * weight.to(x.dtype)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-        cos = cos[:, None] if cos.dtype == x.dtype else cos[:, None].to(x.dtype)
-        sin = sin[:, None] if sin.dtype == x.dtype else sin[:, None].to(x.dtype)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        if cos.dtype != x.dtype:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if style == "half":
             x1, x2 = x.chunk(2, dim=-1)
             rotated = torch.cat([-x2, x1], dim=-1)
@@ -101,8 +105,8 @@ class TorchBackend:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if mask is None:  # SDPA's causal mask is aligned top-left: one query would see key 0 only
+            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[-2] > 1, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 

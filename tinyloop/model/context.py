@@ -26,6 +26,15 @@ def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t[rows]
 
 
+def block_tables(seqs: Sequence[SeqKV], max_blocks: int, n_slots: int) -> torch.Tensor:
+    """Every row's block ids as ``[B, n_slots, max_blocks]`` int64 on the host, zero-padded
+    (padding is masked): one tensor built from lists, not one per row."""
+    pad_slot = [0] * max_blocks
+    rows = [[table + [0] * (max_blocks - len(table)) for table in s.tables] + [pad_slot] * (n_slots - s.n_slots)
+            for s in seqs]
+    return torch.tensor(rows, dtype=torch.long, device="cpu")
+
+
 class PagedContext:
     """B rows of T new tokens each; row b's new tokens sit at positions ``start_b .. start_b+T-1``.
 
@@ -46,7 +55,7 @@ class PagedContext:
         max_blocks = max(s.blocks_per_slot for s in seqs)
         # The index math runs on the host (small, and int() below reads it), then moves once.
         dev, host = pool.device, torch.device("cpu")
-        tables = torch.stack([s.table_tensor(max_blocks, n_slots) for s in seqs])  # [B, S, MB]
+        tables = block_tables(seqs, max_blocks, n_slots)  # [B, S, MB]
         start = torch.tensor(list(starts), dtype=torch.long, device=host)  # [B]
         offsets = torch.arange(n_new, dtype=torch.long, device=host)
         slots_pos = start[:, None] + offsets  # [B, T] where each new token is stored
@@ -62,6 +71,9 @@ class PagedContext:
         self.tables = tables.to(dev, non_blocking=True)
         self._write_rows = write_rows.to(dev, non_blocking=True)
         self._key_rows = key_rows.to(dev, non_blocking=True)
+        # The same per slot, ready for a layer whose rows all share one (an int slot): no index op.
+        self._write_by_slot = write_rows.transpose(0, 1).reshape(s_count, b * n_new).to(dev).unbind(0)  # [B*T] each
+        self._keys_by_slot = key_rows.transpose(0, 1).contiguous().to(dev).unbind(0)  # [B, L] each
         self._all_rows = torch.arange(b, dtype=torch.long, device=dev)
         self._key_pos = key_pos.to(dev, non_blocking=True)
         self._starts = list(starts)
@@ -73,8 +85,11 @@ class PagedContext:
                 window = mask[b, :, s:s + n_new]
                 mask[b, :, s:s + n_new] = window & extra_mask[b].to(host)
         self.mask = mask[:, None].to(dev, non_blocking=True)  # [B, 1, T, L]
+        # One new token that may see every key (decode at equal lengths): attention needs no mask.
+        self._unmasked = n_new == 1 and bool(mask.all())
         rope_pos = (slots_pos if positions is None else positions).to(dev)  # tree tokens share depths
         self.cos, self.sin = rope.tables(rope_pos)  # [B, T, D]
+        self._cos_sin = self.cos[:, None], self.sin[:, None]  # [B, 1, T, D]: broadcast over heads
         self._gaps = self._gap_depths(seqs, key_len)
 
     def _gap_depths(self, seqs: Sequence[SeqKV], key_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -91,25 +106,31 @@ class PagedContext:
         coda_start = torch.tensor([s.n_slots - config.n_coda for s in seqs], dtype=torch.long, device="cpu")
         return written.to(self.pool.device, non_blocking=True), coda_start.to(self.pool.device, non_blocking=True)
 
-    def _mask(self, rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-        """The attention mask ``[R, 1, T, L]`` of ``rows`` at ``slots`` (one per row)."""
-        mask = _take(self.mask, rows)
+    def _mask(self, rows: torch.Tensor | None, slots: torch.Tensor | int) -> torch.Tensor | None:
+        """The attention mask ``[R, 1, T, L]`` of ``rows`` at ``slots`` (one per row, or one for
+        all); None when every new token may see every key."""
         if self._gaps is None:
-            return mask
+            return None if self._unmasked else _take(self.mask, rows)
+        mask = _take(self.mask, rows)
         written, coda_start = (_take(t, rows) for t in self._gaps)
+        if isinstance(slots, int):
+            slots = torch.full(coda_start.shape, slots, dtype=torch.long, device=coda_start.device)
         config = self.pool.config
         core = (slots >= config.n_prelude) & (slots < coda_start)
         depth = torch.where(core, (slots - config.n_prelude) // config.n_core, -1)  # [R] the loop slot
         return mask & (written > depth[:, None])[:, None, None, :]
 
     def rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return _take(self.cos, rows), _take(self.sin, rows)
+        cos, sin = self._cos_sin
+        return _take(cos, rows), _take(sin, rows)
 
-    def _flat_index(self, rows: torch.Tensor | None, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool rows where ``rows`` (at ``slots``) write their new tokens ``[R, T]`` and read
-        their keys ``[R, L]``."""
+    def _flat_index(self, rows: torch.Tensor | None, slots: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool rows where ``rows`` (at ``slots``: one per row, or one for all) write their new
+        tokens ``[R*T]`` and read their keys ``[R, L]``."""
+        if rows is None and isinstance(slots, int):
+            return self._write_by_slot[slots], self._keys_by_slot[slots]
         at = self._all_rows if rows is None else rows
-        return self._write_rows[at, slots], self._key_rows[at, slots]
+        return self._write_rows[at, slots].flatten(), self._key_rows[at, slots]
 
     def key_rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at every key position of ``rows``, ``[R, L, D]`` each (h-mode's recompute).
@@ -132,7 +153,7 @@ class PagedContext:
         return _take(cos, rows), _take(sin, rows)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               rows: torch.Tensor | None, slots: torch.Tensor,
+               rows: torch.Tensor | None, slots: torch.Tensor | int,
                h: torch.Tensor | None = None, layer: Attention | None = None) -> torch.Tensor:
         r, kvh, t, d = k.shape
         write, keys = self._flat_index(rows, slots)
@@ -140,14 +161,17 @@ class PagedContext:
         if store.mode.h_mode:
             if h is None or layer is None:
                 raise ValueError("an h-mode KV pool needs the attention input h and its layer")
-            kernels.kv_write(store, write.flatten(), h=h.reshape(r * t, -1))
+            kernels.kv_write(store, write, h=h.reshape(r * t, -1))
             keys_k, keys_v = layer.kv_from_h(kernels.kv_read(store, "h", keys), store.dtype)  # [R, L, KVH, D]
             keys_k, keys_v = keys_k.transpose(1, 2).to(q.dtype), keys_v.transpose(1, 2).to(q.dtype)
             cos, sin = self.key_rope(rows)
             keys_k = self._rope.apply(keys_k, cos, sin)  # [R, KVH, L, D]
         else:
-            kernels.kv_write(store, write.flatten(), k=k.transpose(1, 2).reshape(r * t, kvh, d),
-                             v=v.transpose(1, 2).reshape(r * t, kvh, d))
+            if t == 1:  # [R, KVH, 1, D] is laid out as [R, 1, KVH, D] already
+                new_k, new_v = k.squeeze(2), v.squeeze(2)
+            else:
+                new_k, new_v = k.transpose(1, 2).reshape(r * t, kvh, d), v.transpose(1, 2).reshape(r * t, kvh, d)
+            kernels.kv_write(store, write, k=new_k, v=new_v)
             keys_k = kernels.kv_read(store, "k", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
             keys_v = kernels.kv_read(store, "v", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
         return kernels.attention(q, keys_k, keys_v, self._mask(rows, slots))
@@ -157,7 +181,7 @@ class PagedContext:
         ``dst`` (per row)."""
         w_src, _ = self._flat_index(rows, src)
         w_dst, _ = self._flat_index(rows, dst)
-        self.backend.kv_copy(self.pool.store, w_src.flatten(), w_dst.flatten())
+        self.backend.kv_copy(self.pool.store, w_src, w_dst)
 
 
 class FullContext:
@@ -166,13 +190,14 @@ class FullContext:
     def __init__(self, rope: Rope, batch: int, n_tokens: int, backend: Backend = TORCH) -> None:
         self.backend = backend
         pos = torch.arange(n_tokens).expand(batch, n_tokens)
-        self.cos, self.sin = rope.tables(pos)
+        cos, sin = rope.tables(pos)  # [B, T, D]
+        self.cos, self.sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
 
     def rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return _take(self.cos, rows), _take(self.sin, rows)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               rows: torch.Tensor | None, slots: torch.Tensor,
+               rows: torch.Tensor | None, slots: torch.Tensor | int,
                h: torch.Tensor | None = None, layer: Attention | None = None) -> torch.Tensor:
         return self.backend.attention(q, k, v, None)
 

@@ -89,6 +89,9 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.packed.linear(x, self.bias)
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # as layers.HookFree: no hooks, 1-2 us less a call
+        return self.packed.linear(x, self.bias)
+
 
 def pack_linears(model: nn.Module, blocked: bool = True) -> int:
     """Lay out every packable ``nn.Linear`` of ``model`` (and the weight its ``head_weight``

@@ -279,11 +279,3 @@ class SeqKV:
             table.clear()
         self.length = 0
         self.gaps.clear()
-
-    def table_tensor(self, max_blocks: int, n_slots: int) -> torch.Tensor:
-        """Block ids as ``[n_slots, max_blocks]`` int64, zero-padded (padding is masked)."""
-        out = torch.zeros((n_slots, max_blocks), dtype=torch.long, device="cpu")  # on the host
-        nb = self.blocks_per_slot
-        if nb:
-            out[: self.n_slots, :nb] = torch.tensor(self.tables, dtype=torch.long, device="cpu")
-        return out

@@ -81,7 +81,7 @@ class PlainBuffer:
         return self.data.numel() * self.data.element_size()
 
     def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
-        self.data[rows] = x.to(self.data.dtype)
+        self.data[rows] = x if x.dtype == self.data.dtype else x.to(self.data.dtype)
 
     def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # index_select copies whole rows: 4-5x faster on the CPU than indexing with ``rows``

@@ -10,7 +10,7 @@ and RoPE run on the module's kernel backend (``backend.py``; ``LoopedLM.use_back
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,26 +19,35 @@ from torch import nn
 from tinyloop.model.backend import TORCH, Backend
 from tinyloop.model.config import ModelConfig
 
-__all__ = ["RMSNorm", "Rope", "Attention", "MLP", "Block", "AttentionContext"]
+__all__ = ["RMSNorm", "Rope", "Attention", "MLP", "Block", "AttentionContext", "HookFree"]
+
+
+class HookFree(nn.Module):
+    """A module called straight through to ``forward``, without ``nn.Module.__call__``'s hook
+    machinery: that costs about as much as a small op (1-2 us), and a decode step calls a dozen
+    modules per layer. Forward hooks registered on these modules do not run."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
 
 class AttentionContext(Protocol):
     """Where attention finds positions, past keys and values for the rows of one forward."""
 
     def rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the new positions of ``rows``: ``[R, T, D]`` each."""
+        """cos, sin for the new positions of ``rows``: ``[R, 1, T, D]`` each (``Rope.apply``'s)."""
         ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               rows: torch.Tensor | None, slots: torch.Tensor,
+               rows: torch.Tensor | None, slots: torch.Tensor | int,
                h: torch.Tensor | None = None, layer: Attention | None = None) -> torch.Tensor:
-        """Store k, v (or h) in ``slots`` (one per row) and attend; q ``[R, Hq, T, D]``, k/v
+        """Store k, v (or h) in ``slots`` (one per row, or one int for all) and attend; q ``[R, Hq, T, D]``, k/v
         ``[R, Hkv, T, D]`` after RoPE, h ``[R, T, H]`` the attention input, ``layer`` the
         attention whose projection recomputes K, V from stored h."""
         ...
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(HookFree):
     backend: Backend = TORCH
 
     def __init__(self, dim: int, eps: float, cast_first: bool = False) -> None:
@@ -81,7 +90,7 @@ class Rope:
         return self.cos[positions], self.sin[positions]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x ``[R, H, T, D]``; cos/sin ``[R, T, D]``."""
+        """x ``[R, H, T, D]``; cos/sin ``[R, T, D]`` or ``[R, 1, T, D]``."""
         if self.compute_float32 and x.dtype != torch.float32:
             return self.backend.rope(x.float(), cos, sin, self.style).to(x.dtype)
         return self.backend.rope(x, cos, sin, self.style)
@@ -112,7 +121,7 @@ def rope_for(config: ModelConfig) -> Rope:
                 tables=config.rope_tables, compute=config.rope_compute, llama3=llama3)
 
 
-class Attention(nn.Module):
+class Attention(HookFree):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -131,6 +140,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_dim, config.norm_eps, cast_first)
             self.k_norm = RMSNorm(kv_dim, config.norm_eps, cast_first)
         self.o = nn.Linear(q_dim, config.hidden, bias=False)
+        # q and k straight from the fused projection: RoPE rotates both in one call
+        self.rope_qk_together = config.fused_qkv and not config.qk_norm and not config.qk_bias
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[R, T, H]`` -> q ``[R, T, Hq, D]``, k and v ``[R, T, Hkv, D]`` (before RoPE)."""
@@ -174,18 +185,25 @@ class Attention(nn.Module):
         return weight if dtype is None else weight.to(dtype)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
-                rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project(x)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, H, T, D]
+                rows: torch.Tensor | None, slots: torch.Tensor | int) -> torch.Tensor:
         cos, sin = ctx.rope(rows)
-        q = rope.apply(q, cos, sin)
-        k = rope.apply(k, cos, sin)
+        if self.rope_qk_together:
+            c = self.config
+            heads = c.heads + c.kv_heads
+            qkv = self.qkv(x).unflatten(-1, (heads + c.kv_heads, c.head_dim)).transpose(1, 2)  # [R, Hq+2Hkv, T, D]
+            qk = rope.apply(qkv[:, :heads], cos, sin)  # [R, Hq+Hkv, T, D]
+            q, k, v = qk[:, :c.heads], qk[:, c.heads:], qkv[:, heads:]
+        else:
+            q, k, v = self.project(x)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, H, T, D]
+            q = rope.apply(q, cos, sin)
+            k = rope.apply(k, cos, sin)
         out = ctx.attend(q, k, v, rows, slots, x, self)  # [R, Hq, T, D]
         y: torch.Tensor = self.o(out.transpose(1, 2).flatten(-2))  # [R, T, H]
         return y
 
 
-class MLP(nn.Module):
+class MLP(HookFree):
     """SwiGLU with one fused input projection: ``fc`` = [gate; up], then ``proj``."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -199,7 +217,7 @@ class MLP(nn.Module):
         return y
 
 
-class Block(nn.Module):
+class Block(HookFree):
     """One transformer layer in one of four norm placements.
 
     ``pre_ln``:   x = x + attn(n1(x));      x = x + mlp(n3(x))
@@ -223,7 +241,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
-                rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+                rows: torch.Tensor | None, slots: torch.Tensor | int) -> torch.Tensor:
         y: torch.Tensor
         if self.style == "post_ln":
             x = x + self.attn_post_norm(self.attn(x, ctx, rope, rows, slots))

@@ -34,6 +34,7 @@ from tinyloop.vocabulary import ExitRule
 __all__ = ["LoopedLM", "RowSpec", "ForwardOutput"]
 
 _NOISE_MIX = 0x9E3779B97F4A7C15
+_NOISE_CACHE_BYTES = 16 << 20  # randn initial states kept (LoopedLM._noise): 16k positions at hidden 256
 
 
 @dataclass(slots=True)
@@ -87,6 +88,7 @@ class LoopedLM(nn.Module):
         self.rope = rope_for(c)
         # Work counters: tests assert compute grows with loops by counting, never by timing.
         self.counters: Counter[str] = Counter()
+        self._noise_cache: dict[tuple[int, int], torch.Tensor] = {}  # (seed, position) -> [H] (``_noise``)
         self.backend: Backend = TORCH
         # the head's CPU layout (cpu_linear.pack_linears) or quantized copy (quant.quantize_linears)
         self.packed_head: PackedWeight | QuantWeight | None = None
@@ -137,19 +139,31 @@ class LoopedLM(nn.Module):
         elif c.state_init == "zeros":
             s = torch.zeros_like(e)
         else:
-            s = torch.empty_like(e)
-            for b, spec in enumerate(specs):
-                positions = spec.positions or range(spec.start, spec.start + e.shape[1])
-                for t, pos in enumerate(positions):
-                    g = torch.Generator().manual_seed((spec.noise_seed * _NOISE_MIX + pos) % 2**63)
-                    std = c.state_init_std  # the reference's law: a normal truncated at 3 std
-                    noise = nn.init.trunc_normal_(torch.empty(c.hidden, device="cpu"), 0.0, std, -3 * std, 3 * std,
-                                                  generator=g)
-                    s[b, t] = noise.to(e.dtype)
+            draws = [self._noise(spec.noise_seed, pos) for spec in specs
+                     for pos in (spec.positions or range(spec.start, spec.start + e.shape[1]))]
+            s = torch.stack(draws).view(e.shape).to(device=e.device, dtype=e.dtype)
         for b, spec in enumerate(specs):
             if spec.warm_state is not None:
                 s[b, -1] = spec.warm_state.to(s.dtype)
         return s
+
+    def _noise(self, seed: int, pos: int) -> torch.Tensor:
+        """The randn initial state of position ``pos`` under ``seed``, ``[H]`` float32 on the host:
+        drawn once, then kept (a draw is a generator and five ops, per row and token; the oldest
+        draws go first past ``_NOISE_CACHE_BYTES``)."""
+        key = (seed, pos)
+        noise = self._noise_cache.get(key)
+        if noise is None:
+            c = self.config
+            g = torch.Generator().manual_seed((seed * _NOISE_MIX + pos) % 2**63)
+            std = c.state_init_std  # the reference's law: a normal truncated at 3 std
+            noise = nn.init.trunc_normal_(torch.empty(c.hidden, device="cpu"), 0.0, std, -3 * std, 3 * std,
+                                          generator=g)
+            self.counters["noise_draws"] += 1
+            if len(self._noise_cache) * c.hidden * 4 >= _NOISE_CACHE_BYTES:
+                del self._noise_cache[next(iter(self._noise_cache))]
+            self._noise_cache[key] = noise
+        return noise
 
     def inject(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         if self.config.injection == "concat_linear":
@@ -157,9 +171,10 @@ class LoopedLM(nn.Module):
             return out
         return s
 
-    def tail(self, s: torch.Tensor, ctx: AttentionContext, windows: torch.Tensor,
+    def tail(self, s: torch.Tensor, ctx: AttentionContext, windows: torch.Tensor | int,
              rows: torch.Tensor | None, last_only: bool) -> torch.Tensor:
-        """final norm, coda, final norm, head: state ``[R, T, H]`` -> logits ``[R, T', V]``."""
+        """final norm, coda, final norm, head: state ``[R, T, H]`` -> logits ``[R, T', V]``
+        (``windows``: each row's, or one for all)."""
         c = self.config
         x = self.final_norm(s) if c.loop_norm == "final_only" else s
         base = c.n_prelude + windows * c.n_core
@@ -179,13 +194,15 @@ class LoopedLM(nn.Module):
         bsz, n_tok = tokens.shape
         loops = [s.loops for s in specs]
         dev = self.embed.weight.device
-        windows = torch.tensor([min(s.window, s.kv_loops or s.loops) for s in specs],
-                               dtype=torch.long, device=dev)  # [B]
+        wins = [min(s.window, s.kv_loops or s.loops) for s in specs]
+        windows = torch.tensor(wins, dtype=torch.long, device=dev)  # [B]
+        # one window for every row (the usual case): a layer's slot is one int, found without index ops
+        window = wins[0] if wins.count(wins[0]) == bsz else None
         x = self.embed(tokens)  # [B, T, H]
         if c.embed_scale != 1.0:
             x = x * c.embed_scale
         for i, layer in enumerate(self.prelude):
-            x = layer(x, ctx, self.rope, None, torch.full((bsz,), i, dtype=torch.long, device=dev))
+            x = layer(x, ctx, self.rope, None, i)
         e = x
         state = self.initial_state(e, specs)
         rules = [s.exit if s.exit is not None else c.exit for s in specs]
@@ -202,7 +219,8 @@ class LoopedLM(nn.Module):
             rows = None if len(act) == bsz else torch.tensor(act, dtype=torch.long, device=dev)
             win = windows if rows is None else windows[rows]
             h = self.inject(state if rows is None else state[rows], e if rows is None else e[rows])
-            base = c.n_prelude + (r % win) * c.n_core  # [R] each row's first core slot this loop
+            # each row's first core slot this loop
+            base = c.n_prelude + (r % (win if window is None else window)) * c.n_core
             for i, layer in enumerate(self.core):
                 h = layer(h, ctx, self.rope, rows, base + i)
             if c.loop_norm == "every_loop":
@@ -224,7 +242,8 @@ class LoopedLM(nn.Module):
                 copies = [b for b in fired if rules[b].exited_kv == "copy_latest"]
                 if copies:
                     self._fill_skipped_slots(copies, r, loops, windows, ctx)
-        logits = self.tail(state if select is None else select.states(state), ctx, windows, None, last_only)
+        logits = self.tail(state if select is None else select.states(state), ctx,
+                           windows if window is None else window, None, last_only)
         if select is not None:
             logits = select.logits(logits)
         return ForwardOutput(logits=logits, state=state, loops_used=done)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tinyloop.model.layers import HookFree
+
 __all__ = ["WEIGHT_MODES", "QuantWeight", "QuantLinear", "quantize_linears", "quant_available"]
 
 WEIGHT_MODES = ("float", "int8", "int4")
@@ -92,7 +94,7 @@ class QuantWeight:
         return self._product(eye, self.scales).t().contiguous()
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(HookFree):
     """A bias-or-not linear layer on a ``QuantWeight``; ``weight`` is dequantized on demand."""
 
     def __init__(self, linear: nn.Linear, mode: str) -> None:
