@@ -161,7 +161,8 @@ class LoopedLM(nn.Module):
                                           generator=g)
             self.counters["noise_draws"] += 1
             if len(self._noise_cache) * c.hidden * 4 >= _NOISE_CACHE_BYTES:
-                del self._noise_cache[next(iter(self._noise_cache))]
+                # engine replicas share the model and step in two threads: either may evict first
+                self._noise_cache.pop(next(iter(self._noise_cache), None), None)  # type: ignore[arg-type]
             self._noise_cache[key] = noise
         return noise
 
