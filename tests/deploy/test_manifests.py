@@ -77,6 +77,16 @@ def test_the_autoscaler_reads_the_queue_depth_and_the_pods_ask_for_a_gpu() -> No
     assert resources["limits"]["nvidia.com/gpu"] == 1
 
 
+def test_a_multi_gpu_pod_runs_one_engine_per_device() -> None:
+    gpus = {"nvidia.com/gpu": 2}
+    values = {"devices": "0,1", "resources": {"requests": gpus, "limits": gpus}}
+    container = by_kind(objects(render(values)), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "TINYLOOP_DEVICES", "value": "0,1"} in container["env"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    default = by_kind(objects(render()), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert all(e["name"] != "TINYLOOP_DEVICES" for e in default["env"])
+
+
 def test_the_router_config_map_carries_the_shipped_haproxy_config() -> None:
     config = by_kind(objects(render()), "ConfigMap")[0]["data"]["haproxy.cfg"]
     assert config.strip() == (ROOT / "deploy" / "router" / "haproxy.cfg").read_text().strip()
