@@ -98,14 +98,11 @@ class Engine(KVAccounting, PrefixEntries):
             fits = blocks // slot_count(self.config, self.config.default_loops, self.config.default_loops) * block_size
             if fits < self.max_seq_len:
                 self.max_seq_len, self.context_capped_by_kv = fits, True
-        self._pool_shape = blocks, block_size, prefix_caching
-        self._open_pool()
+        self._open_pool(blocks, block_size, prefix_caching)
 
-    def _open_pool(self) -> None:
+    def _open_pool(self, blocks: int, block_size: int, prefix_caching: bool) -> None:
         """The engine's own state around the model: KV pool, its budget, limits, prefix cache, batch."""
-        blocks, block_size, prefix_caching = self._pool_shape
-        self.pool = KVPool(self.config, blocks, block_size, dtype=self.dtype, device=self.device,
-                           mode=self.kv_mode)
+        self.pool = KVPool(self.config, blocks, block_size, dtype=self.dtype, device=self.device, mode=self.kv_mode)
         self.budget = KVBudget(self.config, self.pool, self.max_seq_len)
         self.limits = ModelLimits.from_engine(self)  # the one check of a request (tinyloop.limits)
         self.prefix_cache = PrefixCache(self.pool, self.kv_mode, prefix_caching)
@@ -113,11 +110,9 @@ class Engine(KVAccounting, PrefixEntries):
         self.prefilled_tokens = 0  # prompt tokens run through the model (cache hits excluded)
 
     def replica(self) -> Engine:
-        """Another engine over this one's model: the weights (read only) shared, a KV pool,
-        prefix cache and batch of its own, the same options. Several of them run side by side
-        in one runtime, each stepping in its own worker thread (``open_runtime([a, a.replica()])``)."""
+        """Another engine on this model's (shared, read-only) weights, with its own KV pool and batch."""
         twin = copy.copy(self)
-        twin._open_pool()
+        twin._open_pool(self.pool.num_blocks, self.pool.block_size, self.prefix_cache.enabled)
         return twin
 
     @classmethod
