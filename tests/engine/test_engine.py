@@ -12,8 +12,8 @@ from tinyloop.requests import GenerationChunk, GenerationRequest, SamplingParams
 from tinyloop.tokenizer import default_tokenizer
 
 
-def make_engine(**options: object) -> Engine:
-    model = init_model(PRESETS["tiny"].replace(max_position=256), seed=0)
+def make_engine(config_changes: dict[str, object] | None = None, **options: object) -> Engine:
+    model = init_model(PRESETS["tiny"].replace(max_position=256, **(config_changes or {})), seed=0)
     with torch.no_grad():  # larger weights than a fresh init: peaked logits, no argmax ties
         gen = torch.Generator().manual_seed(0)
         for p in model.parameters():

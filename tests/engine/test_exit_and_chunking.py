@@ -67,3 +67,19 @@ def test_a_long_prompt_prefills_in_chunks_between_decode_steps() -> None:
     alone = make_engine(max_seq_len=256, block_size=8, prefill_chunk=512)
     assert long.output == alone.generate(greedy(list(range(100, 228)), max_tokens=2)).tokens
     assert running.output == alone.generate(greedy([1, 2, 3], max_tokens=20)).tokens
+
+
+def test_the_models_own_exit_rule_governs_a_request_that_names_none() -> None:
+    """The rule is resolved once (``limits.check``) and carried on the sequence: the forward, the
+    KV reservation and the prefix cache's salt all go by it."""
+    rule = ExitRule(kind="latent_diff", threshold=10.0, min_loops=3)
+    engine = make_engine({"exit": rule}, max_seq_len=256, block_size=8)  # a model with a default rule
+    prompt = list(range(40, 60))
+    seq = engine.start(greedy(prompt, max_tokens=8, loops=8))
+    assert seq.exit == rule
+    demand = engine.kv_demand(seq)
+    assert demand is not None and not demand.preemptible  # an adaptive rule's KV is set aside at start
+    engine.free(seq)
+    chunks: list[GenerationChunk] = []
+    engine.generate_stream(greedy(prompt, max_tokens=8, loops=8), chunks.append)
+    assert [c.loops_used for c in chunks] == [8] + [3] * 7

@@ -40,7 +40,7 @@ from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
 from tinyloop.model.quant import WEIGHT_MODES, quantize_linears
 from tinyloop.requests import GenerationRequest, TokenLogprob
 from tinyloop.tokenizer import Tokenizer
-from tinyloop.vocabulary import ExitRule, KVMode
+from tinyloop.vocabulary import KVMode
 
 __all__ = ["Engine"]
 
@@ -160,7 +160,7 @@ class Engine(KVAccounting, PrefixEntries):
             resolved = self.limits.check(req)
         loops, window = resolved.loops, resolved.window
         seq = Sequence(
-            request=req, loops=loops, window=window,
+            request=req, loops=loops, window=window, exit=resolved.exit,
             kv=SeqKV(self.pool, slot_count(self.config, loops, window)),
             generator=make_generator(req.sampling.seed), noise_seed=NOISE_SEED,
             detokenizer=self.tokenizer.stream_decoder(),
@@ -213,12 +213,12 @@ class Engine(KVAccounting, PrefixEntries):
             s.kv.reserve(s.kv.length + n_new)
         ctx = self.context([s.kv for s in seqs], starts, n_new)
         specs = [RowSpec(loops=s.loops, window=s.window, start=st, noise_seed=s.noise_seed,
-                         warm_state=s.warm_state if warm else None, exit=s.request.exit)
+                         warm_state=s.warm_state if warm else None, exit=s.exit)
                  for s, st in zip(seqs, starts)]
         out = self.run_model(tokens.to(self.device, non_blocking=True), ctx, specs)
         for row, (s, used) in enumerate(zip(seqs, out.loops_used)):
             s.kv.gaps.pop(s.kv.length, None)  # a retried step rewrites the position
-            if used < s.loops and n_new == 1 and self._exit_rule(s).exited_kv == "skip":
+            if used < s.loops and n_new == 1 and s.exit.exited_kv == "skip":
                 s.kv.gaps[s.kv.length] = used  # its later loop slots stay unwritten
             s.kv.length += n_new
             s.last_loops = used
@@ -231,9 +231,6 @@ class Engine(KVAccounting, PrefixEntries):
     def host_tokens(self, rows: Seq[Seq[int | None]]) -> torch.Tensor:
         """Token ids ``[B, T]`` on the host, pinned when the model is on CUDA (a non-blocking copy)."""
         return torch.tensor(rows, dtype=torch.long, device="cpu", pin_memory=self.device.type == "cuda")
-
-    def _exit_rule(self, seq: Sequence) -> ExitRule:
-        return seq.request.exit or self.config.exit
 
     @torch.inference_mode()
     def prefill_step(self, seq: Sequence) -> torch.Tensor | None:
@@ -280,7 +277,7 @@ class Engine(KVAccounting, PrefixEntries):
         ctx = self.context([s.kv for s in seqs], starts, len(tokens[0]),
                            extra_mask=mask, positions=pos)  # the context combines the mask on the host
         specs = [RowSpec(loops=s.loops, window=s.window, start=st, noise_seed=s.noise_seed,
-                         positions=None if positions is None else positions[b], exit=s.request.exit)
+                         positions=None if positions is None else positions[b], exit=s.exit)
                  for b, (s, st) in enumerate(zip(seqs, starts))]
         out = self.run_model(torch.tensor([list(t) for t in tokens], dtype=torch.long, device=self.device),
                              ctx, specs, last_only=False)

@@ -13,11 +13,11 @@ import torch
 
 from tinyloop.engine.prefix_cache import PrefixCache, prefix_request
 from tinyloop.engine.sequence import Sequence
-from tinyloop.limits import KVLimits, Resolved
+from tinyloop.limits import KVLimits, ModelLimits, Resolved
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.kvcache import KVDemand, KVPool, KVPoolStats, slot_count
 from tinyloop.requests import GenerationRequest
-from tinyloop.vocabulary import KVMode
+from tinyloop.vocabulary import ExitRule, KVMode
 
 __all__ = ["DEFAULT_KV_BUDGET_MB", "KVAccounting", "KVBudget", "pool_blocks"]
 
@@ -58,18 +58,19 @@ class KVBudget:
         length = min(len(req.prompt_tokens) + req.max_tokens, self.max_seq_len)
         return self.kv.worst_blocks(length, loops, window, req.beam[0] if req.beam is not None else 1)
 
-    def reserves_worst_case(self, req: GenerationRequest) -> bool:
-        """Whether ``req`` sets its worst-case KV aside when it starts instead of growing and
-        being preemptible: a recompute would not reproduce the KV of a warm-start or
-        adaptive-exit sequence (decoding ran each token differently from a prefill), and a beam
-        search's beams are not one sequence."""
-        rule = req.exit or self.config.exit
+    @staticmethod
+    def reserves_worst_case(req: GenerationRequest, rule: ExitRule) -> bool:
+        """Whether ``req``, running under exit ``rule``, sets its worst-case KV aside when it
+        starts instead of growing and being preemptible: a recompute would not reproduce the KV
+        of a warm-start or adaptive-exit sequence (decoding ran each token differently from a
+        prefill), and a beam search's beams are not one sequence."""
         return req.warm_start or rule.stops or req.mode == "beam"
 
-    def start_blocks(self, req: GenerationRequest, loops: int, window: int) -> int:
+    def start_blocks(self, req: GenerationRequest, resolved: Resolved) -> int:
         """Blocks ``req`` needs to start: its worst case when it reserves one, else its prompt
         and first token (prefix-cache hits may make it less)."""
-        if self.reserves_worst_case(req):
+        loops, window = resolved.loops, resolved.window
+        if self.reserves_worst_case(req, resolved.exit):
             return self.worst_blocks(req, loops, window)
         return slot_count(self.config, loops, window) * -(-(len(req.prompt_tokens) + 1) // self.pool.block_size)
 
@@ -81,7 +82,7 @@ class KVBudget:
         """What ``seq`` asks of the pool next (the engine actor's planning input)."""
         kv = seq.kv
         target = seq.context_length if seq.prefilling else kv.length + 1
-        if seq.prefill_only or self.reserves_worst_case(seq.request):
+        if seq.prefill_only or self.reserves_worst_case(seq.request, seq.exit):
             worst = self.worst_blocks(seq.request, seq.loops, seq.window)
             held = kv.num_blocks + (seq.mode_state.blocks() if seq.mode_state is not None else 0)
             return KVDemand(0, max(worst - held, 0), False, 0)
@@ -100,6 +101,7 @@ class _Engine(Protocol):
     pool: KVPool
     config: ModelConfig
     prefix_cache: PrefixCache
+    limits: ModelLimits
 
     def validate(self, req: GenerationRequest) -> tuple[int, int]: ...
 
@@ -114,7 +116,7 @@ class KVAccounting:
         """Give ``seq``'s KV back now and rebuild it later: its next steps prefill the prompt and
         every output token but the pending one (through the prefix cache where it kept them),
         then decoding goes on where it stopped, with the same tokens as without the pause."""
-        if self.budget.reserves_worst_case(seq.request) or seq.prefill_only:
+        if self.budget.reserves_worst_case(seq.request, seq.exit) or seq.prefill_only:
             raise ValueError(f"{seq!r} cannot be preempted: a recompute would change its KV")
         self.free(seq)
         seq.resumed = bool(seq.output)  # none yet: the prompt's last logits are still to sample
@@ -133,8 +135,7 @@ class KVAccounting:
     def kv_start_blocks(self: _Engine, req: GenerationRequest, resolved: Resolved | None = None) -> int:
         """Blocks ``req`` needs to start, at the loops and window ``resolved`` (admission's check)
         gives; checked here when the caller has none."""
-        loops, window = (resolved.loops, resolved.window) if resolved is not None else self.validate(req)
-        return self.budget.start_blocks(req, loops, window)
+        return self.budget.start_blocks(req, resolved or self.limits.check(req))
 
     def kv_prefix_blocks(self: _Engine, tokens: Seq[int], loops: int | None = None,
                          cache_window: int | None = None) -> int:

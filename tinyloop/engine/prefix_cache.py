@@ -39,7 +39,7 @@ class PrefixCache:
     def _salt(self, seq: Sequence) -> tuple[object, ...]:
         """What a block's KV depends on besides its tokens (the hash chain's salt): an adaptive
         exit rule changes the loops each position ran, and so its KV."""
-        return (seq.loops, seq.window, seq.noise_seed, self.kv_mode.name, repr(seq.request.exit))
+        return (seq.loops, seq.window, seq.noise_seed, self.kv_mode.name, repr(seq.exit))
 
     def attach(self, seq: Sequence, prefix: Sequence | None) -> None:
         """Give a new (or preempted) sequence the longest KV prefix there is: cached blocks, or

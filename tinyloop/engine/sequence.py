@@ -20,6 +20,7 @@ from tinyloop.requests import (
     TokenLogprob,
 )
 from tinyloop.tokenizer import StreamingDetokenizer
+from tinyloop.vocabulary import ExitRule
 
 __all__ = ["ModeState", "Sequence", "TokenEvent"]
 
@@ -57,6 +58,7 @@ class Sequence:
     request: GenerationRequest
     loops: int
     window: int
+    exit: ExitRule  # the rule it runs under (``Resolved.exit``: its own, or the model's)
     kv: SeqKV
     generator: torch.Generator
     noise_seed: int
