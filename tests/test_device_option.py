@@ -46,6 +46,12 @@ def test_serve_flag_exits_2_before_serving(no_cuda: None, capsys: pytest.Capture
     assert "Traceback" not in err
 
 
+def test_devices_flag_exits_2_before_serving(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--devices", "0,1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: device 'cuda:0'") and "--devices" in err and "Traceback" not in err
+
+
 def test_env_variable_and_generate(no_cuda: None, monkeypatch: pytest.MonkeyPatch,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("TINYLOOP_DEVICE", "cuda")

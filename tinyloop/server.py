@@ -40,7 +40,7 @@ def check_device(device: str) -> None:
     if not torch.cuda.is_available():
         why = ("this torch was built without CUDA" if torch.version.cuda is None
                else f"torch (CUDA {torch.version.cuda}) sees no CUDA device or driver")
-        raise ConfigError(f"device {device!r} (--device / TINYLOOP_DEVICE) needs a CUDA GPU, but {why}; "
+        raise ConfigError(f"device {device!r} (--device / TINYLOOP_DEVICE, or --devices) needs a CUDA GPU, but {why}; "
                           "use --device cpu, or install a CUDA build of torch on a machine with an NVIDIA GPU")
     suffix = device.partition(":")[2]
     if suffix and not suffix.isdigit():
