@@ -90,12 +90,7 @@ class DispatcherState:
         self.asked = 0  # Pulls sent and not answered yet
         self.held: deque[Ticket] = deque()  # pulled, waiting for their slots (a wide beam search)
         self.placement = Placement(engines, block_size)
-
-    @property
-    def usable(self) -> list[int]:
-        """The engines requests go to: those in the pool, or all of them once every one broke."""
-        everyone = range(len(self.used))
-        return [i for i in everyone if i not in self.left] or list(everyone)
+        self.usable = list(range(engines))  # the engines requests go to (``leave_broken``)
 
     @property
     def slots(self) -> int:
@@ -120,27 +115,36 @@ class DispatcherState:
 
     def place(self, ticket: Ticket, engines: Sequence[EngineView]) -> int | None:
         """The engine ``ticket`` runs on now (its slots taken there), or None: no room yet."""
-        fits = [i for i in self.usable if self.fits(i, ticket)]
-        if len(fits) <= 1 or ticket.gone:
-            engine = fits[0] if fits else None
+        if len(self.used) == 1:  # one engine: nothing to choose
+            engine: int | None = 0 if self.fits(0, ticket) else None
         else:
-            req = ticket.request
-            loops, window = ((ticket.resolved.loops, ticket.resolved.window) if ticket.resolved is not None
-                             else (req.loops or 0, req.cache_window or 0))
-            rooms = [Room(i, self.engine_slots - self.used[i], engines[i].free_blocks()) for i in fits]
-            registered = {i: engines[i].prefix_covers(req.prompt_tokens, loops, window)
-                          for i in fits if engines[i].pool_size()}
-            engine = self.placement.choose(req.prompt_tokens, (loops, window), rooms, ticket.slots, registered)
+            engine = self._choose(ticket, engines)
         if engine is not None:
             self.used[engine] += ticket.slots
         return engine
 
+    def _choose(self, ticket: Ticket, engines: Sequence[EngineView]) -> int | None:
+        """Among the engines the ticket fits: the placement policy's pick."""
+        fits = [i for i in self.usable if self.fits(i, ticket)]
+        if len(fits) <= 1:
+            return fits[0] if fits else None
+        req = ticket.request
+        loops, window = ((ticket.resolved.loops, ticket.resolved.window) if ticket.resolved is not None
+                         else (req.loops or 0, req.cache_window or 0))
+        rooms = [Room(i, self.engine_slots - self.used[i], engines[i].free_blocks()) for i in fits]
+        registered = {i: engines[i].prefix_covers(req.prompt_tokens, loops, window)
+                      for i in fits if engines[i].pool_size()}
+        return self.placement.choose(req.prompt_tokens, (loops, window), rooms, ticket.slots, registered)
+
     def leave_broken(self, engines: Sequence[EngineView]) -> None:
-        """Engines that broke since the last look leave the pool."""
+        """Engines that broke since the last look leave the pool; once every one has broken,
+        requests go to all of them (each fails them at once)."""
         for i in self.usable:
             if i not in self.left and engines[i].broken() is not None:
                 self.left.add(i)
                 self.placement.forget_engine(i)
+        everyone = range(len(self.used))
+        self.usable = [i for i in everyone if i not in self.left] or list(everyone)
 
 
 async def run(*, inbox: trio.MemoryReceiveChannel[Ready | SlotFreed | UpstreamClosed],
