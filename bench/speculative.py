@@ -1,14 +1,16 @@
 """Self-speculative decoding: plain vs chain vs tree, tokens/s and acceptance, one table.
 
     python bench/speculative.py [--model FILE.tinyloop] [--prompt TEXT] [--tokens 64] [--threads 1]
-                                [--repeat 2] [--draft-min-prob 0,0.2]
+                                [--repeat 2] [--draft-min-prob 0,0.2] [--draft-weights same,int8]
 
 Without ``--model`` a random ``small`` preset (what ``tinyloop init --preset small`` writes) is
 saved to a temporary file and loaded from there. Every row decodes the same prompt greedily
 (ignoring EOS) for ``--tokens`` tokens at the model's default loops, alone (batch 1), and checks
-that the tokens equal plain decoding's. Chain rows run once per ``--draft-min-prob`` (the
-engine's ``draft_min_prob``: a chain stops at a draft token the draft gives less than this
-probability; 0 drafts ``draft_ahead`` every time), labelled ``p<value>``. Columns:
+that the tokens equal plain decoding's. Chain rows run once per ``--draft-weights`` (``i8``: the
+drafts run on an int8 twin of the model's linear weights, the verify on the model's own) and
+``--draft-min-prob`` (the engine's ``draft_min_prob``: a chain stops at a draft token the draft
+gives less than this probability; 0 drafts ``draft_ahead`` every time), labelled ``p<value>``.
+Columns:
 
 - ``tok/s``: generated tokens per second of wall time, prefill included (best of ``--repeat``);
 - ``accept``: accepted / drafted tokens (for a tree every node counts as drafted);
@@ -99,12 +101,16 @@ def main() -> None:
     ap.add_argument("--prompt", default=PROMPT, help="the prompt every row decodes from")
     ap.add_argument("--draft-min-prob", default="0,0.2",
                     help="comma-separated draft_min_prob values; chain rows run once per value")
+    ap.add_argument("--draft-weights", default="same,int8",
+                    help="comma-separated draft_weights values; chain rows run once per value (int8: i8)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_small(Path(tmp), args.seed)
         engine = Engine.load(path)
+        engines = {w: engine if w == "same" else Engine.load(path, draft_weights=w)
+                   for w in args.draft_weights.split(",")}
         name = f"random small (seed {args.seed})" if args.model is None else str(path)
     tokens = engine.tokenizer.encode(args.prompt)
     loops = engine.default_loops
@@ -116,15 +122,19 @@ def main() -> None:
     rows: list[Row] = []
     reference: list[int] = []
     min_probs = [float(p) for p in args.draft_min_prob.split(",")]
-    runs = [(s, p) for s in SETTINGS for p in (min_probs if s[0] == "chain" else [engine.draft_min_prob])]
-    for (mode, draft_loops, ahead, k), min_prob in runs:
-        engine.draft_min_prob = min_prob
-        wall, result = timed(engine, request(tokens, args.tokens, mode, draft_loops, ahead, k), args.repeat)
+    runs = [(s, p, w) for s in SETTINGS
+            for p in (min_probs if s[0] == "chain" else [engine.draft_min_prob])
+            for w in (engines if s[0] == "chain" else ["same"])]
+    for (mode, draft_loops, ahead, k), min_prob, weights in runs:
+        runner = engines[weights]
+        runner.draft_min_prob = min_prob
+        wall, result = timed(runner, request(tokens, args.tokens, mode, draft_loops, ahead, k), args.repeat)
         if mode == "plain":
             reference = result.tokens
         steps = result.completion_tokens - 1 - (result.accepted_draft_tokens or 0)
         label = "plain" if mode == "plain" else (
-            f"{mode} d{draft_loops} a{ahead}" + (f" K{k}" if k else f" p{min_prob:g}"))
+            f"{mode} d{draft_loops} a{ahead}" + (f" K{k}" if k else f" p{min_prob:g}")
+            + ("" if weights == "same" else " i8"))
         accept = None if result.draft_tokens is None else (
             (result.accepted_draft_tokens or 0) / max(result.draft_tokens, 1))
         rows.append(Row(label, result.completion_tokens / wall, accept,
@@ -135,7 +145,7 @@ def main() -> None:
         acc = "-" if r.accept is None else f"{r.accept:.1%}"
         print(f"{r.label:<22} {r.tok_s:>8.1f} {r.tok_s / base:>8.2f}x {acc:>8} {r.tok_step:>9.2f} "
               f"{'yes' if r.same else 'NO':>8}")
-    if engine.kv_statistics().blocks_used:
+    if any(e.kv_statistics().blocks_used for e in engines.values()):
         raise SystemExit("KV blocks leaked")
 
 

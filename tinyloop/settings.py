@@ -76,6 +76,10 @@ class Settings:
     draft_min_prob: float = _opt(0.2, "TINYLOOP_DRAFT_MIN_PROB",
                                  "a speculative chain stops at a draft token the draft gives less than this "
                                  "probability (0 = always draft_ahead)")
+    draft_weights: str = _opt("same", "TINYLOOP_DRAFT_WEIGHTS",
+                              "weights speculative drafts run on: same (the model's) or int8 (a quantized "
+                              "twin, a quarter more weight memory; the verify keeps the model's weights, so "
+                              "outputs do not change)")
     prefix_caching: bool = _opt(True, "TINYLOOP_PREFIX_CACHING",
                                 "keep full KV blocks of ended requests for reuse by shared prompt prefixes")
     prefix_pool_capacity: int = _opt(16, "TINYLOOP_PREFIX_POOL_CAPACITY", "entries in the prefix pool (LRU)")
@@ -128,6 +132,8 @@ class Settings:
             raise ConfigError("keep_alive_timeout must be > 0")
         if not 0 <= self.draft_min_prob <= 1:
             raise ConfigError("draft_min_prob must be in [0, 1]")
+        if self.draft_weights not in ("same", "int8"):
+            raise ConfigError(f"draft_weights must be same or int8, got {self.draft_weights!r}")
         if self.weights not in ("float", "int8", "int4"):
             raise ConfigError(f"weights must be float, int8 or int4, got {self.weights!r}")
         _ = self.kv_mode  # ConfigError for an impossible combination (fp16 qkv without h-mode)

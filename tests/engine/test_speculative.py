@@ -418,3 +418,36 @@ def test_a_chain_is_verified_without_a_tree_mask(engine: Engine, monkeypatch: py
                               draft_loops=2, draft_ahead=4))
     assert out.tokens == plain(engine, PROMPT, 4)
     assert masks and all(m == (None, None) for m in masks)  # causal at consecutive positions: the default
+
+
+def test_an_int8_draft_keeps_greedy_output_and_runs_the_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = make_engine(max_seq_len=256, block_size=8, draft_weights="int8")
+    assert eng.draft_model is not eng.model
+    drafts: list[int] = []
+    forward = eng.draft_model.forward
+    monkeypatch.setattr(eng.draft_model, "forward", lambda *a, **k: (drafts.append(1), forward(*a, **k))[1])
+    accepted = 0
+    for mode, extra in SETTINGS[:4]:
+        out = eng.generate(req(PROMPT, max_tokens=24, loops=4, mode=mode, sampling=GREEDY, **extra))
+        assert out.tokens == plain(eng, PROMPT, 4)
+        accepted += out.accepted_draft_tokens or 0
+    assert accepted > 10  # the int8 draft at the verifier's loops agrees with it most of the time
+    assert len(drafts) > 10  # the drafts ran on the int8 twin, the plain and verify steps did not
+    plain_only = len(drafts)
+    eng.generate(req(PROMPT, max_tokens=8, loops=4, sampling=GREEDY))
+    assert len(drafts) == plain_only
+    assert eng.kv_statistics().blocks_used == 0
+
+
+def test_sampled_speculation_with_an_int8_draft_has_the_distribution_of_plain_sampling(
+        verified: list[DraftTree]) -> None:
+    n = 1000
+    eng = make_engine(max_seq_len=64, block_size=4, kv_cache_mb=64, max_draft_nodes=6 * n, draft_weights="int8")
+    prompt = [30, 31, 32, 33, 34]
+    request = req(prompt, max_tokens=4, loops=4, mode="speculative", sampling=SAMPLED, draft_loops=2, draft_ahead=2)
+    first, counts, drafted, rejected, _ = sample_many(eng, request, n)
+    exact = exact_joint(eng, prompt, first)
+    chi2 = sum((counts[k] - n * p) ** 2 / (n * p) for k, p in exact.items())
+    assert set(counts) <= set(exact) and chi2 < CHI2_DF7_P001, (chi2, counts, exact)
+    assert 0.05 * drafted < rejected < 0.95 * drafted
+    assert eng.kv_statistics().blocks_used == 0

@@ -62,3 +62,20 @@ def test_an_engine_on_quantized_weights_generates(mode: str) -> None:
 def test_an_unknown_weight_mode_is_refused() -> None:
     with pytest.raises(RequestError, match="weights"):
         Engine(model(), default_tokenizer(), max_seq_len=128, weights="int3")
+
+
+def test_an_int8_draft_twin_shares_all_but_the_linear_weights() -> None:
+    from tinyloop.model.quant import QuantLinear, draft_copy
+
+    model = init_model(PRESETS["tiny"], seed=0)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    twin = draft_copy(model, "int8")
+    assert twin is not model and draft_copy(model, "same") is model
+    assert any(isinstance(m, QuantLinear) for m in twin.modules())
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())  # the model is untouched
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    shared = {id(p) for p in model.parameters()}
+    assert all(id(p) in shared for p in twin.parameters())  # no float32 tensor copied
+    assert all(id(b) in {id(x) for x in model.buffers()} for b in twin.buffers())
+    with pytest.raises(ValueError, match="draft weights"):
+        draft_copy(model, "int4")

@@ -22,6 +22,7 @@ from os import PathLike
 from typing import Any
 
 import torch
+from torch import nn
 
 from tinyloop.engine import blocking
 from tinyloop.engine.batch import Batch
@@ -30,6 +31,7 @@ from tinyloop.engine.output import accept_token
 from tinyloop.engine.prefix_cache import PrefixCache, PrefixEntries
 from tinyloop.engine.sampling import StopMatcher, make_generator
 from tinyloop.engine.sequence import Sequence, TokenEvent
+from tinyloop.engine.speculation import check_drafting
 from tinyloop.errors import RequestError
 from tinyloop.limits import ModelLimits, Resolved
 from tinyloop.model.config import ModelConfig
@@ -37,7 +39,7 @@ from tinyloop.model.context import PagedContext
 from tinyloop.model.cpu_linear import pack_linears
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
 from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
-from tinyloop.model.quant import WEIGHT_MODES, quantize_linears
+from tinyloop.model.quant import WEIGHT_MODES, draft_copy, quantize_linears
 from tinyloop.requests import GenerationRequest, TokenLogprob
 from tinyloop.tokenizer import Tokenizer
 from tinyloop.vocabulary import KVMode
@@ -62,8 +64,10 @@ class Engine(KVAccounting, PrefixEntries):
                  chat_template: str | None = None, name: str = "tinyloop",
                  kv_mode: KVMode | str | None = None, prefix_caching: bool = True,
                  max_draft_nodes: int = DEFAULT_MAX_DRAFT_NODES, pack_weights: bool = True,
-                 weights: str = "float", draft_min_prob: float = DEFAULT_DRAFT_MIN_PROB) -> None:
+                 weights: str = "float", draft_min_prob: float = DEFAULT_DRAFT_MIN_PROB,
+                 draft_weights: str = "same") -> None:
         self.model = model.eval()
+        self.draft_model = draft_copy(model, draft_weights if weights == "float" else "same")  # quant.py
         if weights not in WEIGHT_MODES:
             raise RequestError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}", param="weights")
         self.weights = weights
@@ -83,12 +87,8 @@ class Engine(KVAccounting, PrefixEntries):
         if prefill_chunk < 1:
             raise RequestError("prefill_chunk must be >= 1", param="prefill_chunk")
         self.prefill_chunk = prefill_chunk
-        if max_draft_nodes < 1:
-            raise RequestError("max_draft_nodes must be >= 1", param="max_draft_nodes")
-        self.max_draft_nodes = max_draft_nodes  # speculative draft tokens per step, all sequences
-        if not 0 <= draft_min_prob <= 1:
-            raise RequestError("draft_min_prob must be in [0, 1]", param="draft_min_prob")
-        self.draft_min_prob = draft_min_prob  # a chain stops at a draft token less likely than this
+        # speculative drafts: tokens per step (all sequences), the probability a chain stops under
+        self.max_draft_nodes, self.draft_min_prob = check_drafting(max_draft_nodes, draft_min_prob)
         self._vocab_limit = min(tokenizer.vocab_size, self.config.vocab_size)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -197,11 +197,11 @@ class Engine(KVAccounting, PrefixEntries):
         return PagedContext(self.pool, self.model.rope, kvs, starts, n_new, extra_mask=extra_mask,
                             positions=positions, backend=self.model.backend)
 
-    def run_model(self, tokens: torch.Tensor, ctx: Any, specs: Seq[RowSpec],
-                  last_only: bool = True) -> ForwardOutput:
-        """One model forward; rows of the embedding past the tokenizer's vocabulary (padding in
-        the checkpoint) get -inf logits, so sampling can never pick a token nobody can decode."""
-        out: ForwardOutput = self.model(tokens, ctx, specs, last_only=last_only)
+    def run_model(self, tokens: torch.Tensor, ctx: Any, specs: Seq[RowSpec], last_only: bool = True,
+                  model: nn.Module | None = None) -> ForwardOutput:
+        """One forward of ``model`` (the engine's, or its ``draft_model``); rows of the embedding past the
+        tokenizer's vocabulary (checkpoint padding) get -inf logits: sampling can never pick them."""
+        out: ForwardOutput = (model or self.model)(tokens, ctx, specs, last_only=last_only)
         if self._vocab_limit < out.logits.shape[-1]:
             out.logits[..., self._vocab_limit:] = float("-inf")
         return out

@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 from typing import Any, Protocol, TypeVar
 
 import torch
+from torch import nn
 
 from tinyloop.engine.sequence import ModeState, Sequence, TokenEvent
 from tinyloop.errors import EngineBroken, KVCacheExhausted
@@ -37,6 +38,7 @@ class Core(Protocol):
     device: torch.device
     max_draft_nodes: int
     draft_min_prob: float
+    draft_model: nn.Module  # what speculative drafts run on (the model, or its int8 twin)
 
     @property
     def eos_ids(self) -> frozenset[int]: ...
@@ -51,8 +53,8 @@ class Core(Protocol):
     def context(self, kvs: Seq[SeqKV], starts: Seq[int], n_new: int, extra_mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> PagedContext: ...
 
-    def run_model(self, tokens: torch.Tensor, ctx: Any, specs: Seq[RowSpec],
-                  last_only: bool = True) -> ForwardOutput: ...
+    def run_model(self, tokens: torch.Tensor, ctx: Any, specs: Seq[RowSpec], last_only: bool = True,
+                  model: nn.Module | None = None) -> ForwardOutput: ...
 
     def accept(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> TokenEvent: ...
 

@@ -18,9 +18,9 @@ from tinyloop.engine.modes import Core, Finish, guard, no_events, reserve_or_fai
 from tinyloop.engine.output import Emission, accept_run
 from tinyloop.engine.sequence import Sequence, TokenEvent
 from tinyloop.engine.speculative import SpeculationState, Speculator
-from tinyloop.errors import EngineBroken
+from tinyloop.errors import EngineBroken, RequestError
 
-__all__ = ["SpeculativeDecoding"]
+__all__ = ["SpeculativeDecoding", "check_drafting"]
 
 _log = logging.getLogger("tinyloop.engine")
 
@@ -65,3 +65,12 @@ class SpeculativeDecoding:
         """Append a verified run of tokens, stopping at the first stop condition."""
         return accept_run(seq, emissions, self.core.eos_ids, loops_each=seq.loops)
 
+
+def check_drafting(max_draft_nodes: int, draft_min_prob: float) -> tuple[int, float]:
+    """The engine's speculation options, checked: draft tokens per step (all sequences together)
+    and the draft probability under which a chain stops (RequestError naming the option)."""
+    if max_draft_nodes < 1:
+        raise RequestError("max_draft_nodes must be >= 1", param="max_draft_nodes")
+    if not 0 <= draft_min_prob <= 1:
+        raise RequestError("draft_min_prob must be in [0, 1]", param="draft_min_prob")
+    return max_draft_nodes, draft_min_prob

@@ -264,7 +264,7 @@ class Speculator:
         specs = [RowSpec(loops=r.job.draft_loops, window=r.job.seq.window, start=r.start,
                          noise_seed=r.job.seq.noise_seed, kv_loops=r.job.seq.loops) for r in rows]
         tokens = torch.tensor([[r.token] for r in rows], dtype=torch.long, device=eng.device)  # [B, 1]
-        out: ForwardOutput = eng.run_model(tokens, ctx, specs)
+        out: ForwardOutput = eng.run_model(tokens, ctx, specs, model=eng.draft_model)  # int8 with draft_weights
         return out.logits[:, -1]  # [B, V]
 
     # -- verify and commit ---------------------------------------------------------------------

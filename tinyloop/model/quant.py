@@ -22,12 +22,15 @@ row); a tied LM head gets its own quantized copy (``LoopedLM.packed_head``).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
 from tinyloop.model.layers import HookFree
 
-__all__ = ["WEIGHT_MODES", "QuantWeight", "QuantLinear", "quantize_linears", "quant_available"]
+__all__ = ["DRAFT_WEIGHTS", "WEIGHT_MODES", "QuantWeight", "QuantLinear", "draft_copy", "quantize_linears",
+           "quant_available"]
 
 WEIGHT_MODES = ("float", "int8", "int4")
 _INT4_GROUP = 32
@@ -139,3 +142,25 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
         setattr(model, "packed_head", QuantWeight(head, mode))  # noqa: B010
         count += 1
     return count
+
+
+DRAFT_WEIGHTS = ("same", "int8")
+
+
+def draft_copy(model: nn.Module, mode: str) -> nn.Module:
+    """The model speculative drafts run on: ``model`` itself (``same``), or a twin whose linear
+    weights are ``int8`` (``quantize_linears``) and which shares every other parameter and buffer
+    with ``model`` (the embedding, norms, RoPE tables): a draft reads half the bytes or less per
+    token, while the verify, and so every emitted token, stays on ``model``'s weights. Costs the
+    int8 weights' memory (a quarter of the float32 ones). ``model`` itself when nothing would be
+    quantized (no int8 kernels, weights on a GPU or not float32). Call it before ``pack_linears``."""
+    if mode not in DRAFT_WEIGHTS:
+        raise ValueError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {mode!r}")
+    if mode == "same" or not quant_available(mode):
+        return model
+    if not any(isinstance(m, nn.Linear) and _quantizable(m.weight, mode) for m in model.modules()):
+        return model
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    twin = copy.deepcopy(model, memo=dict(shared))
+    quantize_linears(twin, mode)
+    return twin
