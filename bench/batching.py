@@ -2,7 +2,7 @@
 
     python bench/batching.py [--quick] [--preset small|tiny] [--streams 1 4 16] [--tokens 64]
                              [--prompt 16] [--threads N] [--batch 16]
-                             [--clients process|inproc|both] [--no-alone]
+                             [--clients process|inproc|both] [--no-alone] [--repeat N]
 
 A random model of ``--preset`` (default ``small``) behind the real server (runtime + hypercorn
 in this process, 127.0.0.1:0, ``max_batch_size`` ``--batch``). For each count of concurrent
@@ -23,8 +23,10 @@ Where the clients run (``--clients``), as vLLM's ``benchmark_serving`` does it:
   the figures mix the clients' cost into the server's;
 - ``both``: each count of streams with the clients in a child, then in process.
 
-Before the server, the same streams run through the engine alone (``Engine.step`` in a loop,
-no runtime, no HTTP; ``--no-alone`` skips it): the ceiling for this workload. Columns:
+Before the server, the same streams run through the engine alone (``Engine.step`` in a loop on
+the event loop's thread while the runtime idles, no HTTP; ``--no-alone`` skips it): the ceiling
+for this workload. ``--repeat N`` runs N rounds, each count of streams and kind of client in
+turn, and ends with each row's median round (a shared machine's load comes and goes). Columns:
 
 - ``agg tok/s``: every stream's tokens / wall time from the first request to the last event
   (prefill included: the engine prefills each new prompt on its own, which at 16 streams is
@@ -308,15 +310,11 @@ async def run(args: argparse.Namespace) -> None:
         out: list[list[int]] = torch.randint(0, config.vocab_size, (n, args.prompt), generator=gen).tolist()
         return out
 
-    rows: list[Row] = []
     if args.alone:
         engine_alone(engine, prompts_for(most), 4, clock)  # warm-up: every batch shape
         clock.take()
-        for streams in args.streams:
-            rows.append(engine_alone(engine, prompts_for(streams), args.tokens, clock))
     print(Row.HEADER)
-    for row in rows:
-        print(row.line())
+    rows: list[Row] = []
     async with trio.open_nursery() as nursery, open_runtime(engine, settings) as rt:
         binds = await nursery.start(partial(serve_http, rt, served, settings))
         limits = httpx.Limits(max_connections=most + 2)
@@ -327,17 +325,35 @@ async def run(args: argparse.Namespace) -> None:
                 runners = {"process": ChildClients(proc).run, "inproc": partial(run_streams, client)}
                 for label in labels:  # warm-up: open every connection, run every batch shape once
                     await runners[label](prompts_for(most), 4)
-                for streams in args.streams:
-                    for label in labels:
-                        rows.append(await measure(label, runners[label], client, clock, prompts_for(streams),
-                                                  args.tokens))
-                        print(rows[-1].line())
+                for _ in range(args.repeat):  # each round: every count, each kind of client in turn
+                    for streams in args.streams:
+                        if args.alone:  # the runtime is idle: the engine is this thread's meanwhile
+                            rows.append(engine_alone(engine, prompts_for(streams), args.tokens, clock))
+                            print(rows[-1].line())
+                        for label in labels:
+                            rows.append(await measure(label, runners[label], client, clock,
+                                                      prompts_for(streams), args.tokens))
+                            print(rows[-1].line())
         finally:
             assert proc.stdin is not None
             await proc.stdin.aclose()
             await proc.wait()
         nursery.cancel_scope.cancel()
+    if args.repeat > 1:
+        rows = medians(rows)
+        print(f"median of {args.repeat} rounds (the round with the median agg tok/s):")
+        print(Row.HEADER)
+        for row in rows:
+            print(row.line())
     print(ratios(rows, min(args.streams), most))
+
+
+def medians(rows: list[Row]) -> list[Row]:
+    """For each count of streams and kind of client, the row with the median aggregate rate."""
+    groups: dict[tuple[int, str], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.streams, r.label), []).append(r)
+    return [sorted(g, key=lambda r: r.agg)[len(g) // 2] for g in groups.values()]
 
 
 def ratios(rows: list[Row], few: int, most: int) -> str:
@@ -362,6 +378,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--clients", choices=["process", "inproc", "both"], default="process",
                     help="where the HTTP clients run (the module docstring)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds (interleaved); the summary takes each row's median round")
     ap.add_argument("--no-alone", dest="alone", action="store_false",
                     help="skip the engine-alone rows")
     ap.add_argument("--client-of", metavar="URL", help=argparse.SUPPRESS)  # the child's role
