@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -220,7 +221,12 @@ class Row:
         return (f"{self.streams:>7} {self.label:>8} {self.agg:>9.1f} {self.decode_rate:>12.1f} "
                 f"{pct(self.gaps, 0.5):>7.1f} {pct(self.gaps, 0.99):>7.1f} "
                 f"{statistics.median(self.ttfts) * 1000:>8.1f} {self.mean_batch:>5.1f} {self.step_ms:>7.1f} "
-                f"{self.wait_ms:>5.1f} {self.gap_ms:>5.2f} {self.loop_us:>11.0f} {self.client_us:>13.0f}")
+                f"{self.wait_ms:>5.1f} {self.gap_ms:>5.2f} {_us(self.loop_us):>11} {_us(self.client_us):>13}")
+
+
+def _us(x: float) -> str:
+    """Microseconds, or ``-`` where the row has none (the engine alone; clients in process)."""
+    return "-" if math.isnan(x) else f"{x:.0f}"
 
 
 def row_of(label: str, timings: dict[str, Any], expected: int) -> Row:
