@@ -12,7 +12,10 @@ drafts run on an int8 twin of the model's linear weights, the verify on the mode
 gives less than this probability; 0 drafts ``draft_ahead`` every time), labelled ``p<value>``.
 Columns:
 
-- ``tok/s``: generated tokens per second of wall time, prefill included (best of ``--repeat``);
+- ``tok/s``: generated tokens per second of wall time, prefill included (the median over
+  ``--repeat`` rounds; a round runs every row once, plain first);
+- ``vs plain``: the median over the rounds of plain's time / the row's, both from one round (a
+  slow spell of a shared machine hits the row and its baseline alike);
 - ``accept``: accepted / drafted tokens (for a tree every node counts as drafted);
 - ``tok/step``: tokens emitted per decode step (one draft + verify round, or one plain step);
   plain decoding is 1.0, a perfect chain of ``draft_ahead`` k is k + 1.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -60,6 +64,7 @@ SETTINGS = [
 class Row:
     label: str
     tok_s: float
+    speedup: float  # the median over rounds of plain's wall time / this row's, in the same round
     accept: float | None
     tok_step: float
     same: bool
@@ -96,7 +101,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="a .tinyloop artifact (default: random small preset)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens to generate per row")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per row; the fastest counts")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="rounds (each runs every row once); medians over them count")
     ap.add_argument("--seed", type=int, default=0, help="init seed of the random model")
     ap.add_argument("--prompt", default=PROMPT, help="the prompt every row decodes from")
     ap.add_argument("--draft-min-prob", default="0,0.2",
@@ -120,30 +126,36 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     engine.generate(request(tokens, 4, "plain", None, None, None))  # warm-up
     rows: list[Row] = []
-    reference: list[int] = []
     min_probs = [float(p) for p in args.draft_min_prob.split(",")]
     runs = [(s, p, w) for s in SETTINGS
             for p in (min_probs if s[0] == "chain" else [engine.draft_min_prob])
             for w in (engines if s[0] == "chain" else ["same"])]
-    for (mode, draft_loops, ahead, k), min_prob, weights in runs:
-        runner = engines[weights]
-        runner.draft_min_prob = min_prob
-        wall, result = timed(runner, request(tokens, args.tokens, mode, draft_loops, ahead, k), args.repeat)
-        if mode == "plain":
-            reference = result.tokens
+    walls: list[list[float]] = [[] for _ in runs]  # per row, one wall time per round
+    results: list[GenerationResult] = []
+    for round_ in range(args.repeat):  # rounds: every row once, so a slow spell hits all rows alike
+        for i, ((mode, draft_loops, ahead, k), min_prob, weights) in enumerate(runs):
+            runner = engines[weights]
+            runner.draft_min_prob = min_prob
+            wall, result = timed(runner, request(tokens, args.tokens, mode, draft_loops, ahead, k), 1)
+            walls[i].append(wall)
+            if round_ == 0:
+                results.append(result)
+    reference = results[0].tokens
+    for i, ((mode, draft_loops, ahead, k), min_prob, weights) in enumerate(runs):
+        result = results[i]
         steps = result.completion_tokens - 1 - (result.accepted_draft_tokens or 0)
         label = "plain" if mode == "plain" else (
             f"{mode} d{draft_loops} a{ahead}" + (f" K{k}" if k else f" p{min_prob:g}")
             + ("" if weights == "same" else " i8"))
         accept = None if result.draft_tokens is None else (
             (result.accepted_draft_tokens or 0) / max(result.draft_tokens, 1))
-        rows.append(Row(label, result.completion_tokens / wall, accept,
+        speedup = statistics.median(p / w for p, w in zip(walls[0], walls[i]))  # within each round
+        rows.append(Row(label, result.completion_tokens / statistics.median(walls[i]), speedup, accept,
                         (result.completion_tokens - 1) / max(steps, 1), result.tokens == reference))
-    base = rows[0].tok_s
     print(f"{'setting':<22} {'tok/s':>8} {'vs plain':>9} {'accept':>8} {'tok/step':>9} {'= plain':>8}")
     for r in rows:
         acc = "-" if r.accept is None else f"{r.accept:.1%}"
-        print(f"{r.label:<22} {r.tok_s:>8.1f} {r.tok_s / base:>8.2f}x {acc:>8} {r.tok_step:>9.2f} "
+        print(f"{r.label:<22} {r.tok_s:>8.1f} {r.speedup:>8.2f}x {acc:>8} {r.tok_step:>9.2f} "
               f"{'yes' if r.same else 'NO':>8}")
     if any(e.kv_statistics().blocks_used for e in engines.values()):
         raise SystemExit("KV blocks leaked")
