@@ -1,6 +1,7 @@
 """One engine iteration over the running sequences, each driven by its mode's strategy.
 
-``Batch.step(seqs)``: a prefill chunk for each prefilling sequence; for the decoding ones, each
+``Batch.step(seqs)``: a prefill chunk for each prefilling sequence (the plain ones of the same
+loops and window in one forward: ``prefill.py``); for the decoding ones, each
 mode's strategy (``modes.Strategy``) reserves and runs its own forwards (speculation drafts and
 verifies; a beam search decodes its beams), the plain sequences and every strategy's fallbacks
 share one batched decode forward, the rows are sampled, and each strategy finishes its part.
@@ -21,6 +22,7 @@ import torch
 from tinyloop.engine.beam import BeamDecoding
 from tinyloop.engine.modes import Core, Finish, Strategy, guard
 from tinyloop.engine.plain import PlainDecoding
+from tinyloop.engine.prefill import BatchedPrefill
 from tinyloop.engine.sequence import ModeState, Sequence, TokenEvent
 from tinyloop.engine.speculation import SpeculativeDecoding
 
@@ -37,6 +39,7 @@ class Batch:
         # (``max_draft_nodes``) is shared by both, and equal node counts share a verify forward
         self.speculative = SpeculativeDecoding(core)
         self.core = core
+        self.prefill = BatchedPrefill(core)  # the step's prefill chunks, grouped into shared forwards
         # in the order their parts of a step run (and their events come out)
         self.strategies: dict[str, Strategy] = {
             "generate": self.plain, "beam": self.beam, "speculative": self.speculative, "tree": self.speculative}
@@ -57,8 +60,7 @@ class Batch:
                 groups[id(self.strategy(s))][1].append(s)
         prepared = [(st, st.prepare(group)) for st, group in groups.values() if group]
         ready: list[tuple[Sequence, torch.Tensor]] = []
-        for seq in [s for s in seqs if not s.finished and s.prefilling]:
-            logits = guard(seq, self.core.prefill_step, seq)
+        for seq, logits in self.prefill.run([s for s in seqs if not s.finished and s.prefilling]):
             if logits is not None and not seq.prefill_only:
                 ready.append((seq, logits))
         finishes: list[Finish] = []

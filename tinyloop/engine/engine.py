@@ -28,6 +28,7 @@ from tinyloop.engine import blocking
 from tinyloop.engine.batch import Batch
 from tinyloop.engine.kv_budget import KVAccounting, KVBudget, pool_blocks
 from tinyloop.engine.output import accept_token
+from tinyloop.engine.prefill import advance, prefill_chunks
 from tinyloop.engine.prefix_cache import PrefixCache, PrefixEntries
 from tinyloop.engine.sampling import StopMatcher, make_generator
 from tinyloop.engine.sequence import Sequence, TokenEvent
@@ -206,26 +207,21 @@ class Engine(KVAccounting, PrefixEntries):
             out.logits[..., self._vocab_limit:] = float("-inf")
         return out
 
-    def _forward(self, seqs: Seq[Sequence], tokens: torch.Tensor, warm: bool) -> ForwardOutput:
+    def forward(self, seqs: Seq[Sequence], tokens: torch.Tensor, warm: bool,
+                counts: Seq[int] | None = None) -> ForwardOutput:
+        """``tokens`` ``[B, T]`` stored from each ``kv.length`` on (blocks reserved for all T);
+        ``counts``: each row's real tokens when rows are right-padded (``prefill.py``)."""
         n_new = tokens.shape[1]
+        counts = counts or [n_new] * len(seqs)
         starts = [s.kv.length for s in seqs]
         for s in seqs:
             s.kv.reserve(s.kv.length + n_new)
         ctx = self.context([s.kv for s in seqs], starts, n_new)
         specs = [RowSpec(loops=s.loops, window=s.window, start=st, noise_seed=s.noise_seed,
-                         warm_state=s.warm_state if warm else None, exit=s.exit)
-                 for s, st in zip(seqs, starts)]
+                         warm_state=s.warm_state if warm else None, exit=s.exit, last=n - 1 if n < n_new else None)
+                 for s, st, n in zip(seqs, starts, counts)]
         out = self.run_model(tokens.to(self.device, non_blocking=True), ctx, specs)
-        for row, (s, used) in enumerate(zip(seqs, out.loops_used)):
-            s.kv.gaps.pop(s.kv.length, None)  # a retried step rewrites the position
-            if used < s.loops and n_new == 1 and s.exit.exited_kv == "skip":
-                s.kv.gaps[s.kv.length] = used  # its later loop slots stay unwritten
-            s.kv.length += n_new
-            s.last_loops = used
-            if s.request.warm_start:
-                final = out.state[row, -1]
-                s.warm_state = (self.model.final_norm(final) if s.request.warm_start_from == "normed"
-                                else final).clone()
+        advance(self.model, seqs, out, counts)
         return out
 
     def host_tokens(self, rows: Seq[Seq[int | None]]) -> torch.Tensor:
@@ -236,17 +232,7 @@ class Engine(KVAccounting, PrefixEntries):
     def prefill_step(self, seq: Sequence) -> torch.Tensor | None:
         """Run the next ``prefill_chunk`` context tokens; the last logits ``[V]`` once done (None
         for a resumed preempted sequence, whose pending token decodes next)."""
-        start = seq.kv.length
-        chunk = seq.context[start:start + self.prefill_chunk]
-        out = self._forward([seq], self.host_tokens([chunk]), warm=False)
-        self.prefilled_tokens += len(chunk)
-        if seq.prefilling:
-            return None
-        if seq.resumed:
-            seq.resumed = False
-            return None
-        seq.loops_total += out.loops_used[0]
-        return out.logits[0, -1]
+        return prefill_chunks(self, [seq])[0]
 
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Run the whole (remaining) prompt; returns the last position's logits ``[V]``."""
@@ -259,7 +245,7 @@ class Engine(KVAccounting, PrefixEntries):
     def decode(self, seqs: Seq[Sequence]) -> torch.Tensor:
         """Feed each sequence its pending token in one batched call; logits ``[B, V]``."""
         tokens = self.host_tokens([[s.pending] for s in seqs])  # [B, 1]
-        out = self._forward(seqs, tokens, warm=True)
+        out = self.forward(seqs, tokens, warm=True)
         for s, used in zip(seqs, out.loops_used):
             s.loops_total += used
             s.pending = None

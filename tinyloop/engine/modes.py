@@ -39,6 +39,8 @@ class Core(Protocol):
     max_draft_nodes: int
     draft_min_prob: float
     draft_model: nn.Module  # what speculative drafts run on (the model, or its int8 twin)
+    prefill_chunk: int  # prompt tokens a sequence prefills per step
+    prefilled_tokens: int  # prompt tokens run through the model so far
 
     @property
     def eos_ids(self) -> frozenset[int]: ...
@@ -46,6 +48,11 @@ class Core(Protocol):
     def prefill_step(self, seq: Sequence) -> torch.Tensor | None: ...
 
     def decode(self, seqs: Seq[Sequence]) -> torch.Tensor: ...
+
+    def forward(self, seqs: Seq[Sequence], tokens: torch.Tensor, warm: bool,
+                counts: Seq[int] | None = None) -> ForwardOutput: ...
+
+    def host_tokens(self, rows: Seq[Seq[int | None]]) -> torch.Tensor: ...
 
     def verify(self, seqs: Seq[Sequence], tokens: Seq[Seq[int]], *, mask: torch.Tensor | None = None,
                positions: Seq[Seq[int]] | None = None) -> torch.Tensor: ...

@@ -47,7 +47,9 @@ class RowSpec:
     nodes share a depth. ``warm_state`` (``[H]``) replaces the initial state of a one-token row
     (warm start). ``exit`` overrides the config's rule. ``kv_loops`` is the loop count the row's
     KV slots were laid out for, when the row runs fewer loops inside them (a speculative draft
-    reading and writing the verifier's slots, coda included).
+    reading and writing the verifier's slots, coda included). ``last``: the index of the row's
+    last token when the row is right-padded (a batched prefill): its ``last_only`` logits come
+    from there; None is the row's last column.
     """
 
     loops: int
@@ -58,6 +60,7 @@ class RowSpec:
     exit: ExitRule | None = None
     kv_loops: int | None = None
     positions: Sequence[int] | None = None
+    last: int | None = None
 
 
 @dataclass(slots=True)
@@ -173,9 +176,10 @@ class LoopedLM(nn.Module):
         return s
 
     def tail(self, s: torch.Tensor, ctx: AttentionContext, windows: torch.Tensor | int,
-             rows: torch.Tensor | None, last_only: bool) -> torch.Tensor:
+             rows: torch.Tensor | None, last_only: bool, ends: torch.Tensor | None = None) -> torch.Tensor:
         """final norm, coda, final norm, head: state ``[R, T, H]`` -> logits ``[R, T', V]``
-        (``windows``: each row's, or one for all)."""
+        (``windows``: each row's, or one for all; ``ends``: every batch row's last column ``[B]``
+        when rows are right-padded)."""
         c = self.config
         x = self.final_norm(s) if c.loop_norm == "final_only" else s
         base = c.n_prelude + windows * c.n_core
@@ -184,7 +188,10 @@ class LoopedLM(nn.Module):
         if c.n_coda or c.loop_norm == "none":  # "none": the one final_norm comes after the coda
             x = self.final_norm(x)
         if last_only:
-            x = x[:, -1:]
+            if ends is None:
+                x = x[:, -1:]
+            else:  # each row's own last column
+                x = x[torch.arange(x.shape[0], device=x.device), ends if rows is None else ends[rows]][:, None]
         return self.head(x)
 
     # -- forward -------------------------------------------------------------------------------
@@ -211,6 +218,8 @@ class LoopedLM(nn.Module):
         if n_tok == 1 and any(rule.stops for rule in rules):
             stops = StopTracker(rules, loops, state[:, -1], c.vocab_size)
         select = Selection.start(state, rules)
+        ends = None if all(s.last is None for s in specs) else torch.tensor(
+            [n_tok - 1 if s.last is None else s.last for s in specs], dtype=torch.long, device=dev)  # [B]
         exited = [False] * bsz
         done = [0] * bsz
         for r in range(max(loops)):
@@ -234,7 +243,7 @@ class LoopedLM(nn.Module):
             if select is not None:
                 select.step(act, r, h, self.exit_gate, rules, loops,
                             lambda b, hb: self.tail(hb, ctx, windows[b:b + 1], torch.tensor([b], device=dev),
-                                                    last_only))
+                                                    last_only, ends))
             if stops is not None:
                 fired = stops.check(act, r + 1, h[:, -1], self._logits_of(act, h, ctx, windows),
                                     self._gate_of(h))
@@ -244,7 +253,7 @@ class LoopedLM(nn.Module):
                 if copies:
                     self._fill_skipped_slots(copies, r, loops, windows, ctx)
         logits = self.tail(state if select is None else select.states(state), ctx,
-                           windows if window is None else window, None, last_only)
+                           windows if window is None else window, None, last_only, ends)
         if select is not None:
             logits = select.logits(logits)
         return ForwardOutput(logits=logits, state=state, loops_used=done)
