@@ -19,8 +19,9 @@ a chunk per step beside the other sequences, then joins the prefix pool.
 
 Errors: a sequence that fails on its own (no KV blocks, a NaN row, its sampler or stop check)
 fails its request only: the engine isolates it (``Engine.step``). A step that raises
-``EngineError`` fails the requests of that step; ``EngineBroken`` also marks the runtime
-unhealthy, and every later dispatch fails at once.
+``EngineError`` fails the requests of that step; ``EngineBroken`` also marks this engine
+broken (``Health``), and every later dispatch to it fails at once. With several engines the
+dispatcher then takes it out of the pool; with one, the runtime is unhealthy.
 
 State. The actor owns its waiting and running entries, the prefix pool and ``Health``, and
 publishes ``EngineStatistics``: ``retired`` (requests it retired, ever: with the dispatcher's

@@ -16,7 +16,12 @@ registry of tickets for ``request_state``. Each actor publishes a frozen ``...St
 snapshot that the runtime and admission read; nothing else of theirs is read or written from
 outside. A ticket's fields are
 written by whoever holds it (``ticket.py`` has the table). In flight is one count: the
-dispatcher's ``dispatched`` minus the engine's ``retired``.
+dispatcher's ``dispatched`` minus the engines' ``retired``.
+
+Several engines (``open_runtime([e0, e1, ...])``): one engine actor each, with its own inbox,
+worker thread, KV pool and prefix cache; the one dispatcher places every request
+(``dispatcher.py``), admission and the statistics sum over the engines, and the runtime is
+healthy while one engine works.
 
 Shutdown cascades by closing channels (each actor ends when its pipeline inbox ends and it holds
 nothing, then closes its outbox): ``refuse_new_requests`` closes admission's pipe to the queue
