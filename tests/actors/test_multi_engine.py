@@ -181,3 +181,32 @@ async def test_drain_on_shutdown_finishes_every_engines_requests() -> None:
             assert len(outcomes) == 6 and all(isinstance(o, GenerationResult) for o in outcomes.values())
             assert sum(len(e.started) for e in engines) == 6 and all(e.started for e in engines)
         assert all(e.live == 0 for e in engines)
+
+
+async def test_shutdown_without_drain_cancels_every_engines_requests() -> None:
+    engines = [FakeEngine(latency_ms=100, token_latency_ms=1000, stream_tokens=list(range(50))) for _ in range(2)]
+    outcomes: Outcomes = {}
+    with trio.fail_after(CEILING_S):
+        async with open_runtime(engines, Settings(max_batch_size=1)) as rt:
+            async with trio.open_nursery() as n:
+                for i in range(3):  # one on each engine, one queued
+                    await n.start(run_request, rt, req(max_tokens=50, prompt=(i,) * 20), outcomes)
+                await trio.sleep(0.5)
+                assert all(e.started for e in engines) and rt.statistics().queue_depth == 1
+                await rt.shutdown(drain=False)
+            assert len(outcomes) == 3 and all(isinstance(o, SchedulerShutdown) for o in outcomes.values())
+    assert all(e.live == 0 for e in engines)
+
+
+async def test_a_beam_search_wider_than_an_engine_runs_alone_on_one() -> None:
+    engines = [FakeEngine(latency_ms=10) for _ in range(2)]
+    outcomes: Outcomes = {}
+    with trio.fail_after(CEILING_S):
+        async with engines_runtime(engines, max_batch_size=2) as rt:
+            wide = req(prompt=(5,) * 20, mode="beam", num_beams=3)
+            async with trio.open_nursery() as n:
+                await n.start(run_request, rt, wide, outcomes)
+                await n.start(run_request, rt, req(prompt=(6,) * 20), outcomes)
+                await settle()
+                assert sorted(rt._dispatcher.statistics().engine_slots_used) == [1, 3]
+    assert all(isinstance(o, GenerationResult) for o in outcomes.values())
