@@ -43,6 +43,8 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
     "prefix": (["--repeats", "1", "--prefix", "64", "--suffix", "8"], [], True),
     "demo_model": (["--loops", "1,4", "--windows", "4", "--problems", "20", "--sample-tokens", "8",
                     "--spec-tokens", "8"], [], True),
+    # its own --threads is the one-engine configuration's; the engines get one each
+    "multi_engine": (["--quick", "--repeat", "1"], ["--repeat", "3"], False),
 }
 
 
