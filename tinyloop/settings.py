@@ -91,7 +91,8 @@ class Settings:
                         "CPU, float32 activations")
     host: str = _opt("127.0.0.1", "TINYLOOP_HOST", "address to bind")
     port: int = _opt(8000, "TINYLOOP_PORT", "port to bind")
-    api_key: str | None = _opt(None, "TINYLOOP_API_KEY", "require 'Authorization: Bearer KEY' (all but /healthz and /health)")
+    api_key: str | None = _opt(None, "TINYLOOP_API_KEY",
+                               "require 'Authorization: Bearer KEY' (all but /healthz and /health)")
     cors_origins: str | None = _opt(None, "TINYLOOP_CORS_ORIGINS", "comma-separated origins allowed by CORS")
     max_body_bytes: int = _opt(4 * 2**20, "TINYLOOP_MAX_BODY_BYTES", "largest request body accepted (413 past it)")
     max_prompt_chars: int = _opt(1_000_000, "TINYLOOP_MAX_PROMPT_CHARS",
