@@ -142,7 +142,7 @@ class Metrics:
         for i, e in enumerate(engines):
             label = str(i)
             series.healthy.labels(label).set(0 if e.broken is not None else 1)
-            series.slots_used.labels(label).set(slots_used[i] if i < len(slots_used) else 0)
+            series.slots_used.labels(label).set(slots_used[i])
             series.decoding.labels(label).set(e.decoding)
             series.prefix_pool_size.labels(label).set(e.prefix_pool_size)
             if e.kv is not None:

@@ -74,7 +74,6 @@ class DispatcherStatistics:
     slots_taken: int  # the slots those requests took, ever (less the engines' ``slots_freed``: in use now)
     via_pool: int
     engine_slots_used: tuple[int, ...] = ()  # slots_used per engine
-    engines_left: tuple[int, ...] = ()  # engines that broke and left the pool
 
 
 class DispatcherState:
@@ -102,7 +101,7 @@ class DispatcherState:
 
     def statistics(self) -> DispatcherStatistics:
         return DispatcherStatistics(self.slots, self.slots_used, self.dispatched, self.slots_taken,
-                                    self.via_pool, tuple(self.used), tuple(sorted(self.left)))
+                                    self.via_pool, tuple(self.used))
 
     def __repr__(self) -> str:
         return (f"<DispatcherState {self.slots_used}/{self.slots} held={len(self.held)} "

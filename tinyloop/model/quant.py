@@ -158,9 +158,5 @@ def draft_copy(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {mode!r}")
     if mode == "same" or not quant_available(mode):
         return model
-    if not any(isinstance(m, nn.Linear) and _quantizable(m.weight, mode) for m in model.modules()):
-        return model
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    twin = copy.deepcopy(model, memo=dict(shared))
-    quantize_linears(twin, mode)
-    return twin
+    twin = copy.deepcopy(model, memo={id(t): t for t in (*model.parameters(), *model.buffers())})
+    return twin if quantize_linears(twin, mode) else model
