@@ -22,29 +22,29 @@ Bandwidth: decode at batch 1 reads every weight it uses once per token (the loop
 per loop), so weight bytes per token x tokens/s is the memory bandwidth decode achieves; it is
 set against this machine's copy bandwidth (a large ``torch`` tensor copy, read + write bytes).
 
-On a shared machine pass ``--threads 1``: torch's default threads spin against other processes.
+OpenMP waits as ``tinyloop serve`` does (libgomp's default: its threads spin a while between
+parallel regions, then sleep), so that one-row products split over the threads
+(``cpu_linear.py``) find them awake. On a shared machine pass ``--threads 1``, or set
+``OMP_WAIT_POLICY=PASSIVE``: spinning threads cost 3-4x whenever another process wants the core
+(and a passive wait costs the split products about 20% on a quiet one).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from functools import partial
 
-# Before torch loads OpenMP: spinning workers cost 3-4x whenever another process wants a core.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
 
-import torch  # noqa: E402
-
-from tinyloop.engine.engine import Engine  # noqa: E402
-from tinyloop.model.config import ModelConfig  # noqa: E402
-from tinyloop.model.context import FullContext  # noqa: E402
-from tinyloop.model.looped import RowSpec  # noqa: E402
-from tinyloop.model.presets import PRESETS, init_model  # noqa: E402
-from tinyloop.model.quant import QuantLinear, QuantWeight, quant_available  # noqa: E402
-from tinyloop.requests import GenerationRequest, SamplingParams  # noqa: E402
-from tinyloop.tokenizer import default_tokenizer, gpt2_tokenizer  # noqa: E402
+from tinyloop.engine.engine import Engine
+from tinyloop.model.config import ModelConfig
+from tinyloop.model.context import FullContext
+from tinyloop.model.looped import RowSpec
+from tinyloop.model.presets import PRESETS, init_model
+from tinyloop.model.quant import QuantLinear, QuantWeight, quant_available
+from tinyloop.requests import GenerationRequest, SamplingParams
+from tinyloop.tokenizer import default_tokenizer, gpt2_tokenizer
 
 PRESET = "base100m"
 

@@ -82,6 +82,9 @@ def load_engines(settings: Settings) -> list[Engine]:
     they split the cores, ``torch.set_num_threads(cores // engines)`` each (every engine steps
     in its own worker thread)."""
     devices = settings.engine_devices
+    cpu_engines = sum(1 for d in devices if d == "cpu")
+    if cpu_engines > 1:  # before loading: the CPU weight layouts depend on the threads (cpu_linear.py)
+        torch.set_num_threads(max(1, torch.get_num_threads() // cpu_engines))
     engines: list[Engine] = []
     by_device: dict[str, Engine] = {}
     for device in devices:
@@ -89,9 +92,6 @@ def load_engines(settings: Settings) -> list[Engine]:
         engine = first.replica() if first else load_engine(settings.replace(device=device, devices=None))
         by_device.setdefault(device, engine)
         engines.append(engine)
-    cpu_engines = sum(1 for d in devices if d == "cpu")
-    if cpu_engines > 1:
-        torch.set_num_threads(max(1, torch.get_num_threads() // cpu_engines))
     return engines
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,7 +26,18 @@ def model() -> nn.Module:
     return m
 
 
-def test_packing_keeps_parameters_state_dict_and_outputs() -> None:
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Pack and run on 1 thread (one-row products whole) and on 2 (split over the threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_packing_keeps_parameters_state_dict_and_outputs(threads: int) -> None:
     plain, packed = model(), model()
     before = {k: v.clone() for k, v in packed.state_dict().items()}
     params = [id(p) for p in packed.parameters()]
@@ -36,10 +48,11 @@ def test_packing_keeps_parameters_state_dict_and_outputs() -> None:
     after = packed.state_dict()
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before)
-    # wide weights (q/k/v, gate/up) column-major; narrow ones (down projection) row-major
+    # wide weights (q/k/v, gate/up) column-major; narrow ones (down projection) row-major on one
+    # thread, column-major too where one-row products split over threads
     block = packed.core[0]  # type: ignore[index]
     assert block.attn.qkv.weight.t().is_contiguous() and block.mlp.fc.weight.t().is_contiguous()
-    assert block.mlp.proj.weight.is_contiguous()
+    assert block.mlp.proj.weight.t().is_contiguous() if threads > 1 else block.mlp.proj.weight.is_contiguous()
     gen = torch.Generator().manual_seed(1)
     for rows in (1, 3, 17):
         x = torch.randn(rows, 1, block.mlp.fc.in_features, generator=gen)
@@ -86,7 +99,7 @@ def ops_per_decode(engine: Engine, batch: int) -> Counter[str]:
 
 
 @pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch build")
-def test_decode_runs_every_matrix_product_on_the_packed_kernels() -> None:
+def test_decode_runs_every_matrix_product_on_the_packed_kernels(threads: int) -> None:
     engine = Engine(model(), default_tokenizer(), max_seq_len=128)
     config = engine.config
     # per token: each layer's qkv, o, fc, proj; the adapter per loop; the head
@@ -94,7 +107,10 @@ def test_decode_runs_every_matrix_product_on_the_packed_kernels() -> None:
     linears = 4 * layers + 2 * (config.injection == "concat_linear") + 1
     one = ops_per_decode(engine, 1)
     assert one["mkldnn::_linear_pointwise"] == 0  # one row: the re-laid weights, MKL's product
-    assert one["aten::linear"] == linears
+    # on 2 threads a weight of 32k elements or more splits along K: one batched product (in the
+    # tiny preset only the LM head, 4096 x 64, is that large)
+    split = 0 if threads == 1 else 1
+    assert one["aten::linear"] == linears - split and one["aten::bmm"] == split
     four = ops_per_decode(engine, 4)
     assert four["mkldnn::_linear_pointwise"] == linears  # several rows: every product blocked
     assert four["aten::linear"] == 0
@@ -110,3 +126,18 @@ def test_the_server_setting_turns_packing_off(monkeypatch: pytest.MonkeyPatch) -
     assert packed_bytes(off.model) == 0
     assert not any(isinstance(m, PackedLinear) for m in off.model.modules())
     assert packed_bytes(load_engine(Settings()).model) > 0
+
+
+@pytest.mark.parametrize("k", [64, 63])
+def test_a_split_one_row_product_equals_f_linear_with_bias(threads: int, k: int) -> None:
+    from tinyloop.model.cpu_linear import PackedWeight, split_parts
+
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(1024, k, generator=gen)  # more outputs than inputs: column-major on any threads
+    bias, x = torch.randn(1024, generator=gen), torch.randn(1, 1, k, generator=gen)
+    packed = PackedWeight(weight.clone(), blocked=False)
+    assert split_parts(k) == (threads if k % threads == 0 else 1)
+    assert packed.splittable  # 64k elements: worth splitting where there are threads
+    assert not PackedWeight(torch.randn(64, 64), blocked=False).splittable  # too small to pay
+    for b in (bias, None):
+        torch.testing.assert_close(packed.linear(x, b), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)

@@ -8,6 +8,12 @@ What a decode step costs on the CPU is its matrix products (about 90% of a step,
   contiguous, i.e. ``x @ W_t``) 1.3-1.7x faster than the row-major one when it has at least as
   many outputs as inputs (q/k/v, o, gate/up, the LM head); with fewer (the MLP's down
   projection, the loop adapter) the row-major one is faster and stays;
+- one row on two or more threads: MKL runs a matrix-vector product on one thread, so one core's
+  bandwidth (about 20-25 GB/s here against 34 GB/s for two). The weights are then all
+  column-major and the product is split along K into one slice per thread: a batched product
+  (``torch.bmm`` of ``x`` viewed ``[P, 1, K/P]`` by ``W_t`` viewed ``[P, K/P, N]``, no copy) whose
+  P partial sums add up; MKL runs the batch on the intra-op threads, 1.4-1.8x faster than one
+  thread's product at every base100m and ``small`` shape (``bench/engine_vs_hf.py`` at 2 threads);
 - 2 or more rows (batched decode, prefill): oneDNN on a weight reordered once into its blocked
   layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing uses) runs
   1.5-2.2x faster than MKL on either plain layout.
@@ -31,11 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PackedWeight", "PackedLinear", "pack_linears", "unpack_linears", "packable", "onednn_available"]
+__all__ = ["PackedWeight", "PackedLinear", "pack_linears", "unpack_linears", "packable", "onednn_available",
+           "split_parts"]
 
 # The batch the blocked layout is chosen for: measured best over 2..16 rows (a hint to oneDNN;
 # every row count runs on it).
 _PACK_ROWS = 16
+# The smallest weight (elements) whose one-row product is split over threads.
+_SPLIT_MIN = 1 << 15
 
 
 def onednn_available() -> bool:
@@ -49,32 +58,60 @@ def packable(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
 
 
-def relayout(weight: torch.Tensor) -> None:
-    """Store ``weight`` ``[N, K]`` column-major in place (``weight.t()`` contiguous) when N >= K,
-    else row-major: same values, the layout one-row products read fastest."""
+def relayout(weight: torch.Tensor, split: bool = False) -> None:
+    """Store ``weight`` ``[N, K]`` column-major in place (``weight.t()`` contiguous) when N >= K
+    or the product is ``split`` over threads, else row-major: same values, the layout one-row
+    products read fastest."""
     n, k = weight.shape
-    if n >= k and not weight.t().is_contiguous():
+    if (n >= k or split) and not weight.t().is_contiguous():
         weight.data = weight.data.t().contiguous().t()
     elif n < k and not weight.is_contiguous():
         weight.data = weight.data.contiguous()
 
 
+def split_parts(k: int) -> int:
+    """Into how many K slices a one-row product of ``k`` inputs splits: the intra-op threads,
+    fewer where they do not divide ``k`` (1: no split)."""
+    parts = torch.get_num_threads()
+    while k % parts:
+        parts -= 1
+    return parts
+
+
 class PackedWeight:
     """A float32 weight in its one-row layout and, for calls of several rows, its oneDNN blocked copy."""
 
-    __slots__ = ("weight", "blocked")
+    __slots__ = ("weight", "blocked", "splittable", "_split")
 
-    def __init__(self, weight: torch.Tensor, blocked: bool = True) -> None:
-        relayout(weight)
+    def __init__(self, weight: torch.Tensor, blocked: bool = True, split: bool | None = None) -> None:
+        relayout(weight, torch.get_num_threads() > 1 if split is None else split)
         self.weight = weight
+        # one-row products split over threads (split_parts) where the weight is column-major and
+        # large enough to pay for the three more ops (measured: 1.4x faster at 256 x 256, slower below)
+        self.splittable = weight.t().is_contiguous() and weight.numel() >= _SPLIT_MIN
+        self._split: tuple[int, torch.Tensor] | None = None  # (parts, W_t viewed [P, K/P, N])
         self.blocked: torch.Tensor | None = None
         if blocked and onednn_available():
             with torch.no_grad():
                 self.blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``: one row on the re-laid weight, more on the blocked."""
-        if self.blocked is None or x.numel() <= x.shape[-1]:
+        """``F.linear(x, weight, bias)``: one row on the re-laid weight (split over the threads
+        where there are several), more on the blocked."""
+        k = x.shape[-1]
+        if x.numel() <= k:
+            parts = split_parts(k) if self.splittable else 1
+            if parts == 1:
+                return F.linear(x, self.weight, bias)
+            if self._split is None or self._split[0] != parts:
+                weight_t = self.weight.t()
+                self._split = parts, weight_t.view(parts, k // parts, weight_t.shape[1])
+            chunks = self._split[1]
+            y = torch.bmm(x.reshape(parts, 1, k // parts), chunks).sum(0)  # [1, N]: the partial sums added
+            if bias is not None:
+                y += bias
+            return y.view(*x.shape[:-1], chunks.shape[2])
+        if self.blocked is None:
             return F.linear(x, self.weight, bias)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.blocked, bias, "none", [], "")
         return out
