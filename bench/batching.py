@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -64,10 +63,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import httpx  # noqa: E402
-import trio  # noqa: E402
+import httpx
+import trio
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -79,12 +79,11 @@ def load_engine(settings: Settings) -> Engine:
 def load_engines(settings: Settings) -> list[Engine]:
     """The engines the runtime drives: one per CUDA device of ``devices``, else ``engines`` on
     ``device``. Engines on one device share its model's weights (``Engine.replica``); on the CPU
-    they split the cores, ``torch.set_num_threads(cores // engines)`` each (every engine steps
-    in its own worker thread)."""
+    each computes on ``settings.cpu_threads`` torch threads (every engine steps in its own
+    worker thread; by default they split the cores but one, which the event loop keeps)."""
     devices = settings.engine_devices
-    cpu_engines = sum(1 for d in devices if d == "cpu")
-    if cpu_engines > 1:  # before loading: the CPU weight layouts depend on the threads (cpu_linear.py)
-        torch.set_num_threads(max(1, torch.get_num_threads() // cpu_engines))
+    if "cpu" in devices:  # before loading: the CPU weight layouts depend on the threads (cpu_linear.py)
+        torch.set_num_threads(settings.cpu_threads)
     engines: list[Engine] = []
     by_device: dict[str, Engine] = {}
     for device in devices:

@@ -50,6 +50,9 @@ class Settings:
                         "(on CPU they share the weights and split the cores)")
     devices: str | None = _opt(None, "TINYLOOP_DEVICES",
                                "comma-separated CUDA device indices, one engine on each (sets engines)")
+    threads: int | None = _opt(None, "TINYLOOP_THREADS",
+                               "torch threads each CPU engine computes on (default: the usable cores less "
+                               "one, which the HTTP event loop keeps, split among the CPU engines; at least 1)")
     dtype: str | None = _opt(None, "TINYLOOP_DTYPE", "float32, bfloat16 or float16 (default: the artifact's)")
     kv_cache_mb: float | None = _opt(None, "TINYLOOP_KV_CACHE_MB", "KV cache budget in MiB")
     kv_block_size: int = _opt(16, "TINYLOOP_KV_BLOCK_SIZE", "tokens per KV block")
@@ -115,6 +118,8 @@ class Settings:
                      "max_draft_nodes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("threads must be >= 1")
         if min(self.max_prompt_chars, self.max_messages) < 1:
             raise ConfigError("max_prompt_chars and max_messages must be >= 1")
         if not 0 <= self.port <= 65535:
@@ -184,6 +189,16 @@ class Settings:
         if self.devices is not None:
             return [f"cuda:{int(i)}" for i in self.devices.split(",")]
         return [self.device] * self.engines
+
+    @property
+    def cpu_threads(self) -> int:
+        """The torch threads of each CPU engine: ``threads``, else the usable cores less one (the
+        event loop's: HTTP, SSE and the actors run on it while an engine steps) split among the
+        CPU engines, at least 1."""
+        if self.threads is not None:
+            return self.threads
+        cpu_engines = max(1, sum(1 for d in self.engine_devices if d == "cpu"))
+        return max(1, (len(os.sched_getaffinity(0)) - 1) // cpu_engines)
 
     @property
     def kv_mode(self) -> KVMode:

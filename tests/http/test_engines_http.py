@@ -3,14 +3,17 @@ engine="i" series adding up to the totals; ``load_engines`` for ``--engines``.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http.conftest import running_server, tiny_engine
+from tinyloop.errors import ConfigError
 from tinyloop.http.service import ServedModel
 from tinyloop.server import load_engines
 from tinyloop.settings import Settings
@@ -59,12 +62,22 @@ async def test_two_engines_serve_what_one_serves() -> None:
     assert samples(metrics, "tinyloop_engine_healthy") == {"0": 1.0, "1": 1.0}
 
 
-def test_load_engines_shares_one_model_and_splits_the_threads(tiny_artifact: Path) -> None:
+def test_load_engines_shares_one_model_and_splits_the_threads(tiny_artifact: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     threads = torch.get_num_threads()
     try:
-        engines = load_engines(Settings(model_path=str(tiny_artifact), engines=3))
-        assert len(engines) == 3 and len({id(e.model) for e in engines}) == 1
-        assert len({id(e.pool) for e in engines}) == 3
-        assert torch.get_num_threads() == max(1, threads // 3)
+        for cores, engines_n, each in ((2, 1, 1), (16, 1, 15), (16, 3, 5), (2, 3, 1)):
+            monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+            settings = Settings(model_path=str(tiny_artifact), engines=engines_n)
+            assert settings.cpu_threads == each  # the cores but one (the event loop's), split
+            if engines_n == 3 and cores == 16:
+                engines = load_engines(settings)
+                assert len(engines) == 3 and len({id(e.model) for e in engines}) == 1
+                assert len({id(e.pool) for e in engines}) == 3
+                assert torch.get_num_threads() == 5
+        load_engines(Settings(model_path=str(tiny_artifact), threads=2))  # set: taken as it is
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ConfigError):
+            Settings(threads=0)
     finally:
         torch.set_num_threads(threads)
