@@ -28,23 +28,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
-# Before torch loads OpenMP: spinning workers cost 3-4x whenever another process wants a core.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from tinyloop.engine.engine import Engine  # noqa: E402
-from tinyloop.model.artifact import load_artifact  # noqa: E402
-from tinyloop.model.quant import WEIGHT_MODES, quantize_linears  # noqa: E402
-from tinyloop.requests import GenerationRequest, SamplingParams  # noqa: E402
-from tinyloop.settings import Settings  # noqa: E402
-from tinyloop.train.corpus import CorpusSpec, held_out_problems, validation_text  # noqa: E402
-from tinyloop.train.evaluate import addition_accuracy, val_loss  # noqa: E402
+from tinyloop.engine.engine import Engine
+from tinyloop.model.artifact import load_artifact
+from tinyloop.model.quant import WEIGHT_MODES, quantize_linears
+from tinyloop.requests import GenerationRequest, SamplingParams
+from tinyloop.settings import Settings
+from tinyloop.train.corpus import CorpusSpec, held_out_problems, validation_text
+from tinyloop.train.evaluate import addition_accuracy, val_loss
 
 SAMPLE_PROMPTS = ("def fibonacci(n):", "class Stack:")
 SPEC_CODE_PROMPTS = ("def fibonacci(n):", "class Stack:", "import os\nimport sys\n\n\ndef main(",

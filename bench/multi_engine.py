@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 DEMO = Path(__file__).resolve().parent.parent / "tinyloop" / "data" / "demo.tinyloop"
 SLOTS = 16

@@ -17,21 +17,18 @@ flip under small errors and the agreement here is a pessimistic figure for int8/
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
 
-import torch  # noqa: E402
-
-from tinyloop.convert import convert  # noqa: E402
-from tinyloop.engine.engine import Engine  # noqa: E402
-from tinyloop.model.artifact import load_artifact  # noqa: E402
-from tinyloop.model.context import FullContext  # noqa: E402
-from tinyloop.model.looped import LoopedLM, RowSpec  # noqa: E402
-from tinyloop.model.quant import WEIGHT_MODES, quant_available  # noqa: E402
-from tinyloop.requests import GenerationRequest, SamplingParams  # noqa: E402
+from tinyloop.convert import convert
+from tinyloop.engine.engine import Engine
+from tinyloop.model.artifact import load_artifact
+from tinyloop.model.context import FullContext
+from tinyloop.model.looped import LoopedLM, RowSpec
+from tinyloop.model.quant import WEIGHT_MODES, quant_available
+from tinyloop.requests import GenerationRequest, SamplingParams
 
 FIXTURES = ("huginn-tiny", "ouro-tiny", "retrofit-llama-tiny", "retrofit-olmo-tiny")
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "tests" / "data" / "checkpoints"

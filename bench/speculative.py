@@ -28,23 +28,19 @@ On a shared machine pass ``--threads 1``: torch's default threads spin against o
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# Before torch loads OpenMP: spinning workers cost 3-4x whenever another process wants a core.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
 
-import torch  # noqa: E402
-
-from tinyloop.engine.engine import Engine  # noqa: E402
-from tinyloop.model.artifact import save_artifact  # noqa: E402
-from tinyloop.model.presets import PRESETS, init_model  # noqa: E402
-from tinyloop.requests import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
-from tinyloop.tokenizer import default_tokenizer  # noqa: E402
+from tinyloop.engine.engine import Engine
+from tinyloop.model.artifact import save_artifact
+from tinyloop.model.presets import PRESETS, init_model
+from tinyloop.requests import GenerationRequest, GenerationResult, SamplingParams
+from tinyloop.tokenizer import default_tokenizer
 
 PROMPT = "Once upon a time, in a small town by the sea, there lived"
 # (mode, draft_loops, draft_ahead, k_branches)
