@@ -139,5 +139,7 @@ def test_a_split_one_row_product_equals_f_linear_with_bias(threads: int, k: int)
     assert split_parts(k) == (threads if k % threads == 0 else 1)
     assert packed.splittable  # 64k elements: worth splitting where there are threads
     assert not PackedWeight(torch.randn(64, 64), blocked=False).splittable  # too small to pay
+    empty = torch.empty(0, 1, k)  # no rows: what F.linear gives
+    assert packed.linear(empty, bias).shape == (0, 1, 1024)
     for b in (bias, None):
         torch.testing.assert_close(packed.linear(x, b), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)

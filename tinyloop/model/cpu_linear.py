@@ -100,7 +100,7 @@ class PackedWeight:
         where there are several), more on the blocked."""
         k = x.shape[-1]
         if x.numel() <= k:
-            parts = split_parts(k) if self.splittable else 1
+            parts = split_parts(k) if self.splittable and x.numel() == k else 1  # (not for no rows)
             if parts == 1:
                 return F.linear(x, self.weight, bias)
             if self._split is None or self._split[0] != parts:
