@@ -18,7 +18,7 @@ from typing import Any, get_args, get_type_hints
 from tinyloop.errors import ConfigError
 from tinyloop.vocabulary import KVMode
 
-__all__ = ["Settings", "BUNDLED_MODEL"]
+__all__ = ["Settings", "BUNDLED_MODEL", "usable_cores"]
 
 BUNDLED_MODEL = "demo.tinyloop"  # in tinyloop/data/, served when no model path is set
 DEFAULT_CONTEXT = 2048  # TINYLOOP_MAX_SEQ_LEN's floor when it is not set
@@ -192,13 +192,13 @@ class Settings:
 
     @property
     def cpu_threads(self) -> int:
-        """The torch threads of each CPU engine: ``threads``, else the usable cores less one (the
-        event loop's: HTTP, SSE and the actors run on it while an engine steps) split among the
-        CPU engines, at least 1."""
+        """The torch threads of each CPU engine: ``threads``, else the usable cores
+        (``usable_cores``) less one (the event loop's: HTTP, SSE and the actors run on it while
+        an engine steps) split among the CPU engines, at least 1."""
         if self.threads is not None:
             return self.threads
         cpu_engines = max(1, sum(1 for d in self.engine_devices if d == "cpu"))
-        return max(1, (len(os.sched_getaffinity(0)) - 1) // cpu_engines)
+        return max(1, (usable_cores() - 1) // cpu_engines)
 
     @property
     def kv_mode(self) -> KVMode:
@@ -210,6 +210,29 @@ class Settings:
         """The KV mode name reported as ``model_info.kv_cache_mode``: ``full``, ``int4``,
         ``h-mode``, ``h-mode+int4``, ``h-mode-fp16-qkv``, ``h-mode-fp16-qkv+int4``."""
         return self.kv_mode.name
+
+
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may compute on: its CPU affinity, capped by a cgroup CPU quota (a
+    container's ``--cpus``, a Kubernetes CPU limit: v2's ``cpu.max``, v1's ``cpu.cfs_quota_us``),
+    rounded down, at least 1."""
+    cores = len(os.sched_getaffinity(0))
+    quota = _cpu_quota(cgroup)
+    return max(1, min(cores, int(quota))) if quota is not None else cores
+
+
+def _cpu_quota(cgroup: Path) -> float | None:
+    """CPUs' worth of time the cgroup allows per period; None where unlimited or unreadable."""
+    try:
+        v2 = cgroup / "cpu.max"
+        if v2.exists():
+            quota, period = v2.read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        v1 = cgroup / "cpu"
+        quota_us = int((v1 / "cpu.cfs_quota_us").read_text())
+        return None if quota_us < 0 else quota_us / int((v1 / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _parse(raw: str, kind: Any, env: str) -> Any:

@@ -13,10 +13,11 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http.conftest import running_server, tiny_engine
+from tinyloop import settings as settings_module
 from tinyloop.errors import ConfigError
 from tinyloop.http.service import ServedModel
 from tinyloop.server import load_engines
-from tinyloop.settings import Settings
+from tinyloop.settings import Settings, usable_cores
 
 PROMPTS = [f"Story {i}: once upon a time" for i in range(6)]
 
@@ -67,7 +68,7 @@ def test_load_engines_shares_one_model_and_splits_the_threads(tiny_artifact: Pat
     threads = torch.get_num_threads()
     try:
         for cores, engines_n, each in ((2, 1, 1), (16, 1, 15), (16, 3, 5), (2, 3, 1)):
-            monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+            monkeypatch.setattr(settings_module, "usable_cores", lambda n=cores: n)
             settings = Settings(model_path=str(tiny_artifact), engines=engines_n)
             assert settings.cpu_threads == each  # the cores but one (the event loop's), split
             if engines_n == 3 and cores == 16:
@@ -81,3 +82,28 @@ def test_load_engines_shares_one_model_and_splits_the_threads(tiny_artifact: Pat
             Settings(threads=0)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_usable_cores_is_the_affinity_capped_by_a_cgroup_quota(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert usable_cores(tmp_path / "none") == 16  # no cgroup files: the affinity
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(v2) == 16  # unlimited
+    (v2 / "cpu.max").write_text("250000 100000\n")  # docker --cpus 2.5: 2 whole cores
+    assert usable_cores(v2) == 2
+    (v2 / "cpu.max").write_text("50000 100000\n")  # half a core: still 1
+    assert usable_cores(v2) == 1
+    (v2 / "cpu.max").write_text("6400000 100000\n")  # 64 CPUs' quota on 16 cores: the affinity
+    assert usable_cores(v2) == 16
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert usable_cores(v1.parent) == 16
+    (v1 / "cpu.cfs_quota_us").write_text("400000\n")  # a Kubernetes limit of 4 CPUs
+    assert usable_cores(v1.parent) == 4
+    (v1 / "cpu.cfs_quota_us").write_text("garbage\n")
+    assert usable_cores(v1.parent) == 16
