@@ -194,3 +194,51 @@ def test_beam_bookkeeping_that_raises_fails_its_search_alone(
     assert isinstance(seqs[-1].error, EngineError) and "parent" in str(seqs[-1].error)
     assert all(s.error is None for s in seqs[:-1])
     assert finish(engine, seqs)[:-1] == solo
+
+
+def poison_kv(eng: Engine, seq: Sequence) -> None:
+    """Every position of every block ``seq`` holds turned to NaN (a request whose K and V diverged)."""
+    blocks = torch.tensor(sorted({b for table in seq.kv.tables for b in table}), dtype=torch.long)
+    for field in eng.pool.store.fields.values():
+        for t in field.tensors:
+            t.view(-1, eng.pool.block_size * t[0].numel())[blocks] = float("nan")
+
+
+LONG = req(list(range(30, 62)), max_tokens=6, loops=2, sampling=SamplingParams(temperature=0.8, seed=3))
+
+
+def test_a_shorter_row_never_reads_another_sequences_kv() -> None:
+    """A batch pads the block tables of its shorter rows; the padding is masked, and it must not
+    point at a block another sequence holds: a NaN there would turn the masked row into NaN too."""
+    eng = make_engine(max_seq_len=256, block_size=8)
+    long = eng.start(LONG)  # the first blocks of the pool (a fresh pool hands out block 0 first)
+    short = eng.start(GOOD[0])
+    eng.step([long, short])  # both prefilled: the short one holds fewer blocks per slot
+    assert short.kv.blocks_per_slot < long.kv.blocks_per_slot
+    poison_kv(eng, long)
+    seqs = [long, short]
+    while not short.finished:
+        eng.step([s for s in seqs if not s.finished])
+    assert short.error is None and isinstance(long.error, EngineError)  # the poisoned one failed alone
+    assert finish(eng, seqs)[1] == eng.generate(GOOD[0]).tokens
+
+
+def test_a_freed_blocks_old_values_never_reach_its_next_owner() -> None:
+    """A block is handed out again with zeros: what its last owner left past the new owner's
+    length is read (masked) when a longer row shares the batch, and a NaN there would spread."""
+    eng = make_engine(max_seq_len=256, block_size=8, prefix_caching=False)  # freed blocks go straight back
+    long = eng.start(LONG)
+    gone = eng.start(req(list(range(5, 15)), max_tokens=2, loops=2, sampling=SamplingParams(temperature=0)))
+    eng.step([long, gone])
+    poison_kv(eng, gone)
+    held = {b for t in gone.kv.tables for b in t}
+    eng.free(gone)  # its blocks go back to the free list, NaN and all
+    short = eng.start(GOOD[1])
+    seqs = [long, short]
+    eng.step(seqs)
+    assert {b for t in short.kv.tables for b in t} & held  # it took some (the most recently freed first)
+    assert short.kv.length % eng.pool.block_size  # and its last blocks hold positions past its length
+    while not all(s.finished for s in seqs):
+        eng.step([s for s in seqs if not s.finished])
+    assert all(s.error is None for s in seqs)
+    assert finish(eng, seqs)[1] == eng.generate(GOOD[1]).tokens

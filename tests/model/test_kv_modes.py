@@ -160,7 +160,7 @@ def test_bytes_per_token_are_exact(name: str, dtype: torch.dtype, group: int) ->
     elem = torch.empty((), dtype=dtype).element_size()
     per_slot = expected_slot_bytes(cfg, mode, elem)
     assert pool.bytes_per_token_slot == per_slot == mode.slot_bytes(cfg, elem)
-    assert pool.store.nbytes == 3 * 16 * per_slot  # what was allocated, scales included
+    assert pool.store.nbytes == (3 + 1) * 16 * per_slot  # what was allocated (and the null block), scales included
     for loops, window in [(4, 1), (4, 2), (4, 4), (8, 3)]:
         slots = cfg.n_prelude + cfg.n_coda + cfg.n_core * min(window, loops)
         assert pool.bytes_per_token(loops, window) == per_slot * slots

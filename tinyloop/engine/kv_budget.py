@@ -28,7 +28,8 @@ def pool_blocks(config: ModelConfig, kv_mode: KVMode, dtype: torch.dtype, max_se
                 kv_cache_mb: float | None, block_size: int) -> int:
     """Blocks of the pool: ``kv_cache_mb`` of them, or by default room for 8 full-length
     sequences at the default loops and for one at the most loops (a larger request is refused,
-    ``Engine.validate``), capped by ``DEFAULT_KV_BUDGET_MB``."""
+    ``Engine.validate``), capped by ``DEFAULT_KV_BUDGET_MB``. The pool allocates one block more,
+    its null block (``KVPool.null_block``), which no request holds."""
     c = config
     elem = torch.empty((), dtype=dtype).element_size()
     per_block = kv_mode.slot_bytes(c, elem) * block_size  # the budget is in bytes

@@ -26,11 +26,12 @@ def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t[rows]
 
 
-def block_tables(seqs: Sequence[SeqKV], max_blocks: int, n_slots: int) -> torch.Tensor:
-    """Every row's block ids as ``[B, n_slots, max_blocks]`` int64 on the host, zero-padded
-    (padding is masked): one tensor built from lists, not one per row."""
-    pad_slot = [0] * max_blocks
-    rows = [[table + [0] * (max_blocks - len(table)) for table in s.tables] + [pad_slot] * (n_slots - s.n_slots)
+def block_tables(seqs: Sequence[SeqKV], max_blocks: int, n_slots: int, pad: int) -> torch.Tensor:
+    """Every row's block ids as ``[B, n_slots, max_blocks]`` int64 on the host, padded with block
+    ``pad`` (the pool's null block: attention masks the padding, and reads zeros there, never
+    another sequence's K and V): one tensor built from lists, not one per row."""
+    pad_slot = [pad] * max_blocks
+    rows = [[table + [pad] * (max_blocks - len(table)) for table in s.tables] + [pad_slot] * (n_slots - s.n_slots)
             for s in seqs]
     return torch.tensor(rows, dtype=torch.long, device="cpu")
 
@@ -55,7 +56,7 @@ class PagedContext:
         max_blocks = max(s.blocks_per_slot for s in seqs)
         # The index math runs on the host (small, and int() below reads it), then moves once.
         dev, host = pool.device, torch.device("cpu")
-        tables = block_tables(seqs, max_blocks, n_slots)  # [B, S, MB]
+        tables = block_tables(seqs, max_blocks, n_slots, pool.null_block)  # [B, S, MB]
         start = torch.tensor(list(starts), dtype=torch.long, device=host)  # [B]
         offsets = torch.arange(n_new, dtype=torch.long, device=host)
         slots_pos = start[:, None] + offsets  # [B, T] where each new token is stored

@@ -94,7 +94,10 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.mode = KVMode.parse(mode)
-        self.store = KVStore(self.mode, config, num_blocks * block_size, block_size, dtype, device)
+        # One more block than the free list hands out: the null block, never allocated and kept
+        # zero, that pads the block tables of shorter rows in a batch (``PagedContext``).
+        self.null_block = num_blocks
+        self.store = KVStore(self.mode, config, (num_blocks + 1) * block_size, block_size, dtype, device)
         self.refcount = [0] * num_blocks
         # A stack: the most recently freed block is reused first (warm in cache).
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -152,6 +155,10 @@ class KVPool:
         out = [self._free.pop() for _ in range(n)]
         for b in out:
             self.refcount[b] = 1
+        # What a block's last owner left there is read back, masked, by the new owner (the
+        # positions of its last block past its length): zero it, or a non-finite value the last
+        # owner wrote (a diverging request) turns the new owner's attention into NaN.
+        self.store.clear_blocks(out)
         return out
 
     def incref(self, blocks: list[int]) -> None:

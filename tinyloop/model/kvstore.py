@@ -184,6 +184,15 @@ class KVStore:
             for t in field.tensors:
                 t[dst * bs:(dst + 1) * bs] = t[src * bs:(src + 1) * bs]
 
+    def clear_blocks(self, blocks: list[int]) -> None:
+        """Zero every row of ``blocks``."""
+        if not blocks:
+            return
+        for field in self.fields.values():
+            for t in field.tensors:
+                index = torch.tensor(blocks, dtype=torch.long, device=t.device)
+                t.view(-1, self.block_size * t[0].numel()).index_fill_(0, index, 0)
+
     def tensor(self, name: str) -> torch.Tensor:
         """The plain tensor of field ``name`` as ``[blocks, block_size, *row_shape]`` (full mode)."""
         field = self.fields[name]
