@@ -296,7 +296,7 @@ async def run(args: argparse.Namespace) -> None:
     max_len = args.prompt + args.tokens + 8
     model = init_model(config, seed=0)
     engine = Engine(model, default_tokenizer(), max_seq_len=max_len, prefix_caching=False,
-                    kv_cache_mb=args.kv_cache_mb, name=args.preset)
+                    kv_cache_mb=args.kv_cache_mb, name=args.preset, cpu_kernels=args.cpu_kernels)
     clock = StepClock()
     clock.wrap(engine)
     settings = Settings(port=0, max_batch_size=args.batch, max_queue_depth=1024, max_seq_len=max_len)
@@ -307,7 +307,7 @@ async def run(args: argparse.Namespace) -> None:
     print(f"{args.preset} (random init): {config.n_prelude}+{config.n_core}x{config.default_loops}+"
           f"{config.n_coda} layers, hidden {config.hidden}; prompt {args.prompt}, {args.tokens} tokens "
           f"per stream, greedy; max_batch_size {args.batch}; torch threads {torch.get_num_threads()}; "
-          f"clients {args.clients}")
+          f"clients {args.clients}; decode attention {engine.model.backend.name}")
 
     def prompts_for(n: int) -> list[list[int]]:
         out: list[list[int]] = torch.randint(0, config.vocab_size, (n, args.prompt), generator=gen).tolist()
@@ -383,6 +383,8 @@ def main() -> None:
                     help="where the HTTP clients run (the module docstring)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds (interleaved); the summary takes each row's median round")
+    ap.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                    help="decode attention on torch ops, not the C kernel (TINYLOOP_CPU_KERNELS=0)")
     ap.add_argument("--no-alone", dest="alone", action="store_false",
                     help="skip the engine-alone rows")
     ap.add_argument("--client-of", metavar="URL", help=argparse.SUPPRESS)  # the child's role

@@ -68,7 +68,8 @@ def load_engine(settings: Settings) -> Engine:
                        prefill_chunk=settings.prefill_chunk, kv_mode=settings.kv_mode,
                        prefix_caching=settings.prefix_caching, max_draft_nodes=settings.max_draft_nodes,
                        pack_weights=settings.pack_weights, weights=settings.weights,
-                       draft_min_prob=settings.draft_min_prob, draft_weights=settings.draft_weights)
+                       draft_min_prob=settings.draft_min_prob, draft_weights=settings.draft_weights,
+                       cpu_kernels=settings.cpu_kernels)
     if engine.context_capped_by_kv:
         log.warning("context %d tokens (the model's is %d): what the KV cache holds for one sequence at "
                     "%d loops; set TINYLOOP_KV_CACHE_MB or TINYLOOP_MAX_SEQ_LEN to change it",

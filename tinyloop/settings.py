@@ -89,6 +89,9 @@ class Settings:
     pack_weights: bool = _opt(True, "TINYLOOP_PACK_WEIGHTS",
                               "float32 CPU weights re-laid for fast decode, plus a blocked copy for batches "
                               "(twice the weights' memory)")
+    cpu_kernels: bool = _opt(True, "TINYLOOP_CPU_KERNELS",
+                             "CPU decode attention on a C kernel built with the system C compiler on first use "
+                             "(cached); torch ops where there is no compiler, or with 0")
     weights: str = _opt("float", "TINYLOOP_WEIGHTS",
                         "linear weights at load: float (as stored), int8 (per channel) or int4 (groups of 32); "
                         "CPU, float32 activations")

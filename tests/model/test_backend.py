@@ -56,6 +56,11 @@ class Recording:
         self.calls["attention"] += 1
         return TORCH.attention(q, k, v, mask)
 
+    def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+        self.calls["decode_attention"] += 1
+        return TORCH.decode_attention(store, q, rows, n_keys, mask)
+
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 REQUESTS = [
@@ -76,7 +81,7 @@ def run(engine: Engine, requests: list[GenerationRequest]) -> tuple[torch.Tensor
 
 @pytest.mark.parametrize("kv_mode", ["full", "int4", "h-mode"])
 def test_a_second_backend_plugs_in_and_gives_identical_logits(kv_mode: str) -> None:
-    reference = run(make_engine(max_seq_len=128, block_size=8, kv_mode=kv_mode), REQUESTS)
+    reference = run(make_engine(max_seq_len=128, block_size=8, kv_mode=kv_mode, cpu_kernels=False), REQUESTS)
     engine = make_engine(max_seq_len=128, block_size=8, kv_mode=kv_mode)
     recording = Recording()
     backend: Backend = recording  # the protocol is all the model asks of it
@@ -84,8 +89,10 @@ def test_a_second_backend_plugs_in_and_gives_identical_logits(kv_mode: str) -> N
     logits, tokens = run(engine, REQUESTS)
     assert torch.equal(logits, reference[0])
     assert tokens == reference[1]
-    assert set(recording.calls) == {"rms_norm", "rope", "kv_write", "kv_read", "kv_copy", "attention"}
-    assert recording.calls["kv_write"] == recording.calls["attention"]  # every paged attention stores first
+    decode = set() if kv_mode == "h-mode" else {"decode_attention"}  # K and V stored: decode reads them by row
+    assert set(recording.calls) == {"rms_norm", "rope", "kv_write", "kv_read", "kv_copy", "attention", *decode}
+    # every paged attention stores first
+    assert recording.calls["kv_write"] == recording.calls["attention"] + recording.calls["decode_attention"]
     engine.model.use_backend(TORCH)
     before = sum(recording.calls.values())
     assert run(engine, REQUESTS[:1])[1] == reference[1][:1]

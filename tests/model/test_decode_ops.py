@@ -9,6 +9,7 @@ import pytest
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from tinyloop.cpu import kernels
 from tinyloop.engine.engine import Engine
 from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.requests import GenerationRequest, SamplingParams
@@ -17,10 +18,10 @@ from tinyloop.tokenizer import default_tokenizer
 LOOPS = 3
 
 
-def decode_ops(batch: int) -> tuple[Counter[str], int]:
+def decode_ops(batch: int, cpu_kernels: bool = True) -> tuple[Counter[str], int]:
     """Top-level aten ops of one decode step of ``batch`` rows, and the layer calls it made."""
     engine = Engine(init_model(PRESETS["tiny"].replace(max_position=128), seed=0), default_tokenizer(),
-                    max_seq_len=128)
+                    max_seq_len=128, cpu_kernels=cpu_kernels)
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     seqs = [engine.start(GenerationRequest(prompt_tokens=tuple(range(5, 25 + b)), max_tokens=8, loops=LOOPS,
                                            sampling=greedy)) for b in range(batch)]
@@ -45,7 +46,7 @@ def test_a_decode_step_dispatches_few_ops_per_layer() -> None:
 
 
 def test_the_kv_is_read_by_row_copies_once_per_field_and_layer() -> None:
-    ops, layers = decode_ops(4)
+    ops, layers = decode_ops(4, cpu_kernels=False)
     assert ops["aten::index_select"] == 2 * layers  # K and V: a row copy, not advanced indexing
     # rows sharing a window find each layer's write and key rows by an int slot: no index op per
     # layer (2 per layer before), a few per step (sampling, the context's tables)
@@ -71,3 +72,10 @@ def test_a_decode_step_calls_no_module_hook_machinery_per_layer(monkeypatch: pyt
     monkeypatch.setattr(nn.Module, "__call__", counting)
     engine.step(seqs)
     assert sum(calls.values()) <= 2, calls  # the embedding, the model itself
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels")
+def test_on_the_cpu_kernel_decode_copies_no_kv() -> None:
+    ops, _ = decode_ops(4)
+    assert ops["aten::index_select"] == 0  # the kernel reads the pool's rows in place
+    assert ops["aten::scaled_dot_product_attention"] == 0

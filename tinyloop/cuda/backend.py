@@ -1,8 +1,9 @@
 """``CudaBackend``: the model's ``Backend`` seam (``tinyloop/model/backend.py``) on the kernels.
 
 What is wired today: RMSNorm (both reference orders) and RoPE run on this package's kernels;
-KV writes and reads and attention stay with the torch reference (the paged decode kernel reads
-the pool directly and needs the context to hand it the block tables, not yet done). Any call
+KV writes and reads and attention stay with the torch reference, decode attention included
+(``decode_attention`` gets the pool rows of every key from the context, what the paged decode
+kernel needs to read the pool in place: not wired yet). Any call
 the kernels do not cover (a dtype without a kernel, a tensor off CUDA) falls back to torch.
 
     model.use_backend(CudaBackend())   # after model.to("cuda")

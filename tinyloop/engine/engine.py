@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinyloop.cpu.backend import use_cpu_kernels
 from tinyloop.engine import blocking
 from tinyloop.engine.batch import Batch
 from tinyloop.engine.kv_budget import KVAccounting, KVBudget, pool_blocks
@@ -66,7 +67,7 @@ class Engine(KVAccounting, PrefixEntries):
                  kv_mode: KVMode | str | None = None, prefix_caching: bool = True,
                  max_draft_nodes: int = DEFAULT_MAX_DRAFT_NODES, pack_weights: bool = True,
                  weights: str = "float", draft_min_prob: float = DEFAULT_DRAFT_MIN_PROB,
-                 draft_weights: str = "same") -> None:
+                 draft_weights: str = "same", cpu_kernels: bool = True) -> None:
         self.model = model.eval()
         self.draft_model = draft_copy(model, draft_weights if weights == "float" else "same")  # quant.py
         if weights not in WEIGHT_MODES:
@@ -76,6 +77,9 @@ class Engine(KVAccounting, PrefixEntries):
             quantize_linears(model, weights)
         elif pack_weights:  # float32 CPU weights in the layouts decode reads fastest (cpu_linear.py)
             pack_linears(model)
+        if cpu_kernels:  # CPU decode attention on the C kernel where it builds (tinyloop/cpu)
+            for m in {id(m): m for m in (model, self.draft_model)}.values():
+                use_cpu_kernels(m)  # type: ignore[arg-type]
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.name = name

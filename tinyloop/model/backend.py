@@ -60,6 +60,15 @@ class Backend(Protocol):
         (``T == 1``), every key."""
         ...
 
+    def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+        """Decode attention over a pool that stores K and V (full or int4 mode, not h-mode):
+        q ``[R, Hq, 1, D]`` over the K and V ``store`` keeps at pool rows ``rows`` ``[R, L]``, row r
+        over its first ``n_keys[r]`` (``[R]`` int64, on the pool's device); ``mask``
+        ``[R, 1, 1, L]`` says the same (None: every key), for a backend that gathers.
+        ``[R, Hq, 1, D]``."""
+        ...
+
 
 class TorchBackend:
     """The reference backend: plain torch ops, on whatever device the tensors are."""
@@ -108,6 +117,12 @@ class TorchBackend:
         if mask is None:  # SDPA's causal mask is aligned top-left: one query would see key 0 only
             return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[-2] > 1, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+        keys_k = self.kv_read(store, "k", rows, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
+        keys_v = self.kv_read(store, "v", rows, q.dtype).transpose(1, 2)
+        return self.attention(q, keys_k, keys_v, mask)
 
 
 TORCH: Backend = TorchBackend()

@@ -88,6 +88,8 @@ class PagedContext:
         self.mask = mask[:, None].to(dev, non_blocking=True)  # [B, 1, T, L]
         # One new token that may see every key (decode at equal lengths): attention needs no mask.
         self._unmasked = n_new == 1 and bool(mask.all())
+        # Decode (one new token, no tree mask): row b attends to its first start_b + 1 keys.
+        self._n_keys = (start + 1).to(dev) if n_new == 1 and extra_mask is None else None  # [B]
         rope_pos = (slots_pos if positions is None else positions).to(dev)  # tree tokens share depths
         self.cos, self.sin = rope.tables(rope_pos)  # [B, T, D]
         self._cos_sin = self.cos[:, None], self.sin[:, None]  # [B, 1, T, D]: broadcast over heads
@@ -173,6 +175,8 @@ class PagedContext:
             else:
                 new_k, new_v = k.transpose(1, 2).reshape(r * t, kvh, d), v.transpose(1, 2).reshape(r * t, kvh, d)
             kernels.kv_write(store, write, k=new_k, v=new_v)
+            if self._n_keys is not None and self._gaps is None:
+                return kernels.decode_attention(store, q, keys, _take(self._n_keys, rows), self._mask(rows, slots))
             keys_k = kernels.kv_read(store, "k", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
             keys_v = kernels.kv_read(store, "v", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
         return kernels.attention(q, keys_k, keys_v, self._mask(rows, slots))

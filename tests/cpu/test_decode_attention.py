@@ -1,0 +1,177 @@
+"""The C decode-attention kernel (tinyloop/cpu): what it computes against the torch reference,
+that it reads only the keys it is given, and that the engine runs without it where it cannot be built."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine.test_engine import make_engine, req
+from tinyloop.cpu import kernels
+from tinyloop.cpu.backend import CPU
+from tinyloop.model.backend import TORCH
+from tinyloop.model.kvstore import KVStore
+from tinyloop.model.presets import PRESETS
+from tinyloop.requests import SamplingParams
+from tinyloop.vocabulary import KVMode
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels")
+BS = 8
+
+
+def pool(kv_heads: int, head_dim: int, mode: str | None = None, blocks: int = 128) -> KVStore:
+    heads = kv_heads * 4
+    cfg = PRESETS["tiny"].replace(heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden=heads * head_dim)
+    store = KVStore(KVMode.parse(mode), cfg, blocks * BS, BS, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(1)
+    for field in store.fields.values():
+        for t in field.tensors:
+            if t.dtype == torch.float32:
+                t.copy_(torch.randn(t.shape, generator=gen))
+    if mode is not None:  # a quantized store: write real values through it
+        rows = torch.arange(blocks * BS)
+        values = {name: torch.randn(blocks * BS, *((cfg.hidden,) if name == "h" else (kv_heads, head_dim)),
+                                    generator=gen) for name in store.fields}
+        store.write(rows, **values)
+    return store
+
+
+def key_rows(n_rows: int, length: int, blocks: int, seed: int = 0) -> torch.Tensor:
+    """Each row's keys in blocks scattered over the pool, as ``PagedContext`` lays them out."""
+    gen = torch.Generator().manual_seed(seed)
+    per_row = -(-length // BS)
+    tables = torch.randperm(blocks, generator=gen)[:n_rows * per_row].view(n_rows, per_row)
+    pos = torch.arange(length)
+    return tables[:, pos // BS] * BS + pos % BS  # [R, L]
+
+
+def mask_of(n_keys: torch.Tensor, length: int) -> torch.Tensor:
+    return (torch.arange(length)[None, :] < n_keys[:, None])[:, None, None, :]  # [R, 1, 1, L]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "q_heads", "kv_heads", "head_dim", "length"),
+                         [(1, 4, 4, 64, 1), (3, 4, 2, 64, 19), (16, 4, 2, 64, 40), (5, 8, 2, 96, 33),
+                          (2, 12, 4, 128, 70), (4, 6, 1, 32, 9)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_kernel_matches_the_torch_reference(rows: int, q_heads: int, kv_heads: int, head_dim: int,
+                                                length: int, masked: bool) -> None:
+    store = pool(kv_heads, head_dim)
+    keys = key_rows(rows, length, 128)
+    gen = torch.Generator().manual_seed(2)
+    n_keys = torch.randint(1, length + 1, (rows,), generator=gen) if masked else torch.full((rows,), length)
+    mask = mask_of(n_keys, length) if masked else None
+    q = torch.randn(rows, q_heads, 1, head_dim, generator=gen) * 2
+    got = CPU.decode_attention(store, q, keys, n_keys, mask)
+    want = TORCH.decode_attention(store, q, keys, n_keys, mask)
+    assert got.shape == want.shape == (rows, q_heads, 1, head_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_query_transposed_in_memory_is_read_as_its_values() -> None:
+    store = pool(2, 64)
+    keys = key_rows(3, 12, 64)
+    q = torch.randn(3, 1, 4, 64).transpose(1, 2)  # [R, HQ, 1, D] over [R, 1, HQ, D] memory, as a projection gives it
+    n_keys = torch.tensor([12, 5, 1])
+    torch.testing.assert_close(CPU.decode_attention(store, q, keys, n_keys, mask_of(n_keys, 12)),
+                               TORCH.decode_attention(store, q, keys, n_keys, mask_of(n_keys, 12)))
+
+
+@needs_kernel
+def test_keys_past_a_rows_count_are_never_read() -> None:
+    """The rows a shorter row's padding names may hold anything (NaN included): never read."""
+    store = pool(2, 64)
+    keys = key_rows(2, 16, 64)
+    n_keys = torch.tensor([16, 6])
+    q = torch.randn(2, 4, 1, 64)
+    want = CPU.decode_attention(store, q, keys, n_keys, None)
+    for field in store.fields.values():
+        field.tensors[0][keys[1, 6:]] = float("nan")
+    got = CPU.decode_attention(store, q, keys, n_keys, None)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["int4", "h-mode"])
+def test_other_pools_run_the_torch_reference(mode: str) -> None:
+    store = pool(2, 64, mode)
+    if store.mode.h_mode:  # no K and V fields: the contexts never call it; the backend would say so
+        with pytest.raises(KeyError):
+            CPU.decode_attention(store, torch.randn(1, 4, 1, 64), key_rows(1, 4, 64), torch.tensor([4]), None)
+        return
+    keys, n_keys = key_rows(2, 10, 64), torch.tensor([10, 3])
+    q = torch.randn(2, 8, 1, 64)
+    got = CPU.decode_attention(store, q, keys, n_keys, mask_of(n_keys, 10))
+    torch.testing.assert_close(got, TORCH.decode_attention(store, q, keys, n_keys, mask_of(n_keys, 10)), rtol=0, atol=0)
+
+
+REQS = [req(list(range(3 + 2 * i, 9 + 5 * i)), max_tokens=9, loops=1 + i % 3,
+            sampling=SamplingParams(temperature=0, ignore_eos=True)) for i in range(5)]
+
+
+@needs_kernel
+def test_the_engine_decodes_the_same_tokens_on_the_kernel_as_on_torch() -> None:
+    on, off = make_engine(max_seq_len=128, block_size=8), make_engine(max_seq_len=128, block_size=8, cpu_kernels=False)
+    assert on.model.backend.name == "cpu" and off.model.backend.name == "torch"
+    with_kernel, without = on.generate_many(REQS), off.generate_many(REQS)
+    assert [r.tokens for r in with_kernel] == [r.tokens for r in without]
+    assert on.kv_statistics().blocks_used == 0
+
+
+@pytest.fixture
+def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """The kernels as if never loaded, building into an empty cache; as before afterwards."""
+    saved = dict(kernels._state)
+    kernels._state.clear()
+    monkeypatch.setenv("TINYLOOP_CPU_CACHE", str(tmp_path))
+    yield tmp_path
+    kernels._state.clear()
+    kernels._state.update(saved)
+
+
+def test_without_a_compiler_the_engine_runs_on_torch(fresh_build: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
+    with pytest.raises(kernels.KernelUnavailable, match="no C compiler"):
+        kernels.load()
+    eng = make_engine(max_seq_len=64)
+    assert eng.model.backend.name == "torch"
+    assert eng.generate(REQS[0]).tokens
+    assert "CPU kernels unavailable" in caplog.text and "no C compiler" in caplog.text
+    assert not list(fresh_build.iterdir())
+
+
+def test_a_failed_build_says_why_and_is_not_retried(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "compiler", lambda: "false")  # a "compiler" that always fails
+    with pytest.raises(kernels.KernelUnavailable, match="could not build"):
+        kernels.load()
+    calls: list[object] = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a))
+    assert not kernels.available() and not calls  # the reason is kept
+    assert not list(fresh_build.iterdir())  # no half-built file left behind
+
+
+@needs_kernel
+def test_the_build_is_cached_by_source_and_compiler(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernels.load()
+    built = list(fresh_build.glob("*.so"))
+    assert len(built) == 1
+    kernels._state.clear()
+    real_run = subprocess.run
+    compiles: list[list[str]] = []
+
+    def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        if "--version" not in cmd:
+            compiles.append(cmd)
+        return real_run(cmd, **kw)  # type: ignore[call-overload, no-any-return]
+
+    monkeypatch.setattr(subprocess, "run", run)
+    kernels.load()  # the cached object: nothing compiles
+    assert not compiles and list(fresh_build.glob("*.so")) == built

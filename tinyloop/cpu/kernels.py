@@ -1,0 +1,139 @@
+"""This package's C kernels for the CPU: compiled with the system C compiler on first use, cached
+on disk, called through ``ctypes`` (which releases the GIL for the call).
+
+Optional by design: the default install needs no compiler. ``load()`` returns None, and says
+why once in the log, where there is no C compiler or the source does not build; the callers
+(``backend.CpuBackend``) then run the torch reference. A build is a few tenths of a second
+(plain C, no torch headers) and happens once per source, compiler, flags and CPU: the shared
+object is kept under ``cache_dir()`` in a file named by the SHA-256 of those, so a changed
+source, another compiler or another CPU (``-march=native``) builds afresh.
+
+``TINYLOOP_CC`` names the compiler (else ``$CC``, else ``cc``, ``gcc`` or ``clang`` on the PATH).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention"]
+
+log = logging.getLogger("tinyloop.cpu")
+
+SOURCE = Path(__file__).resolve().parent / "decode_attention.c"
+# -march=native: the host's vector units (AVX-512 here); the cache key holds the CPU's flags.
+# -fopenmp-simd: the `omp simd` reductions vectorise without -ffast-math (same IEEE maths).
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC")
+_lock = threading.Lock()
+_state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernels cannot be built or loaded here (no compiler, a failed build)."""
+
+
+def cache_dir() -> Path:
+    """``TINYLOOP_CPU_CACHE``, else ``$XDG_CACHE_HOME/tinyloop/cpu`` (``~/.cache/...``)."""
+    if os.environ.get("TINYLOOP_CPU_CACHE"):
+        return Path(os.environ["TINYLOOP_CPU_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "tinyloop" / "cpu"
+
+
+def compiler() -> str | None:
+    """The C compiler to build with, or None where there is none."""
+    for name in (os.environ.get("TINYLOOP_CC"), os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_flags()]).encode()).hexdigest()
+    target = cache_dir() / f"decode_attention-{key[:24]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # built aside, then renamed: atomic
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise KernelUnavailable(f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load() -> ctypes.CDLL:
+    """The built library (built on the first call); raises KernelUnavailable, with the reason,
+    where it cannot be (the reason is kept: later calls raise it again without retrying)."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        if "error" in _state:
+            raise KernelUnavailable(str(_state["error"]))
+        try:
+            cc = compiler()
+            if cc is None:
+                raise KernelUnavailable("no C compiler (cc, gcc or clang; or set TINYLOOP_CC)")
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (KernelUnavailable, OSError) as exc:
+            _state["error"] = str(exc)
+            log.warning("CPU kernels unavailable, attention runs on torch ops: %s", exc)
+            raise KernelUnavailable(str(exc)) from exc
+        fn = lib.tl_decode_attention
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+        _state["lib"] = lib
+        return lib
+
+
+def available() -> bool:
+    """Whether ``load()`` succeeds (building on the first call)."""
+    try:
+        load()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                     n_keys: torch.Tensor) -> torch.Tensor:
+    """One query token per row over keys read in place from the pool (``decode_attention.c``).
+
+    q ``[R, HQ, D]``, k and v ``[N, KVH, D]`` (the pool), float32 and contiguous; rows ``[R, L]``
+    and n_keys ``[R]`` int64 on the CPU: row r attends to the pool rows ``rows[r, :n_keys[r]]``.
+    Returns ``[R, HQ, D]``. The caller checks shapes and types (``CpuBackend``).
+    """
+    r, hq, d = q.shape
+    kvh = k.shape[1]
+    out = torch.empty_like(q)
+    code = load().tl_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), rows.data_ptr(), n_keys.data_ptr(),
+                                      out.data_ptr(), r, hq, kvh, d, rows.shape[1], d ** -0.5)
+    if code:
+        raise MemoryError("decode attention could not allocate its scores")
+    return out
