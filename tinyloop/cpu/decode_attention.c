@@ -17,12 +17,21 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Keys live in blocks of consecutive rows scattered over the pool: the rows a few keys ahead are
+ * fetched whole (each row is KVH * D floats, several cache lines), which the hardware prefetcher
+ * does not do across blocks. */
+#define AHEAD 8
+static inline void prefetch_row(const float *row, int64_t width) {
+    for (int64_t i = 0; i < width; i += 16) __builtin_prefetch(row + i);
+}
+
 int tl_decode_attention(const float *q, const float *k, const float *v, const int64_t *rows,
                         const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH,
                         int64_t D, int64_t L, float scale) {
-    const int64_t G = HQ / KVH, width = KVH * D;  /* a pool row: every KV head's D values */
-    float *scores = malloc(sizeof(float) * (size_t)(HQ * L));  /* [HQ, L] */
+    const int64_t G = HQ / KVH, width = KVH * D;
+    float *scores = malloc(sizeof(float) * (size_t)(HQ * L + HQ));  /* [HQ, L], then 1 / sum per head */
     if (scores == NULL) return 1;
+    float *inv = scores + HQ * L;
     for (int64_t r = 0; r < R; ++r) {
         const int64_t n = n_keys[r];
         const int64_t *key_rows = rows + r * L;
@@ -31,16 +40,19 @@ int tl_decode_attention(const float *q, const float *k, const float *v, const in
         /* scores: one pass over the keys' K rows, every head of a key while its row is in cache */
         for (int64_t j = 0; j < n; ++j) {
             const float *kj = k + key_rows[j] * width;
-            if (j + 4 < n) __builtin_prefetch(k + key_rows[j + 4] * width);
-            for (int64_t hq = 0; hq < HQ; ++hq) {
-                const float *qh = qr + hq * D, *kh = kj + (hq / G) * D;
-                float s = 0.0f;
+            if (j + AHEAD < n) prefetch_row(k + key_rows[j + AHEAD] * width, width);
+            for (int64_t h = 0, hq = 0; h < KVH; ++h) {
+                const float *kh = kj + h * D;
+                for (int64_t g = 0; g < G; ++g, ++hq) {
+                    const float *qh = qr + hq * D;
+                    float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-                scores[hq * L + j] = s * scale;
+                    for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+                    scores[hq * L + j] = s * scale;
+                }
             }
         }
-        for (int64_t hq = 0; hq < HQ; ++hq) {  /* softmax per query head, float32, max first */
+        for (int64_t hq = 0; hq < HQ; ++hq) {  /* softmax per query head: float32, max first */
             float *sh = scores + hq * L;
             float top = -INFINITY, total = 0.0f;
             for (int64_t j = 0; j < n; ++j) top = sh[j] > top ? sh[j] : top;
@@ -48,21 +60,25 @@ int tl_decode_attention(const float *q, const float *k, const float *v, const in
                 sh[j] = expf(sh[j] - top);
                 total += sh[j];
             }
-            const float inv = 1.0f / total;
-            for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
+            inv[hq] = 1.0f / total;
         }
+        /* the weighted sum: one pass over the keys' V rows, normalised at the end */
         for (int64_t i = 0; i < HQ * D; ++i) out_r[i] = 0.0f;
-        /* the weighted sum: one pass over the keys' V rows */
         for (int64_t j = 0; j < n; ++j) {
             const float *vj = v + key_rows[j] * width;
-            if (j + 4 < n) __builtin_prefetch(v + key_rows[j + 4] * width);
-            for (int64_t hq = 0; hq < HQ; ++hq) {
-                const float p = scores[hq * L + j], *vh = vj + (hq / G) * D;
-                float *oh = out_r + hq * D;
+            if (j + AHEAD < n) prefetch_row(v + key_rows[j + AHEAD] * width, width);
+            for (int64_t h = 0, hq = 0; h < KVH; ++h) {
+                const float *vh = vj + h * D;
+                for (int64_t g = 0; g < G; ++g, ++hq) {
+                    const float p = scores[hq * L + j];
+                    float *oh = out_r + hq * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
+                    for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
+                }
             }
         }
+        for (int64_t hq = 0; hq < HQ; ++hq)
+            for (int64_t d = 0; d < D; ++d) out_r[hq * D + d] *= inv[hq];
     }
     free(scores);
     return 0;
