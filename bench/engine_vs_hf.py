@@ -168,6 +168,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per timing, ours and HF in turn; the fastest counts")
     ap.add_argument("--copy-mb", type=int, default=512, help="tensor size for the copy bandwidth")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                    help="decode attention on torch ops, not the C kernel (TINYLOOP_CPU_KERNELS=0)")
     ap.add_argument("--weights", nargs="*", default=["int8", "int4"], choices=["int8", "int4"],
                     help="weight-only quantised rows at batch 1 (none: --weights)")
     args = ap.parse_args()
@@ -197,9 +199,10 @@ def main() -> None:
     model = init_model(config, seed=0)
     # Prefix caching off: every repeat reuses the prompt, and HF prefills it every time too.
     engine = Engine(model, tokenizer, max_seq_len=args.prompt + args.tokens + 8, kv_cache_mb=512,
-                    prefix_caching=False)
+                    prefix_caching=False, cpu_kernels=args.cpu_kernels)
     quant_engines = {mode: Engine(init_model(config, seed=0), tokenizer, max_seq_len=args.prompt + args.tokens + 8,
-                                  kv_cache_mb=256, prefix_caching=False, weights=mode)
+                                  kv_cache_mb=256, prefix_caching=False, weights=mode,
+                                  cpu_kernels=args.cpu_kernels)
                      for mode in args.weights if quant_available(mode)}
     quant_rows: list[str] = []
     gen = torch.Generator().manual_seed(0)

@@ -3,11 +3,11 @@
     python bench/run_all.py [--quick] [--only overhead batching ...] [--threads N]
                             [--output bench/RESULTS.md] [--timeout 1800]
 
-Runs ``overhead``, ``engine_vs_hf``, ``batching``, ``kv_modes``, ``speculative``, ``prefix``
-and ``demo_model`` one after another (each in its own process, with this interpreter), echoes their
-output, and appends one section to ``--output``: date, commit, machine (nproc, CPU model,
-RAM, torch version and threads, Python, transformers) and each benchmark's command, wall time,
-exit status and output.
+Runs ``overhead``, ``engine_vs_hf``, ``batching``, ``kv_modes``, ``speculative``, ``prefix``,
+``demo_model``, ``multi_engine`` and ``decode_attention`` one after another (each in its own
+process, with this interpreter), echoes their output, and appends one section to ``--output``:
+date, commit, machine (nproc, CPU model, RAM, torch version and threads, Python, transformers)
+and each benchmark's command, wall time, exit status and output.
 
 ``--quick`` runs the smoke sizes (seconds each) to prove every script works. A smoke run
 writes nothing unless ``--output`` is given explicitly, so RESULTS.md only ever holds full runs;
@@ -45,6 +45,7 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
                     "--spec-tokens", "8"], [], True),
     # its own --threads is the one-engine configuration's; the engines get one each
     "multi_engine": (["--quick", "--repeat", "1"], ["--repeat", "3"], False),
+    "decode_attention": (["--rows", "2", "--keys", "16", "--repeat", "3"], [], False),  # one thread itself
 }
 
 

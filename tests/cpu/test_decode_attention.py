@@ -4,6 +4,7 @@ that it reads only the keys it is given, and that the engine runs without it whe
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -175,3 +176,12 @@ def test_the_build_is_cached_by_source_and_compiler(fresh_build: Path, monkeypat
     monkeypatch.setattr(subprocess, "run", run)
     kernels.load()  # the cached object: nothing compiles
     assert not compiles and list(fresh_build.glob("*.so")) == built
+
+
+@needs_kernel
+def test_the_benchmark_runs_and_prints_its_table() -> None:
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "bench" / "decode_attention.py"), "--rows", "2", "--keys", "16",
+                          "--repeat", "2", "--pool-mb", "4"], capture_output=True, text=True, timeout=120, check=True)
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:2] == ["2", "16"]]
+    assert [r[2] for r in rows] == ["equal", "mixed"] and all(float(r[-1]) < 1e-5 for r in rows)
