@@ -30,3 +30,20 @@ def test_engine_on_cuda_generates_the_cpu_tokens() -> None:
     reqs = [req(list(range(20, 30)), max_tokens=8, loops=n, sampling=greedy) for n in (1, 3)]
     reqs.append(req(list(range(20, 30)), max_tokens=8, mode="speculative", loops=3, sampling=greedy))
     assert [r.tokens for r in gpu.generate_many(reqs)] == [r.tokens for r in cpu.generate_many(reqs)]
+
+
+def test_engine_on_the_cuda_backend_generates_the_cpu_tokens() -> None:
+    """The kernels wired into the model (RMSNorm, RoPE, paged decode attention) in a whole engine."""
+    from tests.engine.test_device import make_engine
+    from tests.engine.test_engine import req
+    from tinyloop.cuda.backend import CudaBackend
+    from tinyloop.engine.engine import Engine
+    from tinyloop.requests import SamplingParams
+
+    cpu = make_engine("full")
+    gpu = Engine(make_engine("full").model.to("cuda"), cpu.tokenizer, max_seq_len=128, block_size=8)
+    gpu.model.use_backend(CudaBackend())
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    reqs = [req(list(range(20, 20 + n)), max_tokens=8, loops=loops, sampling=greedy)
+            for n, loops in ((10, 1), (3, 3), (17, 2))]
+    assert [r.tokens for r in gpu.generate_many(reqs)] == [r.tokens for r in cpu.generate_many(reqs)]

@@ -131,11 +131,11 @@ def test_parity_cases_run_on_references_without_a_gpu() -> None:
     """The dry run's path: every case's inputs, references, geometry and comparison (fp32 only
     and the smaller cases here; ``bench/gpu_check.py --dry-run`` runs them all)."""
     cases = parity.cases()
-    assert {c.name.split()[0] for c in cases} == {"rmsnorm", "rope", "swiglu", "paged"}
+    assert {c.name.split()[0] for c in cases} == {"rmsnorm", "rope", "swiglu", "paged", "backend"}
     for case in cases:
         case.geometry()
     quick = [c for c in cases if "5280" not in c.name and "17920" not in c.name and "2048" not in c.name]
-    for case in quick[::3]:
+    for case in quick[::3] + [c for c in cases if c.name.startswith("backend")]:
         result = parity.run_case(case, torch.device("cpu"), torch.float32, kernel=False)
         assert result.ok and result.max_err == 0.0, result
 

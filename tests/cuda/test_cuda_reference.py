@@ -121,6 +121,13 @@ def test_paged_decode_ref_matches_the_paged_context(gaps: bool) -> None:
     got = ref.paged_decode_ref(q[:, :, 0], store["k"].data, store["v"].data,  # type: ignore[union-attr]
                                tables, seq_lens, bs, written, depth)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    keys = ctx._flat_index(None, slots)[1]  # [R, L]: the pool rows Backend.decode_attention is handed
+    from_rows = ref.tables_of(keys, bs)  # what CudaBackend gives the kernel
+    assert torch.equal(from_rows, tables[:, :from_rows.shape[1]])
+    if not gaps:
+        again = ref.paged_decode_ref(q[:, :, 0], store["k"].data, store["v"].data,  # type: ignore[union-attr]
+                                     from_rows, seq_lens, bs)
+        torch.testing.assert_close(again, want, rtol=1e-6, atol=1e-6)
     if gaps:  # the gaps changed what row 1 sees
         plain = ref.paged_decode_ref(q[:, :, 0], store["k"].data, store["v"].data,  # type: ignore[union-attr]
                                      tables, seq_lens, bs)

@@ -1,9 +1,10 @@
 """``CudaBackend``: the model's ``Backend`` seam (``tinyloop/model/backend.py``) on the kernels.
 
 What is wired today: RMSNorm (both reference orders) and RoPE run on this package's kernels;
-KV writes and reads and attention stay with the torch reference, decode attention included
-(``decode_attention`` gets the pool rows of every key from the context, what the paged decode
-kernel needs to read the pool in place: not wired yet). Any call
+decode attention over a pool that stores K and V in the model's dtype runs on the paged decode
+kernel (``decode_attention``: the pool read in place, through the block tables behind the rows
+the context hands it, ``reference.tables_of``). KV writes, the other reads and prefill's
+attention stay with the torch reference. Any call
 the kernels do not cover (a dtype without a kernel, a tensor off CUDA) falls back to torch.
 
     model.use_backend(CudaBackend())   # after model.to("cuda")
@@ -14,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from tinyloop.cuda import kernels
+from tinyloop.cuda.reference import tables_of
 from tinyloop.model.backend import TorchBackend
+from tinyloop.model.kvstore import KVStore, PlainBuffer
 
 __all__ = ["CudaBackend"]
 
@@ -44,3 +47,14 @@ class CudaBackend(TorchBackend):
         y = x.transpose(1, 2).contiguous()  # [R, T, H, D]
         kernels.rope_(y.view(r * t, h, d), None, cos.reshape(r * t, d), sin.reshape(r * t, d), style)
         return y.transpose(1, 2)
+
+    def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+        k, v = store.fields.get("k"), store.fields.get("v")
+        if (not isinstance(k, PlainBuffer) or not isinstance(v, PlainBuffer) or not _covered(q)
+                or k.data.dtype != q.dtype):
+            return super().decode_attention(store, q, rows, n_keys, mask)
+        r, hq, _, d = q.shape
+        out = kernels.paged_decode_attention(q[:, :, 0], k.data, v.data, tables_of(rows, store.block_size), n_keys,
+                                             store.block_size)
+        return out.view(r, hq, 1, d)

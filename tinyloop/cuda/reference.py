@@ -15,7 +15,7 @@ from tinyloop.model.backend import TORCH
 from tinyloop.model.context import PagedContext
 
 __all__ = ["STYLE_MODES", "rms_norm_ref", "residual_rmsnorm_ref", "rope_ref", "swiglu_ref",
-           "paged_decode_ref", "decode_index"]
+           "paged_decode_ref", "tables_of", "decode_index"]
 
 # Block style -> rmsnorm.cu mode: pre_ln 0 (x + a), peri_ln / post_ln 1 (x + N(a)), sandwich 2.
 STYLE_MODES = {"pre_ln": 0, "peri_ln": 1, "post_ln": 1, "sandwich": 2}
@@ -87,6 +87,13 @@ def paged_decode_ref(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
         mask = mask & (written[:, :length] > depth[:, None])
     out = TORCH.attention(q[:, :, None], k, v, mask[:, None, None, :])  # [R, Hq, 1, D]
     return out[:, :, 0]
+
+
+def tables_of(rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The block tables ``[R, ceil(L / block_size)]`` behind pool rows ``[R, L]`` laid out as
+    ``PagedContext`` lays a slot's keys out (key p of a row at ``table[p // bs] * bs + p % bs``):
+    what ``Backend.decode_attention`` is handed, in the form ``paged_attention.cu`` reads."""
+    return rows[:, ::block_size] // block_size
 
 
 def decode_index(ctx: PagedContext, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
