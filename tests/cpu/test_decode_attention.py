@@ -185,3 +185,14 @@ def test_the_benchmark_runs_and_prints_its_table() -> None:
                           "--repeat", "2", "--pool-mb", "4"], capture_output=True, text=True, timeout=120, check=True)
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:2] == ["2", "16"]]
     assert [r[2] for r in rows] == ["equal", "mixed"] and all(float(r[-1]) < 1e-5 for r in rows)
+
+
+@needs_kernel
+def test_a_cache_that_cannot_be_written_builds_for_this_process(fresh_build: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    blocked = fresh_build / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("TINYLOOP_CPU_CACHE", str(blocked / "cpu"))  # under a file: mkdir fails
+    assert kernels.available()
+    eng = make_engine(max_seq_len=64)
+    assert eng.model.backend.name == "cpu" and eng.generate(REQS[0]).tokens

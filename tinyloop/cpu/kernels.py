@@ -46,7 +46,10 @@ def cache_dir() -> Path:
     """``TINYLOOP_CPU_CACHE``, else ``$XDG_CACHE_HOME/tinyloop/cpu`` (``~/.cache/...``)."""
     if os.environ.get("TINYLOOP_CPU_CACHE"):
         return Path(os.environ["TINYLOOP_CPU_CACHE"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    try:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no home directory to find
+        base = Path(tempfile.gettempdir())
     return base / "tinyloop" / "cpu"
 
 
@@ -74,7 +77,10 @@ def _build(cc: str) -> Path:
     target = cache_dir() / f"decode_attention-{key[:24]}.so"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only cache: build for this process alone
+        target = Path(tempfile.mkdtemp(prefix="tinyloop-cpu-")) / target.name
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # built aside, then renamed: atomic
     os.close(fd)
     try:
