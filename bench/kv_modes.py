@@ -58,7 +58,8 @@ def measured_bytes_per_token(config: ModelConfig, mode: str, dtype: torch.dtype,
     pool = KVPool(config, slots * (SEQ_LEN // BLOCK), BLOCK, dtype=dtype, mode=mode)
     SeqKV(pool, slots).reserve(SEQ_LEN)
     assert pool.free_blocks == 0
-    measured = pool.store.nbytes // SEQ_LEN
+    null_block = pool.store.nbytes // (pool.num_blocks + 1)  # the pool's padding block, no token's
+    measured = (pool.store.nbytes - null_block) // SEQ_LEN
     elem = torch.empty((), dtype=dtype).element_size()
     assert measured == KVMode.parse(mode).bytes_per_token(config, loops, window, elem)
     return measured
@@ -126,30 +127,31 @@ def greedy(engine: Engine, prompt: list[int], n: int, loops: int) -> list[int]:
     return engine.generate(req).tokens
 
 
-def fidelity_table(n_tokens: int, tps_tokens: int) -> None:
+def fidelity_table(n_tokens: int, tps_tokens: int, cpu_kernels: bool = True) -> None:
     tok = default_tokenizer()
     small = init_model(PRESETS["small"], seed=0)
     big = init_model(PRESETS["base100m"], seed=0)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 4096, (32,), generator=gen).tolist()
     loops = PRESETS["small"].default_loops
-    ref_engine = Engine(small, tok, kv_cache_mb=64, block_size=BLOCK)
+    ref_engine = Engine(small, tok, kv_cache_mb=64, block_size=BLOCK, cpu_kernels=cpu_kernels)
     ref_tokens = greedy(ref_engine, prompt, n_tokens, loops)
     ref = forced(ref_engine, prompt, ref_tokens, loops)
     big_prompt = torch.randint(0, 32768, (128,), generator=gen).tolist()
     print(f"\nFidelity vs full-precision (float32, full) greedy decoding, small preset, random init, "
-          f"loops {loops}, {n_tokens} tokens after a 32-token prompt; decode speed, one sequence")
+          f"loops {loops}, {n_tokens} tokens after a 32-token prompt; decode speed, one sequence; "
+          f"decode attention {ref_engine.model.backend.name}")
     print(f"{'mode':<22} {'top-1 agree':>11} {'same greedy':>11} {'max |dlogit|':>12} "
           f"{'logit std':>9} {'tok/s small':>11} {'tok/s base100m':>14}")
     for mode in DECODE_MODES:
-        engine = Engine(small, tok, kv_cache_mb=64, block_size=BLOCK, kv_mode=mode)
+        engine = Engine(small, tok, kv_cache_mb=64, block_size=BLOCK, kv_mode=mode, cpu_kernels=cpu_kernels)
         run = forced(engine, prompt, ref_tokens, loops)
         agree = sum(a == b for a, b in zip(run.top1, ref.top1)) / len(ref.top1)
         own = greedy(engine, prompt, n_tokens, loops)
         same = next((i for i, (a, b) in enumerate(zip(own, ref_tokens)) if a != b), n_tokens)
         diff = float((run.logits - ref.logits).abs().max())
         tps_small = run.tokens_per_s
-        big_engine = Engine(big, tok, kv_cache_mb=256, block_size=BLOCK, kv_mode=mode)
+        big_engine = Engine(big, tok, kv_cache_mb=256, block_size=BLOCK, kv_mode=mode, cpu_kernels=cpu_kernels)
         big_run = forced(big_engine, big_prompt, big_prompt[:tps_tokens + 1], big.config.default_loops)
         tps_big = big_run.tokens_per_s
         print(f"{mode:<22} {agree:>11.1%} {same:>7}/{n_tokens:<3} {diff:>12.4f} "
@@ -161,13 +163,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens for fidelity")
     parser.add_argument("--tps-tokens", type=int, default=16, help="decode steps timed on base100m")
+    parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                        help="decode attention on torch ops, not the C kernel (TINYLOOP_CPU_KERNELS=0)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     with torch.inference_mode():
         bytes_table(PRESETS["base100m"])
-        fidelity_table(args.tokens, args.tps_tokens)
+        fidelity_table(args.tokens, args.tps_tokens, args.cpu_kernels)
     print(f"\n({time.perf_counter() - t0:.0f} s, {torch.get_num_threads()} torch threads)")
 
 

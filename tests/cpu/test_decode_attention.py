@@ -100,17 +100,29 @@ def test_keys_past_a_rows_count_are_never_read() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("mode", ["int4", "h-mode"])
-def test_other_pools_run_the_torch_reference(mode: str) -> None:
-    store = pool(2, 64, mode)
-    if store.mode.h_mode:  # no K and V fields: the contexts never call it; the backend would say so
-        with pytest.raises(KeyError):
-            CPU.decode_attention(store, torch.randn(1, 4, 1, 64), key_rows(1, 4, 64), torch.tensor([4]), None)
-        return
-    keys, n_keys = key_rows(2, 10, 64), torch.tensor([10, 3])
-    q = torch.randn(2, 8, 1, 64)
-    got = CPU.decode_attention(store, q, keys, n_keys, mask_of(n_keys, 10))
-    torch.testing.assert_close(got, TORCH.decode_attention(store, q, keys, n_keys, mask_of(n_keys, 10)), rtol=0, atol=0)
+@needs_kernel
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim", "group"),
+                         [(4, 2, 64, 32), (8, 2, 64, 64), (12, 4, 96, 32)])
+def test_a_4bit_pool_is_dequantized_as_torch_dequantizes_it(q_heads: int, kv_heads: int, head_dim: int,
+                                                            group: int) -> None:
+    cfg = PRESETS["tiny"].replace(heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, hidden=q_heads * head_dim)
+    store = KVStore(KVMode(int4=True, group_size=group), cfg, 128 * BS, BS, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    every = torch.arange(128 * BS)
+    store.write(every, k=torch.randn(128 * BS, kv_heads, head_dim, generator=gen) * 3,
+                v=torch.randn(128 * BS, kv_heads, head_dim, generator=gen))
+    keys, n_keys = key_rows(3, 37, 128), torch.tensor([37, 20, 1])
+    q = torch.randn(3, q_heads, 1, head_dim, generator=gen)
+    got = CPU.decode_attention(store, q, keys, n_keys, mask_of(n_keys, 37))
+    torch.testing.assert_close(got, TORCH.decode_attention(store, q, keys, n_keys, mask_of(n_keys, 37)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_an_h_mode_pool_has_no_k_and_v_to_read() -> None:
+    """The contexts never call it for h-mode (they recompute K and V from h); the backend says so."""
+    store = pool(2, 64, "h-mode")
+    with pytest.raises(KeyError):
+        CPU.decode_attention(store, torch.randn(1, 4, 1, 64), key_rows(1, 4, 128), torch.tensor([4]), None)
 
 
 REQS = [req(list(range(3 + 2 * i, 9 + 5 * i)), max_tokens=9, loops=1 + i % 3,
@@ -118,8 +130,10 @@ REQS = [req(list(range(3 + 2 * i, 9 + 5 * i)), max_tokens=9, loops=1 + i % 3,
 
 
 @needs_kernel
-def test_the_engine_decodes_the_same_tokens_on_the_kernel_as_on_torch() -> None:
-    on, off = make_engine(max_seq_len=128, block_size=8), make_engine(max_seq_len=128, block_size=8, cpu_kernels=False)
+@pytest.mark.parametrize("kv_mode", ["full", "int4"])
+def test_the_engine_decodes_the_same_tokens_on_the_kernel_as_on_torch(kv_mode: str) -> None:
+    on = make_engine(max_seq_len=128, block_size=8, kv_mode=kv_mode)
+    off = make_engine(max_seq_len=128, block_size=8, kv_mode=kv_mode, cpu_kernels=False)
     assert on.model.backend.name == "cpu" and off.model.backend.name == "torch"
     with_kernel, without = on.generate_many(REQS), off.generate_many(REQS)
     assert [r.tokens for r in with_kernel] == [r.tokens for r in without]

@@ -7,7 +7,8 @@ ago are cold by then (the step streams the weights through the cache in between)
 the gathers and SDPA cost about as much as the rest of the step's work outside the matrix
 products, and more as the context grows. The kernel reads each key's K and V once, in place.
 
-It covers a float32 full-mode pool on the CPU; any other call (int4 or h-mode, another dtype,
+It covers a pool that stores K and V on the CPU for a float32 model: in float32 (full mode) or
+4-bit (int4 mode, dequantized row by row as it is read); any other call (h-mode, another dtype,
 a kernel that cannot be built here) runs the torch reference.
 
     use_cpu_kernels(model)   # what ``Engine`` does for a CPU model (``cpu_kernels=True``)
@@ -19,7 +20,7 @@ import torch
 
 from tinyloop.cpu import kernels
 from tinyloop.model.backend import TorchBackend
-from tinyloop.model.kvstore import KVStore, PlainBuffer
+from tinyloop.model.kvstore import Int4Buffer, KVStore, PlainBuffer
 from tinyloop.model.looped import LoopedLM
 
 __all__ = ["CpuBackend", "CPU", "use_cpu_kernels"]
@@ -31,12 +32,16 @@ class CpuBackend(TorchBackend):
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:
         k, v = store.fields.get("k"), store.fields.get("v")
-        if (not isinstance(k, PlainBuffer) or not isinstance(v, PlainBuffer) or q.device.type != "cpu"
-                or q.dtype != torch.float32 or k.data.dtype != torch.float32):
+        if q.device.type != "cpu" or q.dtype != torch.float32:
             return super().decode_attention(store, q, rows, n_keys, mask)
         r, hq, _, d = q.shape
-        out = kernels.decode_attention(q.reshape(r, hq, d).contiguous(), k.data, v.data, rows.contiguous(),
-                                       n_keys.contiguous())
+        q3, rows, n_keys = q.reshape(r, hq, d).contiguous(), rows.contiguous(), n_keys.contiguous()
+        if isinstance(k, PlainBuffer) and isinstance(v, PlainBuffer) and k.data.dtype == torch.float32:
+            out = kernels.decode_attention(q3, k.data, v.data, rows, n_keys)
+        elif isinstance(k, Int4Buffer) and isinstance(v, Int4Buffer) and k.meta.dtype == torch.float16:
+            out = kernels.decode_attention_int4(q3, (k.codes, k.meta), (v.codes, v.meta), rows, n_keys, k.group)
+        else:
+            return super().decode_attention(store, q, rows, n_keys, mask)
         return out.view(r, hq, 1, d)
 
 

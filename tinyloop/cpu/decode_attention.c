@@ -2,36 +2,87 @@
  * the keys its row's pool rows name, with no gathered copy of K and V.
  *
  *   q      [R, HQ, D]    float32, the rows' queries (RoPE applied)
- *   k, v   [N, KVH, D]   float32, the pool's K and V (row n at n * KVH * D)
+ *   k, v   the pool's K and V, row n holding every KV head's D values (width = KVH * D):
+ *            float32 [N, width], or 4-bit (``kvstore.Int4Buffer``): codes uint8 [N, width / 2]
+ *            (even index in the low nibble) and per group of `group` values an fp16 (scale,
+ *            minimum) pair [N, width / group, 2], value = code * scale + minimum
  *   rows   [R, L]        int64, the pool row of each key of each row
  *   n_keys [R]           int64, how many of its L keys each row attends (the first n_keys)
  *   out    [R, HQ, D]    float32
  *
  * Grouped-query attention: query head h reads KV head h / (HQ / KVH). For each row, every
  * head's scores are computed in one pass over the keys' K rows, softmaxed, and the weighted sums
- * taken in one pass over their V rows: each key's K and V are read once, whole. The softmax is
- * float32 as torch's reference computes it (max subtracted first); only the order of the sums
- * differs from it. Single-threaded: the caller runs it on its own thread (the GIL released).
+ * taken in one pass over their V rows: each key's K and V are read once, whole (a 4-bit row is
+ * dequantized into a scratch row first, with torch's rounding: the product, then the sum). The
+ * softmax is float32 as torch's reference computes it (max subtracted first); only the order of
+ * the sums differs from it. Single-threaded: the caller runs it on its own thread.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 /* Keys live in blocks of consecutive rows scattered over the pool: the rows a few keys ahead are
- * fetched whole (each row is KVH * D floats, several cache lines), which the hardware prefetcher
- * does not do across blocks. */
+ * fetched whole (several cache lines each), which the hardware prefetcher does not do across
+ * blocks. */
 #define AHEAD 8
-static inline void prefetch_row(const float *row, int64_t width) {
-    for (int64_t i = 0; i < width; i += 16) __builtin_prefetch(row + i);
+
+typedef struct {
+    const float *plain;    /* float32 rows, or NULL for 4-bit ones */
+    const uint8_t *codes;  /* 4-bit: codes and (scale, minimum) pairs */
+    const uint16_t *meta;
+    int64_t width, group;
+} field_t;
+
+static inline void prefetch(const void *start, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)start + i);
 }
 
-int tl_decode_attention(const float *q, const float *k, const float *v, const int64_t *rows,
-                        const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH,
-                        int64_t D, int64_t L, float scale) {
-    const int64_t G = HQ / KVH, width = KVH * D;
-    float *scores = malloc(sizeof(float) * (size_t)(HQ * L + HQ));  /* [HQ, L], then 1 / sum per head */
+static inline void prefetch_row(const field_t *f, int64_t row) {
+    if (f->plain != NULL) {
+        prefetch(f->plain + row * f->width, f->width * 4);
+    } else {
+        prefetch(f->codes + row * (f->width / 2), f->width / 2);
+        prefetch(f->meta + row * (f->width / f->group) * 2, f->width / f->group * 4);
+    }
+}
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    union { uint32_t u; float f; } bits;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
+        const float magnitude = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -magnitude : magnitude;
+    }
+    bits.u = sign | (exponent == 31 ? 0x7f800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13));
+    return bits.f;
+}
+
+/* Row `row` of field `f` as floats: the pool's own memory, or `scratch` dequantized. */
+static inline const float *row_of(const field_t *f, int64_t row, float *scratch) {
+    if (f->plain != NULL) return f->plain + row * f->width;
+    const uint8_t *codes = f->codes + row * (f->width / 2);
+    const uint16_t *meta = f->meta + row * (f->width / f->group) * 2;
+#pragma omp simd
+    for (int64_t i = 0; i < f->width / 2; ++i) {
+        scratch[2 * i] = (float)(codes[i] & 15u);
+        scratch[2 * i + 1] = (float)(codes[i] >> 4);
+    }
+    for (int64_t g = 0; g < f->width / f->group; ++g) {
+        const float s = half_to_float(meta[2 * g]), minimum = half_to_float(meta[2 * g + 1]);
+        float *x = scratch + g * f->group;
+        for (int64_t i = 0; i < f->group; ++i) x[i] *= s; /* two loops: rounded as torch rounds */
+        for (int64_t i = 0; i < f->group; ++i) x[i] += minimum;
+    }
+    return scratch;
+}
+
+static int attend(const float *q, const field_t *k, const field_t *v, const int64_t *rows, const int64_t *n_keys,
+                  float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L, float scale) {
+    const int64_t G = HQ / KVH;
+    /* [HQ, L] scores, then 1 / sum per head, then a scratch row for a 4-bit key */
+    float *scores = malloc(sizeof(float) * (size_t)(HQ * L + HQ + k->width));
     if (scores == NULL) return 1;
-    float *inv = scores + HQ * L;
+    float *inv = scores + HQ * L, *scratch = inv + HQ;
     for (int64_t r = 0; r < R; ++r) {
         const int64_t n = n_keys[r];
         const int64_t *key_rows = rows + r * L;
@@ -39,8 +90,8 @@ int tl_decode_attention(const float *q, const float *k, const float *v, const in
         float *out_r = out + r * HQ * D;
         /* scores: one pass over the keys' K rows, every head of a key while its row is in cache */
         for (int64_t j = 0; j < n; ++j) {
-            const float *kj = k + key_rows[j] * width;
-            if (j + AHEAD < n) prefetch_row(k + key_rows[j + AHEAD] * width, width);
+            if (j + AHEAD < n) prefetch_row(k, key_rows[j + AHEAD]);
+            const float *kj = row_of(k, key_rows[j], scratch);
             for (int64_t h = 0, hq = 0; h < KVH; ++h) {
                 const float *kh = kj + h * D;
                 for (int64_t g = 0; g < G; ++g, ++hq) {
@@ -52,7 +103,7 @@ int tl_decode_attention(const float *q, const float *k, const float *v, const in
                 }
             }
         }
-        for (int64_t hq = 0; hq < HQ; ++hq) {  /* softmax per query head: float32, max first */
+        for (int64_t hq = 0; hq < HQ; ++hq) { /* softmax per query head: float32, max first */
             float *sh = scores + hq * L;
             float top = -INFINITY, total = 0.0f;
             for (int64_t j = 0; j < n; ++j) top = sh[j] > top ? sh[j] : top;
@@ -65,8 +116,8 @@ int tl_decode_attention(const float *q, const float *k, const float *v, const in
         /* the weighted sum: one pass over the keys' V rows, normalised at the end */
         for (int64_t i = 0; i < HQ * D; ++i) out_r[i] = 0.0f;
         for (int64_t j = 0; j < n; ++j) {
-            const float *vj = v + key_rows[j] * width;
-            if (j + AHEAD < n) prefetch_row(v + key_rows[j + AHEAD] * width, width);
+            if (j + AHEAD < n) prefetch_row(v, key_rows[j + AHEAD]);
+            const float *vj = row_of(v, key_rows[j], scratch);
             for (int64_t h = 0, hq = 0; h < KVH; ++h) {
                 const float *vh = vj + h * D;
                 for (int64_t g = 0; g < G; ++g, ++hq) {
@@ -82,4 +133,19 @@ int tl_decode_attention(const float *q, const float *k, const float *v, const in
     }
     free(scores);
     return 0;
+}
+
+int tl_decode_attention(const float *q, const float *k, const float *v, const int64_t *rows,
+                        const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH,
+                        int64_t D, int64_t L, float scale) {
+    const field_t kf = {k, NULL, NULL, KVH * D, 1}, vf = {v, NULL, NULL, KVH * D, 1};
+    return attend(q, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, scale);
+}
+
+int tl_decode_attention_int4(const float *q, const uint8_t *k_codes, const uint16_t *k_meta,
+                             const uint8_t *v_codes, const uint16_t *v_meta, const int64_t *rows,
+                             const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH,
+                             int64_t D, int64_t L, int64_t group, float scale) {
+    const field_t kf = {NULL, k_codes, k_meta, KVH * D, group}, vf = {NULL, v_codes, v_meta, KVH * D, group};
+    return attend(q, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, scale);
 }

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention"]
+__all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
+           "decode_attention_int4"]
 
 log = logging.getLogger("tinyloop.cpu")
 
@@ -114,6 +115,9 @@ def load() -> ctypes.CDLL:
         fn = lib.tl_decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+        fn = lib.tl_decode_attention_int4
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float]
         _state["lib"] = lib
         return lib
 
@@ -140,6 +144,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
     out = torch.empty_like(q)
     code = load().tl_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), rows.data_ptr(), n_keys.data_ptr(),
                                       out.data_ptr(), r, hq, kvh, d, rows.shape[1], d ** -0.5)
+    if code:
+        raise MemoryError("decode attention could not allocate its scores")
+    return out
+
+
+def decode_attention_int4(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor], v: tuple[torch.Tensor, torch.Tensor],
+                          rows: torch.Tensor, n_keys: torch.Tensor, group: int) -> torch.Tensor:
+    """``decode_attention`` over a 4-bit pool (``kvstore.Int4Buffer``): k and v each (codes
+    ``[N, KVH, D/2]`` uint8, meta ``[N, KVH, D/group, 2]`` float16), contiguous; each key row is
+    dequantized as ``dequantize_int4`` does it, then attended to."""
+    r, hq, d = q.shape
+    (k_codes, k_meta), (v_codes, v_meta) = k, v
+    kvh = k_codes.shape[1]
+    out = torch.empty_like(q)
+    code = load().tl_decode_attention_int4(q.data_ptr(), k_codes.data_ptr(), k_meta.data_ptr(), v_codes.data_ptr(),
+                                           v_meta.data_ptr(), rows.data_ptr(), n_keys.data_ptr(), out.data_ptr(),
+                                           r, hq, kvh, d, rows.shape[1], group, d ** -0.5)
     if code:
         raise MemoryError("decode attention could not allocate its scores")
     return out
