@@ -14,6 +14,7 @@ import torch
 from tests.engine.test_engine import make_engine, req
 from tinyloop.cpu import kernels
 from tinyloop.cpu.backend import CPU
+from tinyloop.engine.engine import Engine
 from tinyloop.model.backend import TORCH
 from tinyloop.model.kvstore import KVStore
 from tinyloop.model.presets import PRESETS
@@ -136,6 +137,8 @@ def test_the_engine_decodes_the_same_tokens_on_the_kernel_as_on_torch(kv_mode: s
     off = make_engine(max_seq_len=128, block_size=8, kv_mode=kv_mode, cpu_kernels=False)
     assert on.model.backend.name == "cpu" and off.model.backend.name == "torch"
     with_kernel, without = on.generate_many(REQS), off.generate_many(REQS)
+    shared = Engine(on.model, on.tokenizer, max_seq_len=128, block_size=8, kv_mode=kv_mode, cpu_kernels=False)
+    assert shared.model.backend.name == "torch"  # the flag holds for a model another engine set up
     assert [r.tokens for r in with_kernel] == [r.tokens for r in without]
     assert on.kv_statistics().blocks_used == 0
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tinyloop.cpu import kernels
-from tinyloop.model.backend import TorchBackend
+from tinyloop.model.backend import TORCH, TorchBackend
 from tinyloop.model.kvstore import Int4Buffer, KVStore, PlainBuffer
 from tinyloop.model.looped import LoopedLM
 
@@ -48,10 +48,14 @@ class CpuBackend(TorchBackend):
 CPU = CpuBackend()
 
 
-def use_cpu_kernels(model: LoopedLM) -> bool:
+def use_cpu_kernels(model: LoopedLM, on: bool = True) -> bool:
     """Run ``model``'s decode attention on the C kernel (building it if need be) when the model
-    is on the CPU and the kernel builds here; True when it does."""
-    if next(model.parameters()).device.type != "cpu" or not kernels.available():
+    is on the CPU and the kernel builds here; True when it does. ``on=False`` puts a model this
+    backend was given back on torch's (a model shared by engines of both settings follows the
+    last one built)."""
+    if not on or next(model.parameters()).device.type != "cpu" or not kernels.available():
+        if model.backend is CPU:
+            model.use_backend(TORCH)
         return False
     model.use_backend(CPU)
     return True

@@ -77,9 +77,8 @@ class Engine(KVAccounting, PrefixEntries):
             quantize_linears(model, weights)
         elif pack_weights:  # float32 CPU weights in the layouts decode reads fastest (cpu_linear.py)
             pack_linears(model)
-        if cpu_kernels:  # CPU decode attention on the C kernel where it builds (tinyloop/cpu)
-            for m in {id(m): m for m in (model, self.draft_model)}.values():
-                use_cpu_kernels(m)  # type: ignore[arg-type]
+        for m in {id(m): m for m in (model, self.draft_model)}.values():  # CPU decode attention on
+            use_cpu_kernels(m, cpu_kernels)  # type: ignore[arg-type]  # the C kernel where it builds
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.name = name
