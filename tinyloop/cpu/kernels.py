@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
-           "decode_attention_int4"]
+           "decode_attention_int4", "rms_norm"]
 
 log = logging.getLogger("tinyloop.cpu")
 
-SOURCE = Path(__file__).resolve().parent / "decode_attention.c"
+SOURCE = Path(__file__).resolve().parent / "kernels.c"
 # -march=native: the host's vector units (AVX-512 here); the cache key holds the CPU's flags.
 # -fopenmp-simd: the `omp simd` reductions vectorise without -ffast-math (same IEEE maths).
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC")
@@ -75,7 +75,7 @@ def _cpu_flags() -> str:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_flags()]).encode()).hexdigest()
-    target = cache_dir() / f"decode_attention-{key[:24]}.so"
+    target = cache_dir() / f"kernels-{key[:24]}.so"
     if target.is_file():
         return target
     try:
@@ -118,6 +118,9 @@ def load() -> ctypes.CDLL:
         fn = lib.tl_decode_attention_int4
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        fn = lib.tl_rms_norm
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         _state["lib"] = lib
         return lib
 
@@ -133,7 +136,7 @@ def available() -> bool:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
                      n_keys: torch.Tensor) -> torch.Tensor:
-    """One query token per row over keys read in place from the pool (``decode_attention.c``).
+    """One query token per row over keys read in place from the pool (``kernels.c``).
 
     q ``[R, HQ, D]``, k and v ``[N, KVH, D]`` (the pool), float32 and contiguous; rows ``[R, L]``
     and n_keys ``[R]`` int64 on the CPU: row r attends to the pool rows ``rows[r, :n_keys[r]]``.
@@ -163,4 +166,13 @@ def decode_attention_int4(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor],
                                            r, hq, kvh, d, rows.shape[1], group, d ** -0.5)
     if code:
         raise MemoryError("decode attention could not allocate its scores")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (H,), weight, eps)`` for float32 x ``[..., H]`` and weight ``[H]``, both
+    contiguous on the CPU (the caller checks)."""
+    out = torch.empty_like(x)
+    h = x.shape[-1]
+    load().tl_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h, h, eps)
     return out

@@ -1,5 +1,7 @@
-/* Decode attention over the paged KV pool, read in place: one new query token per row attends to
- * the keys its row's pool rows name, with no gathered copy of K and V.
+/* The CPU's C kernels: decode attention over the paged KV pool read in place, and RMSNorm.
+ *
+ * Decode attention: one new query token per row attends to the keys its row's pool rows name,
+ * with no gathered copy of K and V.
  *
  *   q      [R, HQ, D]    float32, the rows' queries (RoPE applied)
  *   k, v   the pool's K and V, row n holding every KV head's D values (width = KVH * D):
@@ -148,4 +150,19 @@ int tl_decode_attention_int4(const float *q, const uint8_t *k_codes, const uint1
                              int64_t D, int64_t L, int64_t group, float scale) {
     const field_t kf = {NULL, k_codes, k_meta, KVH * D, group}, vf = {NULL, v_codes, v_meta, KVH * D, group};
     return attend(q, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, scale);
+}
+
+/* RMSNorm of `rows` rows of H float32 values: x / sqrt(mean(x^2) + eps) * w, in torch's order
+ * (the row scaled by the reciprocal, then by the weight); only the order of the sum of squares
+ * differs from torch's. */
+void tl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t H, float eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * H;
+        float *o = out + r * H, squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t h = 0; h < H; ++h) squares += xr[h] * xr[h];
+        const float inv = 1.0f / sqrtf(squares / (float)H + eps);
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) o[h] = xr[h] * inv * w[h];
+    }
 }

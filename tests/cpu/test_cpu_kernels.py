@@ -1,5 +1,6 @@
-"""The C decode-attention kernel (tinyloop/cpu): what it computes against the torch reference,
-that it reads only the keys it is given, and that the engine runs without it where it cannot be built."""
+"""The CPU C kernels (tinyloop/cpu): decode attention and RMSNorm against the torch reference,
+attention reading only the keys it is given, and the engine running without them where they
+cannot be built."""
 
 from __future__ import annotations
 
@@ -213,3 +214,23 @@ def test_a_cache_that_cannot_be_written_builds_for_this_process(fresh_build: Pat
     assert kernels.available()
     eng = make_engine(max_seq_len=64)
     assert eng.model.backend.name == "cpu" and eng.generate(REQS[0]).tokens
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 1, 256), (16, 1, 256), (3, 7, 100), (5, 768), (2, 3, 4, 33)])
+def test_rms_norm_matches_torch(shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(len(shape))
+    x, weight = torch.randn(shape, generator=gen) * 3, torch.randn(shape[-1], generator=gen)
+    want = TORCH.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(CPU.rms_norm(x, weight, 1e-6), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(CPU.rms_norm_cast_first(x, weight, 1e-6), TORCH.rms_norm_cast_first(x, weight, 1e-6),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_off_its_cases_runs_torch() -> None:
+    x = torch.randn(4, 64).t()  # not contiguous
+    weight = torch.randn(4)
+    assert torch.equal(CPU.rms_norm(x, weight, 1e-6), TORCH.rms_norm(x, weight, 1e-6))
+    xb = torch.randn(3, 64).bfloat16()
+    assert torch.equal(CPU.rms_norm(xb, torch.ones(64).bfloat16(), 1e-6),
+                       TORCH.rms_norm(xb, torch.ones(64).bfloat16(), 1e-6))
