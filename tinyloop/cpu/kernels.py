@@ -1,12 +1,14 @@
 """This package's C kernels for the CPU: compiled with the system C compiler on first use, cached
 on disk, called through ``ctypes`` (which releases the GIL for the call).
 
-Optional by design: the default install needs no compiler. ``load()`` returns None, and says
-why once in the log, where there is no C compiler or the source does not build; the callers
-(``backend.CpuBackend``) then run the torch reference. A build is a few tenths of a second
-(plain C, no torch headers) and happens once per source, compiler, flags and CPU: the shared
+Optional by design: the default install needs no compiler. Where there is no C compiler or the
+source does not build, ``load()`` raises ``KernelUnavailable`` (``available()`` is False) and
+says why once in the log; ``use_cpu_kernels`` then leaves the model on the torch reference. A
+build is a few tenths of a second (plain C, no torch headers) and happens once per source,
+compiler, flags and CPU: the shared
 object is kept under ``cache_dir()`` in a file named by the SHA-256 of those, so a changed
-source, another compiler or another CPU (``-march=native``) builds afresh.
+source, another compiler or another CPU (``-march=native``) builds afresh. Where that directory
+cannot be created, each process builds into a temporary directory of its own (left behind).
 
 ``TINYLOOP_CC`` names the compiler (else ``$CC``, else ``cc``, ``gcc`` or ``clang`` on the PATH).
 """
@@ -23,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +38,12 @@ SOURCE = Path(__file__).resolve().parent / "kernels.c"
 # -march=native: the host's vector units (AVX-512 here); the cache key holds the CPU's flags.
 # -fopenmp-simd: the `omp simd` reductions vectorise without -ffast-math (same IEEE maths).
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC")
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
+    ("tl_decode_attention", ctypes.c_int, [_P] * 6 + [_I] * 5 + [_F]),
+    ("tl_decode_attention_int4", ctypes.c_int, [_P] * 8 + [_I] * 6 + [_F]),
+    ("tl_rms_norm", None, [_P] * 3 + [_I] * 2 + [_F]),
+]
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not
 
@@ -108,19 +117,13 @@ def load() -> ctypes.CDLL:
             if cc is None:
                 raise KernelUnavailable("no C compiler (cc, gcc or clang; or set TINYLOOP_CC)")
             lib = ctypes.CDLL(str(_build(cc)))
-        except (KernelUnavailable, OSError) as exc:
+            for name, restype, argtypes in _SIGNATURES:
+                fn = getattr(lib, name)  # AttributeError: a library without it
+                fn.restype, fn.argtypes = restype, argtypes
+        except (KernelUnavailable, OSError, AttributeError) as exc:
             _state["error"] = str(exc)
-            log.warning("CPU kernels unavailable, attention runs on torch ops: %s", exc)
+            log.warning("CPU kernels unavailable, decode attention and RMSNorm run on torch ops: %s", exc)
             raise KernelUnavailable(str(exc)) from exc
-        fn = lib.tl_decode_attention
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float]
-        fn = lib.tl_decode_attention_int4
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-        fn = lib.tl_rms_norm
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         _state["lib"] = lib
         return lib
 
