@@ -86,8 +86,11 @@ class PagedContext:
                 window = mask[b, :, s:s + n_new]
                 mask[b, :, s:s + n_new] = window & extra_mask[b].to(host)
         self.mask = mask[:, None].to(dev, non_blocking=True)  # [B, 1, T, L]
-        # One new token that may see every key (decode at equal lengths): attention needs no mask.
-        self._unmasked = n_new == 1 and bool(mask.all())
+        self._additive_mask: torch.Tensor | None = None
+        # One new token that may see every key (decode at equal lengths), or every row's first
+        # tokens (no key before them, no tree): causal attention over T == L needs no mask.
+        self._unmasked = (n_new == 1 and bool(mask.all())) or (
+            n_new > 1 and extra_mask is None and key_len == n_new and not any(starts))
         # Decode (one new token, no tree mask): row b attends to its first start_b + 1 keys.
         self._n_keys = (start + 1).to(dev) if n_new == 1 and extra_mask is None else None  # [B]
         rope_pos = (slots_pos if positions is None else positions).to(dev)  # tree tokens share depths
@@ -122,6 +125,14 @@ class PagedContext:
         core = (slots >= config.n_prelude) & (slots < coda_start)
         depth = torch.where(core, (slots - config.n_prelude) // config.n_core, -1)  # [R] the loop slot
         return mask & (written > depth[:, None])[:, None, None, :]
+
+    def _additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """``self.mask`` as SDPA adds it (0 where a key may be seen, -inf elsewhere), in
+        ``dtype``: SDPA would convert the boolean mask at every layer's call."""
+        if self._additive_mask is None or self._additive_mask.dtype != dtype:
+            self._additive_mask = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
+        return self._additive_mask
 
     def rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._cos_sin
@@ -179,7 +190,10 @@ class PagedContext:
                 return kernels.decode_attention(store, q, keys, _take(self._n_keys, rows), self._mask(rows, slots))
             keys_k = kernels.kv_read(store, "k", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
             keys_v = kernels.kv_read(store, "v", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
-        return kernels.attention(q, keys_k, keys_v, self._mask(rows, slots))
+        mask = self._mask(rows, slots)
+        if mask is not None and self._gaps is None:  # the same mask at every layer: made additive once
+            mask = _take(self._additive(q.dtype), rows)
+        return kernels.attention(q, keys_k, keys_v, mask)
 
     def copy_new(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy what the new tokens of ``rows`` stored (K and V, or h) from slot ``src`` to slot
