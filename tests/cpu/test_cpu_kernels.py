@@ -234,3 +234,37 @@ def test_rms_norm_off_its_cases_runs_torch() -> None:
     xb = torch.randn(3, 64).bfloat16()
     assert torch.equal(CPU.rms_norm(xb, torch.ones(64).bfloat16(), 1e-6),
                        TORCH.rms_norm(xb, torch.ones(64).bfloat16(), 1e-6))
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_writes_match_torchs_quantization_bit_for_bit(group: int) -> None:
+    """Codes and fp16 (scale, minimum) as ``quantize_int4`` computes them: ordinary values, huge
+    ones (past fp16's range), tiny ones (subnormal scales), constant groups, exact halves."""
+    gen = torch.Generator().manual_seed(group)
+    n, width = 12, 2 * 128
+    x = torch.randn(n, width, generator=gen)
+    x[1] *= 1e5
+    x[2] *= 1e-6
+    x[3, :group] = 0.75  # a constant group: scale 0
+    x[4] = torch.randint(-8, 8, (width,), generator=gen).float() / 2  # ties to round
+    x[5, :group] = torch.linspace(-1, 1, group)
+    x[6] *= 7e4
+    x[7, :group] = torch.arange(group) % 15 + 0.5  # codes half-way between two: to even
+    x[7, 0], x[7, 1] = 0.0, 15.0  # (minimum 0, scale 1)
+    x[8, :group] = 2.0
+    x[8, 0] = 1 + 2**-11  # a minimum half-way between two fp16 values, to the even one below
+    x[8, group:2 * group] = 2.0
+    x[8, group] = 1 + 3 * 2**-11  # and to the even one above
+    store = KVStore(KVMode(int4=True, group_size=group), PRESETS["tiny"].replace(
+        heads=8, kv_heads=2, head_dim=128, hidden=1024), 32, 8, torch.float32, "cpu")
+    rows = torch.randperm(32, generator=gen)[:n]
+    values = x.view(n, 2, 128)
+    CPU.kv_write(store, rows, k=values, v=values * -1)
+    want = KVStore(KVMode(int4=True, group_size=group), PRESETS["tiny"].replace(
+        heads=8, kv_heads=2, head_dim=128, hidden=1024), 32, 8, torch.float32, "cpu")
+    TORCH.kv_write(want, rows, k=values, v=values * -1)
+    for name in ("k", "v"):
+        got_buf, want_buf = store.fields[name], want.fields[name]
+        for got_t, want_t in zip(got_buf.tensors, want_buf.tensors, strict=True):
+            assert torch.equal(got_t[rows].view(torch.uint8), want_t[rows].view(torch.uint8)), name

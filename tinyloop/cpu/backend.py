@@ -48,6 +48,17 @@ class CpuBackend(TorchBackend):
             return super().rms_norm_cast_first(x, weight, eps)
         return kernels.rms_norm(x, weight, eps)
 
+    def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
+        fields = store.fields
+        if not all(isinstance(f, Int4Buffer) and f.codes.device.type == "cpu" for f in fields.values()) or not all(
+                values[name].dtype == torch.float32 for name in fields):
+            return super().kv_write(store, rows, **values)
+        rows = rows.contiguous()
+        for name, f in fields.items():
+            assert isinstance(f, Int4Buffer)
+            x = values[name].contiguous()
+            kernels.quantize_int4_rows(x.view(x.shape[0], -1), rows, f.codes, f.meta, f.group)
+
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:
         k, v = store.fields.get("k"), store.fields.get("v")

@@ -59,6 +59,21 @@ static inline float half_to_float(uint16_t h) {
     return bits.f;
 }
 
+/* float32 to fp16 bits, rounded to nearest even as torch's `.to(torch.float16)` rounds. */
+static inline uint16_t float_to_half(float f) {
+    union { float f; uint32_t u; } bits = {f};
+    const uint32_t sign = (bits.u >> 16) & 0x8000u, magnitude = bits.u & 0x7fffffffu;
+    if (magnitude >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x200u : 0u));
+    if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* 65520 and up: infinity */
+    if (magnitude < 0x38800000u) { /* below 2^-14: a subnormal, |f| * 2^24 rounded (exact product) */
+        return (uint16_t)(sign | (uint32_t)nearbyintf(fabsf(f) * 16777216.0f));
+    }
+    uint32_t half = (magnitude >> 13) - (112u << 10); /* exponent rebiased, mantissa cut to 10 bits */
+    const uint32_t rest = magnitude & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) half += 1u;
+    return (uint16_t)(sign | half);
+}
+
 /* Row `row` of field `f` as floats: the pool's own memory, or `scratch` dequantized. */
 static inline const float *row_of(const field_t *f, int64_t row, float *scratch) {
     if (f->plain != NULL) return f->plain + row * f->width;
@@ -164,5 +179,45 @@ void tl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64
         const float inv = 1.0f / sqrtf(squares / (float)H + eps);
 #pragma omp simd
         for (int64_t h = 0; h < H; ++h) o[h] = xr[h] * inv * w[h];
+    }
+}
+
+/* 4-bit quantization of `n` rows of `width` float32 values into pool rows `rows` (codes
+ * [N, width / 2], even index in the low nibble; fp16 (scale, minimum) per group of `group`), as
+ * ``kvstore.quantize_int4`` computes it: minimum and (maximum - minimum) / 15 clamped to fp16's
+ * range and rounded to fp16, each value quantized against the rounded pair, to nearest even. */
+void tl_quantize_int4_rows(const float *x, const int64_t *rows, int64_t n, uint8_t *codes, uint16_t *meta,
+                           int64_t width, int64_t group) {
+    const float fp16_max = 65504.0f;
+    for (int64_t i = 0; i < n; ++i) {
+        const float *xi = x + i * width;
+        uint8_t *c = codes + rows[i] * (width / 2);
+        uint16_t *m = meta + rows[i] * (width / group) * 2;
+        for (int64_t g = 0; g < width / group; ++g) {
+            const float *xg = xi + g * group;
+            float lo = xg[0], hi = xg[0];
+            for (int64_t j = 1; j < group; ++j) { /* a NaN stays (torch's amin and amax propagate it) */
+                const float value = xg[j];
+                if (value != value) lo = hi = value;
+                if (lo == lo) {
+                    lo = value < lo ? value : lo;
+                    hi = value > hi ? value : hi;
+                }
+            }
+            lo = lo < -fp16_max ? -fp16_max : (lo > fp16_max ? fp16_max : lo);
+            float scale = (hi - lo) / 15.0f;
+            scale = scale > fp16_max ? fp16_max : scale;
+            m[2 * g] = float_to_half(scale);
+            m[2 * g + 1] = float_to_half(lo);
+            const float s = half_to_float(m[2 * g]), minimum = half_to_float(m[2 * g + 1]);
+            const float divisor = s < 1e-30f ? 1e-30f : s;
+            uint8_t q[2] = {0, 0};
+            for (int64_t j = 0; j < group; ++j) {
+                float code = nearbyintf((xg[j] - minimum) / divisor);
+                code = code > 15.0f ? 15.0f : code;
+                q[j & 1] = code >= 0.0f ? (uint8_t)code : 0u; /* below 0, and NaN: 0 */
+                if (j & 1) c[(g * group + j) / 2] = (uint8_t)(q[0] | (q[1] << 4));
+            }
+        }
     }
 }

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
-           "decode_attention_int4", "rms_norm"]
+           "decode_attention_int4", "rms_norm", "quantize_int4_rows"]
 
 log = logging.getLogger("tinyloop.cpu")
 
@@ -43,6 +43,7 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_decode_attention", ctypes.c_int, [_P] * 6 + [_I] * 5 + [_F]),
     ("tl_decode_attention_int4", ctypes.c_int, [_P] * 8 + [_I] * 6 + [_F]),
     ("tl_rms_norm", None, [_P] * 3 + [_I] * 2 + [_F]),
+    ("tl_quantize_int4_rows", None, [_P] * 2 + [_I] + [_P] * 2 + [_I] * 2),
 ]
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not
@@ -179,3 +180,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.shape[-1]
     load().tl_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h, h, eps)
     return out
+
+
+def quantize_int4_rows(x: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
+                       group: int) -> None:
+    """Store x ``[n, width]`` (float32, contiguous) 4-bit at pool rows ``rows`` ``[n]`` of
+    ``codes`` ``[N, ..., W/2]`` and ``meta`` ``[N, ..., W/group, 2]`` (``Int4Buffer``), as
+    ``kvstore.quantize_int4`` would compute them."""
+    load().tl_quantize_int4_rows(x.data_ptr(), rows.data_ptr(), x.shape[0], codes.data_ptr(), meta.data_ptr(),
+                                 x.shape[1], group)
