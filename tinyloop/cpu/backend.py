@@ -1,5 +1,6 @@
 """``CpuBackend``: the model's ``Backend`` seam (``tinyloop/model/backend.py``) with decode
-attention and RMSNorm on this package's C kernels (``kernels.py``), everything else torch.
+attention, 4-bit KV writes and RMSNorm on this package's C kernels (``kernels.py``), everything
+else torch. Each falls back to the torch reference off the cases it covers.
 
 RMSNorm: torch runs ``F.rms_norm`` on the CPU as six ops, about 12 us a call at decode sizes
 against 2-3 us for the kernel, and a looped model normalises four times a layer application
@@ -30,9 +31,12 @@ from tinyloop.model.looped import LoopedLM
 __all__ = ["CpuBackend", "CPU", "use_cpu_kernels"]
 
 
-def _norm_covered(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.is_contiguous()
-            and weight.is_contiguous() and weight.shape == x.shape[-1:])
+_F32 = torch.float32
+
+
+def _norm_covered(x: torch.Tensor, weight: torch.Tensor) -> bool:  # (called 4x a layer: the cheap checks)
+    return (x.dtype is _F32 and weight.dtype is _F32 and x.is_cpu and x.is_contiguous() and weight.is_contiguous()
+            and weight.numel() == x.shape[-1])
 
 
 class CpuBackend(TorchBackend):
