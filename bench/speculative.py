@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3,
                     help="rounds (each runs every row once); medians over them count")
     ap.add_argument("--seed", type=int, default=0, help="init seed of the random model")
+    ap.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                    help="attention and RMSNorm on torch ops, not the C kernels (TINYLOOP_CPU_KERNELS=0)")
     ap.add_argument("--prompt", default=PROMPT, help="the prompt every row decodes from")
     ap.add_argument("--draft-min-prob", default="0,0.2",
                     help="comma-separated draft_min_prob values; chain rows run once per value")
@@ -110,8 +112,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_small(Path(tmp), args.seed)
-        engine = Engine.load(path)
-        engines = {w: engine if w == "same" else Engine.load(path, draft_weights=w)
+        engine = Engine.load(path, cpu_kernels=args.cpu_kernels)
+        engines = {w: engine if w == "same" else Engine.load(path, draft_weights=w, cpu_kernels=args.cpu_kernels)
                    for w in args.draft_weights.split(",")}
         name = f"random small (seed {args.seed})" if args.model is None else str(path)
     tokens = engine.tokenizer.encode(args.prompt)
@@ -119,7 +121,7 @@ def main() -> None:
     print(f"model: {name}; {engine.config.n_prelude}+{engine.config.n_core}x{loops}+"
           f"{engine.config.n_coda} layers, hidden {engine.config.hidden}; prompt {len(tokens)} tokens, "
           f"{args.tokens} generated, greedy, batch 1, verify_loops {loops}, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}; backend {engine.model.backend.name}")
     engine.generate(request(tokens, 4, "plain", None, None, None))  # warm-up
     rows: list[Row] = []
     min_probs = [float(p) for p in args.draft_min_prob.split(",")]

@@ -268,3 +268,18 @@ def test_int4_writes_match_torchs_quantization_bit_for_bit(group: int) -> None:
         got_buf, want_buf = store.fields[name], want.fields[name]
         for got_t, want_t in zip(got_buf.tensors, want_buf.tensors, strict=True):
             assert torch.equal(got_t[rows].view(torch.uint8), want_t[rows].view(torch.uint8)), name
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", [None, "int4"])
+def test_a_few_new_tokens_a_row_attend_causally(mode: str | None) -> None:
+    """A chain's verify: row r's token t sees its first n_keys[r] + t keys."""
+    store = pool(2, 64, mode)
+    t, length = 5, 30
+    keys = key_rows(3, length, 128)
+    n_keys = torch.tensor([26, 10, 1])  # the first new token's count: the others see one more each
+    q = torch.randn(3, 4, t, 64, generator=torch.Generator().manual_seed(4))
+    visible = torch.arange(length)[None, None, :] < (n_keys[:, None, None] + torch.arange(t)[None, :, None])
+    got = CPU.decode_attention(store, q, keys, n_keys, visible[:, None])
+    torch.testing.assert_close(got, TORCH.decode_attention(store, q, keys, n_keys, visible[:, None]),
+                               rtol=1e-5, atol=1e-5)

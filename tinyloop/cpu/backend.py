@@ -68,15 +68,12 @@ class CpuBackend(TorchBackend):
         k, v = store.fields.get("k"), store.fields.get("v")
         if q.device.type != "cpu" or q.dtype != torch.float32:
             return super().decode_attention(store, q, rows, n_keys, mask)
-        r, hq, _, d = q.shape
-        q3, rows, n_keys = q.reshape(r, hq, d).contiguous(), rows.contiguous(), n_keys.contiguous()
+        q, rows, n_keys = q.contiguous(), rows.contiguous(), n_keys.contiguous()
         if isinstance(k, PlainBuffer) and isinstance(v, PlainBuffer) and k.data.dtype == torch.float32:
-            out = kernels.decode_attention(q3, k.data, v.data, rows, n_keys)
-        elif isinstance(k, Int4Buffer) and isinstance(v, Int4Buffer) and k.meta.dtype == torch.float16:
-            out = kernels.decode_attention_int4(q3, (k.codes, k.meta), (v.codes, v.meta), rows, n_keys, k.group)
-        else:
-            return super().decode_attention(store, q, rows, n_keys, mask)
-        return out.view(r, hq, 1, d)
+            return kernels.decode_attention(q, k.data, v.data, rows, n_keys)
+        if isinstance(k, Int4Buffer) and isinstance(v, Int4Buffer) and k.meta.dtype == torch.float16:
+            return kernels.decode_attention_int4(q, (k.codes, k.meta), (v.codes, v.meta), rows, n_keys, k.group)
+        return super().decode_attention(store, q, rows, n_keys, mask)
 
 
 CPU = CpuBackend()

@@ -1,16 +1,19 @@
-/* The CPU's C kernels: decode attention over the paged KV pool read in place, and RMSNorm.
+/* The CPU's C kernels: decode attention over the paged KV pool read in place, 4-bit KV writes,
+ * and RMSNorm.
  *
- * Decode attention: one new query token per row attends to the keys its row's pool rows name,
+ * Decode attention: each row's new query tokens attend to the keys its row's pool rows name,
  * with no gathered copy of K and V.
  *
- *   q      [R, HQ, D]    float32, the rows' queries (RoPE applied)
+ *   q      [R, HQ, T, D] float32, each row's T new tokens' queries (RoPE applied): one token
+ *                        in decode, a few in a speculative chain's verify
  *   k, v   the pool's K and V, row n holding every KV head's D values (width = KVH * D):
  *            float32 [N, width], or 4-bit (``kvstore.Int4Buffer``): codes uint8 [N, width / 2]
  *            (even index in the low nibble) and per group of `group` values an fp16 (scale,
  *            minimum) pair [N, width / group, 2], value = code * scale + minimum
  *   rows   [R, L]        int64, the pool row of each key of each row
- *   n_keys [R]           int64, how many of its L keys each row attends (the first n_keys)
- *   out    [R, HQ, D]    float32
+ *   n_keys [R]           int64, how many of its L keys each row's first new token attends (the
+ *                        first n_keys); token t attends to n_keys + t (causal among the new ones)
+ *   out    [R, HQ, T, D] float32
  *
  * Grouped-query attention: query head h reads KV head h / (HQ / KVH). For each row, every
  * head's scores are computed in one pass over the keys' K rows, softmaxed, and the weighted sums
@@ -94,77 +97,79 @@ static inline const float *row_of(const field_t *f, int64_t row, float *scratch)
 }
 
 static int attend(const float *q, const field_t *k, const field_t *v, const int64_t *rows, const int64_t *n_keys,
-                  float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L, float scale) {
-    const int64_t G = HQ / KVH;
+                  float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L, int64_t T, float scale) {
+    const int64_t G = HQ / KVH, head = T * D; /* q and out [R, HQ, T, D]: a head's stride */
     /* [HQ, L] scores, then 1 / sum per head, then a scratch row for a 4-bit key */
     float *scores = malloc(sizeof(float) * (size_t)(HQ * L + HQ + k->width));
     if (scores == NULL) return 1;
     float *inv = scores + HQ * L, *scratch = inv + HQ;
-    for (int64_t r = 0; r < R; ++r) {
-        const int64_t n = n_keys[r];
-        const int64_t *key_rows = rows + r * L;
-        const float *qr = q + r * HQ * D;
-        float *out_r = out + r * HQ * D;
-        /* scores: one pass over the keys' K rows, every head of a key while its row is in cache */
-        for (int64_t j = 0; j < n; ++j) {
-            if (j + AHEAD < n) prefetch_row(k, key_rows[j + AHEAD]);
-            const float *kj = row_of(k, key_rows[j], scratch);
-            for (int64_t h = 0, hq = 0; h < KVH; ++h) {
-                const float *kh = kj + h * D;
-                for (int64_t g = 0; g < G; ++g, ++hq) {
-                    const float *qh = qr + hq * D;
-                    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-                    scores[hq * L + j] = s * scale;
-                }
-            }
-        }
-        for (int64_t hq = 0; hq < HQ; ++hq) { /* softmax per query head: float32, max first */
-            float *sh = scores + hq * L;
-            float top = -INFINITY, total = 0.0f;
-            for (int64_t j = 0; j < n; ++j) top = sh[j] > top ? sh[j] : top;
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t n = n_keys[r] + t; /* query t sees the keys before it and itself */
+            const int64_t *key_rows = rows + r * L;
+            const float *qr = q + r * HQ * head + t * D;
+            float *out_r = out + r * HQ * head + t * D;
+            /* scores: one pass over the keys' K rows, every head of a key while its row is in cache */
             for (int64_t j = 0; j < n; ++j) {
-                sh[j] = expf(sh[j] - top);
-                total += sh[j];
-            }
-            inv[hq] = 1.0f / total;
-        }
-        /* the weighted sum: one pass over the keys' V rows, normalised at the end */
-        for (int64_t i = 0; i < HQ * D; ++i) out_r[i] = 0.0f;
-        for (int64_t j = 0; j < n; ++j) {
-            if (j + AHEAD < n) prefetch_row(v, key_rows[j + AHEAD]);
-            const float *vj = row_of(v, key_rows[j], scratch);
-            for (int64_t h = 0, hq = 0; h < KVH; ++h) {
-                const float *vh = vj + h * D;
-                for (int64_t g = 0; g < G; ++g, ++hq) {
-                    const float p = scores[hq * L + j];
-                    float *oh = out_r + hq * D;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
+                if (j + AHEAD < n) prefetch_row(k, key_rows[j + AHEAD]);
+                const float *kj = row_of(k, key_rows[j], scratch);
+                for (int64_t h = 0, hq = 0; h < KVH; ++h) {
+                    const float *kh = kj + h * D;
+                    for (int64_t g = 0; g < G; ++g, ++hq) {
+                        const float *qh = qr + hq * head;
+                        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                        for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+                        scores[hq * L + j] = s * scale;
+                    }
                 }
             }
+            for (int64_t hq = 0; hq < HQ; ++hq) { /* softmax per query head: float32, max first */
+                float *sh = scores + hq * L;
+                float top = -INFINITY, total = 0.0f;
+                for (int64_t j = 0; j < n; ++j) top = sh[j] > top ? sh[j] : top;
+                for (int64_t j = 0; j < n; ++j) {
+                    sh[j] = expf(sh[j] - top);
+                    total += sh[j];
+                }
+                inv[hq] = 1.0f / total;
+            }
+            /* the weighted sum: one pass over the keys' V rows, normalised at the end */
+            for (int64_t hq = 0; hq < HQ; ++hq)
+                for (int64_t d = 0; d < D; ++d) out_r[hq * head + d] = 0.0f;
+            for (int64_t j = 0; j < n; ++j) {
+                if (j + AHEAD < n) prefetch_row(v, key_rows[j + AHEAD]);
+                const float *vj = row_of(v, key_rows[j], scratch);
+                for (int64_t h = 0, hq = 0; h < KVH; ++h) {
+                    const float *vh = vj + h * D;
+                    for (int64_t g = 0; g < G; ++g, ++hq) {
+                        const float p = scores[hq * L + j];
+                        float *oh = out_r + hq * head;
+#pragma omp simd
+                        for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
+                    }
+                }
+            }
+            for (int64_t hq = 0; hq < HQ; ++hq)
+                for (int64_t d = 0; d < D; ++d) out_r[hq * head + d] *= inv[hq];
         }
-        for (int64_t hq = 0; hq < HQ; ++hq)
-            for (int64_t d = 0; d < D; ++d) out_r[hq * D + d] *= inv[hq];
-    }
     free(scores);
     return 0;
 }
 
 int tl_decode_attention(const float *q, const float *k, const float *v, const int64_t *rows,
                         const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH,
-                        int64_t D, int64_t L, float scale) {
+                        int64_t D, int64_t L, int64_t T, float scale) {
     const field_t kf = {k, NULL, NULL, KVH * D, 1}, vf = {v, NULL, NULL, KVH * D, 1};
-    return attend(q, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, scale);
+    return attend(q, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, T, scale);
 }
 
 int tl_decode_attention_int4(const float *q, const uint8_t *k_codes, const uint16_t *k_meta,
                              const uint8_t *v_codes, const uint16_t *v_meta, const int64_t *rows,
                              const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH,
-                             int64_t D, int64_t L, int64_t group, float scale) {
+                             int64_t D, int64_t L, int64_t T, int64_t group, float scale) {
     const field_t kf = {NULL, k_codes, k_meta, KVH * D, group}, vf = {NULL, v_codes, v_meta, KVH * D, group};
-    return attend(q, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, scale);
+    return attend(q, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, T, scale);
 }
 
 /* RMSNorm of `rows` rows of H float32 values: x / sqrt(mean(x^2) + eps) * w, in torch's order

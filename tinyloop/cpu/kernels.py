@@ -40,8 +40,8 @@ SOURCE = Path(__file__).resolve().parent / "kernels.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
-    ("tl_decode_attention", ctypes.c_int, [_P] * 6 + [_I] * 5 + [_F]),
-    ("tl_decode_attention_int4", ctypes.c_int, [_P] * 8 + [_I] * 6 + [_F]),
+    ("tl_decode_attention", ctypes.c_int, [_P] * 6 + [_I] * 6 + [_F]),
+    ("tl_decode_attention_int4", ctypes.c_int, [_P] * 8 + [_I] * 7 + [_F]),
     ("tl_rms_norm", None, [_P] * 3 + [_I] * 2 + [_F]),
     ("tl_quantize_int4_rows", None, [_P] * 2 + [_I] + [_P] * 2 + [_I] * 2),
 ]
@@ -140,17 +140,17 @@ def available() -> bool:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
                      n_keys: torch.Tensor) -> torch.Tensor:
-    """One query token per row over keys read in place from the pool (``kernels.c``).
+    """Each row's new tokens over keys read in place from the pool (``kernels.c``).
 
-    q ``[R, HQ, D]``, k and v ``[N, KVH, D]`` (the pool), float32 and contiguous; rows ``[R, L]``
-    and n_keys ``[R]`` int64 on the CPU: row r attends to the pool rows ``rows[r, :n_keys[r]]``.
-    Returns ``[R, HQ, D]``. The caller checks shapes and types (``CpuBackend``).
+    q ``[R, HQ, T, D]``, k and v ``[N, KVH, D]`` (the pool), float32 and contiguous; rows ``[R, L]``
+    and n_keys ``[R]`` int64 on the CPU: row r's token t attends to the pool rows
+    ``rows[r, :n_keys[r] + t]``. Returns ``[R, HQ, T, D]``. The caller checks shapes and types
+    (``CpuBackend``).
     """
-    r, hq, d = q.shape
-    kvh = k.shape[1]
+    r, hq, t, d = q.shape
     out = torch.empty_like(q)
     code = load().tl_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), rows.data_ptr(), n_keys.data_ptr(),
-                                      out.data_ptr(), r, hq, kvh, d, rows.shape[1], d ** -0.5)
+                                      out.data_ptr(), r, hq, k.shape[1], d, rows.shape[1], t, d ** -0.5)
     if code:
         raise MemoryError("decode attention could not allocate its scores")
     return out
@@ -161,13 +161,12 @@ def decode_attention_int4(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor],
     """``decode_attention`` over a 4-bit pool (``kvstore.Int4Buffer``): k and v each (codes
     ``[N, KVH, D/2]`` uint8, meta ``[N, KVH, D/group, 2]`` float16), contiguous; each key row is
     dequantized as ``dequantize_int4`` does it, then attended to."""
-    r, hq, d = q.shape
+    r, hq, t, d = q.shape
     (k_codes, k_meta), (v_codes, v_meta) = k, v
-    kvh = k_codes.shape[1]
     out = torch.empty_like(q)
     code = load().tl_decode_attention_int4(q.data_ptr(), k_codes.data_ptr(), k_meta.data_ptr(), v_codes.data_ptr(),
                                            v_meta.data_ptr(), rows.data_ptr(), n_keys.data_ptr(), out.data_ptr(),
-                                           r, hq, kvh, d, rows.shape[1], group, d ** -0.5)
+                                           r, hq, k_codes.shape[1], d, rows.shape[1], t, group, d ** -0.5)
     if code:
         raise MemoryError("decode attention could not allocate its scores")
     return out

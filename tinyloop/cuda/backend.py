@@ -52,7 +52,7 @@ class CudaBackend(TorchBackend):
                          mask: torch.Tensor | None) -> torch.Tensor:
         k, v = store.fields.get("k"), store.fields.get("v")
         if (not isinstance(k, PlainBuffer) or not isinstance(v, PlainBuffer) or not _covered(q)
-                or k.data.dtype != q.dtype):
+                or k.data.dtype != q.dtype or q.shape[2] != 1):  # the kernel: one token a row
             return super().decode_attention(store, q, rows, n_keys, mask)
         r, hq, _, d = q.shape
         out = kernels.paged_decode_attention(q[:, :, 0], k.data, v.data, tables_of(rows, store.block_size), n_keys,

@@ -62,11 +62,12 @@ class Backend(Protocol):
 
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:
-        """Decode attention over a pool that stores K and V (full or int4 mode, not h-mode):
-        q ``[R, Hq, 1, D]`` over the K and V ``store`` keeps at pool rows ``rows`` ``[R, L]``, row r
-        over its first ``n_keys[r]`` (``[R]`` int64, on the pool's device); ``mask``
-        ``[R, 1, 1, L]`` says the same (None: every key), for a backend that gathers.
-        ``[R, Hq, 1, D]``."""
+        """Attention of a few new tokens a row (decode: one; a speculative chain's verify: a few)
+        over a pool that stores K and V (full or int4 mode, not h-mode): q ``[R, Hq, T, D]`` over
+        the K and V ``store`` keeps at pool rows ``rows`` ``[R, L]``, row r's token t over its first
+        ``n_keys[r] + t`` (``n_keys`` ``[R]`` int64, on the pool's device); ``mask``
+        ``[R, 1, T, L]`` says the same (None: every key, or causal when T == L), for a backend
+        that gathers. ``[R, Hq, T, D]``."""
         ...
 
 

@@ -22,6 +22,12 @@ from tinyloop.model.layers import Attention, Rope
 __all__ = ["PagedContext", "FullContext"]
 
 
+# The most new tokens a row whose attention goes through ``Backend.decode_attention`` (read in
+# place); longer calls (prefill chunks) go through ``attention`` on gathered K and V, where SDPA's
+# blocked kernels pay.
+_IN_PLACE_TOKENS = 16
+
+
 def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t[rows]
 
@@ -91,8 +97,10 @@ class PagedContext:
         # tokens (no key before them, no tree): causal attention over T == L needs no mask.
         self._unmasked = (n_new == 1 and bool(mask.all())) or (
             n_new > 1 and extra_mask is None and key_len == n_new and not any(starts))
-        # Decode (one new token, no tree mask): row b attends to its first start_b + 1 keys.
-        self._n_keys = (start + 1).to(dev) if n_new == 1 and extra_mask is None else None  # [B]
+        # A few new tokens, no tree mask (decode, a chain's verify): row b's token t attends to its
+        # first start_b + t + 1 keys, what Backend.decode_attention reads in place.
+        few = n_new <= _IN_PLACE_TOKENS and extra_mask is None
+        self._n_keys = (start + 1).to(dev) if few else None  # [B]
         rope_pos = (slots_pos if positions is None else positions).to(dev)  # tree tokens share depths
         self.cos, self.sin = rope.tables(rope_pos)  # [B, T, D]
         self._cos_sin = self.cos[:, None], self.sin[:, None]  # [B, 1, T, D]: broadcast over heads
