@@ -80,8 +80,8 @@ CPU = CpuBackend()
 
 
 def use_cpu_kernels(model: LoopedLM, on: bool = True) -> bool:
-    """Run ``model``'s decode attention on the C kernel (building it if need be) when the model
-    is on the CPU and the kernel builds here; True when it does. ``on=False`` puts a model this
+    """Run ``model``'s decode attention, 4-bit KV writes and RMSNorm on the C kernels (building
+    them if need be) when the model is on the CPU and they build here; True when they do. ``on=False`` puts a model this
     backend was given back on torch's (a model shared by engines of both settings follows the
     last one built)."""
     if not on or next(model.parameters()).device.type != "cpu" or not kernels.available():

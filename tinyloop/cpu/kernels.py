@@ -138,6 +138,13 @@ def available() -> bool:
     return True
 
 
+def _allocated(code: int, out: torch.Tensor) -> torch.Tensor:
+    """``out``, once the attention kernel says (``code`` 0) it could allocate its scores."""
+    if code:
+        raise MemoryError("decode attention could not allocate its scores")
+    return out
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
                      n_keys: torch.Tensor) -> torch.Tensor:
     """Each row's new tokens over keys read in place from the pool (``kernels.c``).
@@ -151,9 +158,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
     out = torch.empty_like(q)
     code = load().tl_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), rows.data_ptr(), n_keys.data_ptr(),
                                       out.data_ptr(), r, hq, k.shape[1], d, rows.shape[1], t, d ** -0.5)
-    if code:
-        raise MemoryError("decode attention could not allocate its scores")
-    return out
+    return _allocated(code, out)
 
 
 def decode_attention_int4(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor], v: tuple[torch.Tensor, torch.Tensor],
@@ -167,9 +172,7 @@ def decode_attention_int4(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor],
     code = load().tl_decode_attention_int4(q.data_ptr(), k_codes.data_ptr(), k_meta.data_ptr(), v_codes.data_ptr(),
                                            v_meta.data_ptr(), rows.data_ptr(), n_keys.data_ptr(), out.data_ptr(),
                                            r, hq, k_codes.shape[1], d, rows.shape[1], t, group, d ** -0.5)
-    if code:
-        raise MemoryError("decode attention could not allocate its scores")
-    return out
+    return _allocated(code, out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -56,8 +56,8 @@ class Backend(Protocol):
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None) -> torch.Tensor:
         """q ``[R, Hq, T, D]`` over k, v ``[R, Hkv, L, D]`` (GQA when Hkv < Hq); ``mask``
-        ``[R, 1, T, L]`` (True = may attend), None for causal over ``T == L`` or, with one query
-        (``T == 1``), every key."""
+        ``[R, 1, T, L]``, boolean (True = may attend) or additive in q's dtype (0 or -inf), None
+        for causal over ``T == L`` or, with one query (``T == 1``), every key."""
         ...
 
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,

@@ -120,11 +120,13 @@ class PagedContext:
         coda_start = torch.tensor([s.n_slots - config.n_coda for s in seqs], dtype=torch.long, device="cpu")
         return written.to(self.pool.device, non_blocking=True), coda_start.to(self.pool.device, non_blocking=True)
 
-    def _mask(self, rows: torch.Tensor | None, slots: torch.Tensor | int) -> torch.Tensor | None:
+    def _mask(self, rows: torch.Tensor | None, slots: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor | None:
         """The attention mask ``[R, 1, T, L]`` of ``rows`` at ``slots`` (one per row, or one for
-        all); None when every new token may see every key."""
+        all); None when every new token may see every key (or causal over T == L). Without gaps
+        it is the same at every layer: additive in ``dtype``, made once (SDPA would convert a
+        boolean one at every call); with gaps, boolean (True = may attend)."""
         if self._gaps is None:
-            return None if self._unmasked else _take(self.mask, rows)
+            return None if self._unmasked else _take(self._additive(dtype), rows)
         mask = _take(self.mask, rows)
         written, coda_start = (_take(t, rows) for t in self._gaps)
         if isinstance(slots, int):
@@ -195,13 +197,11 @@ class PagedContext:
                 new_k, new_v = k.transpose(1, 2).reshape(r * t, kvh, d), v.transpose(1, 2).reshape(r * t, kvh, d)
             kernels.kv_write(store, write, k=new_k, v=new_v)
             if self._n_keys is not None and self._gaps is None:
-                return kernels.decode_attention(store, q, keys, _take(self._n_keys, rows), self._mask(rows, slots))
+                return kernels.decode_attention(store, q, keys, _take(self._n_keys, rows),
+                                                self._mask(rows, slots, q.dtype))
             keys_k = kernels.kv_read(store, "k", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
             keys_v = kernels.kv_read(store, "v", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
-        mask = self._mask(rows, slots)
-        if mask is not None and self._gaps is None:  # the same mask at every layer: made additive once
-            mask = _take(self._additive(q.dtype), rows)
-        return kernels.attention(q, keys_k, keys_v, mask)
+        return kernels.attention(q, keys_k, keys_v, self._mask(rows, slots, q.dtype))
 
     def copy_new(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy what the new tokens of ``rows`` stored (K and V, or h) from slot ``src`` to slot

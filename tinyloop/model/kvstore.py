@@ -188,9 +188,11 @@ class KVStore:
         """Zero every row of ``blocks``."""
         if not blocks:
             return
+        index: torch.Tensor | None = None
         for field in self.fields.values():
             for t in field.tensors:
-                index = torch.tensor(blocks, dtype=torch.long, device=t.device)
+                if index is None:  # every field lives on the one device
+                    index = torch.tensor(blocks, dtype=torch.long, device=t.device)
                 t.view(-1, self.block_size * t[0].numel()).index_fill_(0, index, 0)
 
     def tensor(self, name: str) -> torch.Tensor:
