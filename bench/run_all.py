@@ -4,7 +4,7 @@
                             [--output bench/RESULTS.md] [--timeout 1800]
 
 Runs ``overhead``, ``engine_vs_hf``, ``batching``, ``kv_modes``, ``speculative``, ``prefix``,
-``demo_model``, ``multi_engine`` and ``decode_attention`` one after another (each in its own
+``demo_model``, ``multi_engine``, ``decode_attention`` and ``panel_matmul`` one after another (each in its own
 process, with this interpreter), echoes their output, and appends one section to ``--output``:
 date, commit, machine (nproc, CPU model, RAM, torch version and threads, Python, transformers)
 and each benchmark's command, wall time, exit status and output.
@@ -46,6 +46,7 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
     # its own --threads is the one-engine configuration's; the engines get one each
     "multi_engine": (["--quick", "--repeat", "1"], ["--repeat", "3"], False),
     "decode_attention": (["--rows", "2", "--keys", "16", "--repeat", "3"], [], False),  # one thread itself
+    "panel_matmul": (["--rows", "1", "16", "--repeat", "3", "--cold-mb", "4"], [], True),
 }
 
 

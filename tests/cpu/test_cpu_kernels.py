@@ -1,4 +1,4 @@
-"""The CPU C kernels (tinyloop/cpu): decode attention and RMSNorm against the torch reference,
+"""The CPU C kernels (tinyloop/cpu): decode attention, RMSNorm and panel products against the torch reference,
 attention reading only the keys it is given, and the engine running without them where they
 cannot be built."""
 
@@ -283,3 +283,18 @@ def test_a_few_new_tokens_a_row_attend_causally(mode: str | None) -> None:
     got = CPU.decode_attention(store, q, keys, n_keys, visible[:, None])
     torch.testing.assert_close(got, TORCH.decode_attention(store, q, keys, n_keys, visible[:, None]),
                                rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 17, 40])
+@pytest.mark.parametrize(("n", "k"), [(16, 7), (100, 256), (4096, 64)])
+def test_panel_products_match_f_linear(rows: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 7 + n)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    panels = kernels.pack_panels(weight.t().contiguous().t())  # a column-major weight is read by its values
+    assert panels.numel() == -(-n // kernels.PANEL) * kernels.PANEL * k
+    tol = {"rtol": 1e-5, "atol": 1e-5 * k ** 0.5}
+    torch.testing.assert_close(kernels.panel_matmul(x, panels, n, bias), torch.nn.functional.linear(x, weight, bias),
+                               **tol)
+    torch.testing.assert_close(kernels.panel_matmul(x, panels, n, None), x @ weight.t(), **tol)

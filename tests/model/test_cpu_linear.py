@@ -7,11 +7,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from tinyloop.cpu import kernels
+from tinyloop.cpu.backend import use_cpu_kernels
 from tinyloop.engine.engine import Engine
-from tinyloop.model.cpu_linear import PackedLinear, onednn_available, pack_linears, packed_bytes
+from tinyloop.model.cpu_linear import PackedLinear, onednn_available, pack_linears, packed_bytes, packed_weights
 from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.requests import GenerationRequest, SamplingParams
 from tinyloop.tokenizer import default_tokenizer
@@ -100,7 +103,7 @@ def ops_per_decode(engine: Engine, batch: int) -> Counter[str]:
 
 @pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch build")
 def test_decode_runs_every_matrix_product_on_the_packed_kernels(threads: int) -> None:
-    engine = Engine(model(), default_tokenizer(), max_seq_len=128)
+    engine = Engine(model(), default_tokenizer(), max_seq_len=128, cpu_kernels=False)  # torch's kernels
     config = engine.config
     # per token: each layer's qkv, o, fc, proj; the adapter per loop; the head
     layers = config.n_prelude + 2 * config.n_core + config.n_coda
@@ -114,6 +117,37 @@ def test_decode_runs_every_matrix_product_on_the_packed_kernels(threads: int) ->
     four = ops_per_decode(engine, 4)
     assert four["mkldnn::_linear_pointwise"] == linears  # several rows: every product blocked
     assert four["aten::linear"] == 0
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels")
+def test_with_the_c_kernels_a_few_rows_run_on_the_panels(threads: int) -> None:
+    engine = Engine(model(), default_tokenizer(), max_seq_len=128)  # cpu_kernels on: panels on every weight
+    weights = packed_weights(engine.model)
+    assert weights and all(w.panels is not None for w in weights)
+    assert packed_bytes(engine.model) >= sum(w.panels.numel() * 4 for w in weights if w.panels is not None)
+    products = ("aten::linear", "aten::mm", "aten::bmm", "mkldnn::_linear_pointwise")
+    for batch in (1, 4):  # no torch product left in a decode step: the panel kernel ran them all
+        ops = ops_per_decode(engine, batch)
+        assert not any(ops[name] for name in products), ops
+    torch.set_num_threads(3)  # beyond _PANEL_MAX_THREADS: torch's products, spread over the threads
+    assert sum(ops_per_decode(engine, 4)[name] for name in products) > 0
+    torch.set_num_threads(threads)
+    use_cpu_kernels(engine.model, False)  # kernels off: the panels go with them
+    assert all(w.panels is None for w in weights)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels")
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+def test_a_panel_product_equals_f_linear(rows: int) -> None:
+    from tinyloop.model.cpu_linear import PackedWeight
+
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)  # 40: a short last panel
+    packed = PackedWeight(weight.clone(), blocked=False)
+    packed.set_panels(True)
+    x = torch.randn(rows, 1, 24, generator=gen)
+    torch.testing.assert_close(packed.linear(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.linear(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch build")

@@ -1,6 +1,8 @@
 """``CpuBackend``: the model's ``Backend`` seam (``tinyloop/model/backend.py``) with decode
 attention, 4-bit KV writes and RMSNorm on this package's C kernels (``kernels.py``), everything
-else torch. Each falls back to the torch reference off the cases it covers.
+else torch. Each falls back to the torch reference off the cases it covers. ``use_cpu_kernels``
+also gives the model's packed float32 weights (``cpu_linear.PackedWeight``) their panel copies,
+so products of a few rows run on ``kernels.panel_matmul``.
 
 RMSNorm: torch runs ``F.rms_norm`` on the CPU as six ops, about 12 us a call at decode sizes
 against 2-3 us for the kernel, and a looped model normalises four times a layer application
@@ -25,6 +27,7 @@ import torch
 
 from tinyloop.cpu import kernels
 from tinyloop.model.backend import TORCH, TorchBackend
+from tinyloop.model.cpu_linear import packed_weights
 from tinyloop.model.kvstore import Int4Buffer, KVStore, PlainBuffer
 from tinyloop.model.looped import LoopedLM
 
@@ -80,13 +83,19 @@ CPU = CpuBackend()
 
 
 def use_cpu_kernels(model: LoopedLM, on: bool = True) -> bool:
-    """Run ``model``'s decode attention, 4-bit KV writes and RMSNorm on the C kernels (building
-    them if need be) when the model is on the CPU and they build here; True when they do. ``on=False`` puts a model this
-    backend was given back on torch's (a model shared by engines of both settings follows the
-    last one built)."""
+    """Run ``model``'s decode attention, 4-bit KV writes, RMSNorm and few-row products (of its
+    packed weights: ``cpu_linear.pack_linears`` first) on the C kernels (building them if need
+    be) when the model is on the CPU and they build here; True when they do. ``on=False`` puts a
+    model this backend was given back on torch's (a model shared by engines of both settings
+    follows the last one built)."""
     if not on or next(model.parameters()).device.type != "cpu" or not kernels.available():
         if model.backend is CPU:
             model.use_backend(TORCH)
+        for weight in packed_weights(model):
+            weight.set_panels(False)
         return False
     model.use_backend(CPU)
+    for weight in packed_weights(model):
+        if weight.panels is None:
+            weight.set_panels(True)
     return True

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
-           "decode_attention_int4", "rms_norm", "quantize_int4_rows"]
+           "decode_attention_int4", "rms_norm", "quantize_int4_rows", "pack_panels", "panel_matmul", "PANEL"]
 
 log = logging.getLogger("tinyloop.cpu")
 
@@ -44,6 +44,8 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_decode_attention_int4", ctypes.c_int, [_P] * 8 + [_I] * 7 + [_F]),
     ("tl_rms_norm", None, [_P] * 3 + [_I] * 2 + [_F]),
     ("tl_quantize_int4_rows", None, [_P] * 2 + [_I] + [_P] * 2 + [_I] * 2),
+    ("tl_pack_panels", None, [_P] + [_I] * 3 + [_P]),
+    ("tl_panel_matmul", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 2),
 ]
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not
@@ -138,10 +140,10 @@ def available() -> bool:
     return True
 
 
-def _allocated(code: int, out: torch.Tensor) -> torch.Tensor:
-    """``out``, once the attention kernel says (``code`` 0) it could allocate its scores."""
+def _allocated(code: int, out: torch.Tensor, what: str = "decode attention") -> torch.Tensor:
+    """``out``, once the kernel says (``code`` 0) it could allocate its scratch memory."""
     if code:
-        raise MemoryError("decode attention could not allocate its scores")
+        raise MemoryError(f"{what} could not allocate its scratch memory")
     return out
 
 
@@ -191,3 +193,29 @@ def quantize_int4_rows(x: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor,
     ``kvstore.quantize_int4`` would compute them."""
     load().tl_quantize_int4_rows(x.data_ptr(), rows.data_ptr(), x.shape[0], codes.data_ptr(), meta.data_ptr(),
                                  x.shape[1], group)
+
+
+PANEL = 16  # output columns a panel of ``pack_panels`` holds (kernels.c's PANEL)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` (float32 on the CPU, any strides with unit stride along K, else
+    copied) laid out for ``panel_matmul``: panels of 16 output columns, ``[ceil(N / 16), K, 16]``
+    flat, the last zero-padded."""
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    n, k = weight.shape
+    panels = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.float32, device=weight.device)
+    load().tl_pack_panels(weight.data_ptr(), weight.stride(0), n, k, panels.data_ptr())
+    return panels
+
+
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for x ``[M, K]`` float32 contiguous on the CPU and W ``[n, K]`` as
+    ``pack_panels`` laid it out (bias ``[n]`` contiguous, or None); ``[M, n]``. Fastest for a
+    few rows (decode); the caller chooses (``cpu_linear.PackedWeight``)."""
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    code = load().tl_panel_matmul(x.data_ptr(), m, k, panels.data_ptr(), n,
+                                  None if bias is None else bias.data_ptr(), out.data_ptr())
+    return _allocated(code, out, "a panel matrix product")
