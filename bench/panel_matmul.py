@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--cold-mb", type=int, default=96, help="MiB of weight copies the cold timing cycles through")
     args = ap.parse_args()
     if max(args.rows) > 16:
-        ap.error("the panel kernel serves 1-16 rows (cpu_linear._PANEL_ROWS)")
+        ap.error("the panel kernel serves 1-16 rows (kernels.PANEL_ROWS)")
     torch.set_num_threads(args.threads)
     if not kernels.available():
         raise SystemExit("the C kernels do not build here (no C compiler?)")

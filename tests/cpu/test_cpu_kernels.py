@@ -298,3 +298,31 @@ def test_panel_products_match_f_linear(rows: int, n: int, k: int) -> None:
     torch.testing.assert_close(kernels.panel_matmul(x, panels, n, bias), torch.nn.functional.linear(x, weight, bias),
                                **tol)
     torch.testing.assert_close(kernels.panel_matmul(x, panels, n, None), x @ weight.t(), **tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])
+def test_int8_panel_products_match_the_dequantized_weight(rows: int) -> None:
+    from tinyloop.model.quant import QuantWeight
+
+    gen = torch.Generator().manual_seed(rows)
+    quant = QuantWeight(torch.randn(72, 96, generator=gen) * 0.05, "int8")  # 72: a short last panel
+    x, bias = torch.randn(rows, 96, generator=gen), torch.randn(72, generator=gen)
+    exact = torch.nn.functional.linear(x, quant.dequantize(), bias)
+    torch_path = quant.linear(x, bias)  # torch's int8 kernel: x rounded to bfloat16
+    quant.set_panels(True)
+    assert quant.panels is not None and quant.panels.dtype == torch.int8
+    panel = quant.linear(x, bias)  # 1-16 rows on the panels, x in float32; 17 on torch's kernel
+    torch.testing.assert_close(panel, exact if rows <= kernels.PANEL_ROWS else torch_path, rtol=1e-5, atol=1e-5)
+    quant.set_panels(False)
+    assert quant.panels is None
+    torch.testing.assert_close(quant.linear(x, bias), torch_path)
+
+
+@needs_kernel
+def test_int4_weights_keep_torchs_kernel() -> None:
+    from tinyloop.model.quant import QuantWeight
+
+    quant = QuantWeight(torch.randn(64, 64), "int4")
+    quant.set_panels(True)
+    assert quant.panels is None

@@ -129,7 +129,7 @@ def test_with_the_c_kernels_a_few_rows_run_on_the_panels(threads: int) -> None:
     for batch in (1, 4):  # no torch product left in a decode step: the panel kernel ran them all
         ops = ops_per_decode(engine, batch)
         assert not any(ops[name] for name in products), ops
-    torch.set_num_threads(3)  # beyond _PANEL_MAX_THREADS: torch's products, spread over the threads
+    torch.set_num_threads(3)  # beyond kernels.PANEL_MAX_THREADS: torch's products, spread over the threads
     assert sum(ops_per_decode(engine, 4)[name] for name in products) > 0
     torch.set_num_threads(threads)
     use_cpu_kernels(engine.model, False)  # kernels off: the panels go with them

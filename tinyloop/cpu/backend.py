@@ -1,8 +1,8 @@
 """``CpuBackend``: the model's ``Backend`` seam (``tinyloop/model/backend.py``) with decode
 attention, 4-bit KV writes and RMSNorm on this package's C kernels (``kernels.py``), everything
 else torch. Each falls back to the torch reference off the cases it covers. ``use_cpu_kernels``
-also gives the model's packed float32 weights (``cpu_linear.PackedWeight``) their panel copies,
-so products of a few rows run on ``kernels.panel_matmul``.
+also gives the model's packed float32 weights (``cpu_linear.PackedWeight``) and int8 weights
+(``quant.QuantWeight``) their panel copies, so products of a few rows run on ``kernels.panel_matmul``.
 
 RMSNorm: torch runs ``F.rms_norm`` on the CPU as six ops, about 12 us a call at decode sizes
 against 2-3 us for the kernel, and a looped model normalises four times a layer application
@@ -27,9 +27,10 @@ import torch
 
 from tinyloop.cpu import kernels
 from tinyloop.model.backend import TORCH, TorchBackend
-from tinyloop.model.cpu_linear import packed_weights
+from tinyloop.model.cpu_linear import PackedWeight, packed_weights
 from tinyloop.model.kvstore import Int4Buffer, KVStore, PlainBuffer
 from tinyloop.model.looped import LoopedLM
+from tinyloop.model.quant import QuantWeight, quant_weights
 
 __all__ = ["CpuBackend", "CPU", "use_cpu_kernels"]
 
@@ -91,11 +92,16 @@ def use_cpu_kernels(model: LoopedLM, on: bool = True) -> bool:
     if not on or next(model.parameters()).device.type != "cpu" or not kernels.available():
         if model.backend is CPU:
             model.use_backend(TORCH)
-        for weight in packed_weights(model):
-            weight.set_panels(False)
+        _set_panels(model, False)
         return False
     model.use_backend(CPU)
-    for weight in packed_weights(model):
-        if weight.panels is None:
-            weight.set_panels(True)
+    _set_panels(model, True)
     return True
+
+
+def _set_panels(model: LoopedLM, on: bool) -> None:
+    """Give every packed float32 and int8 weight of ``model`` its panels (kept where it has them), or drop them."""
+    weights: list[PackedWeight | QuantWeight] = [*packed_weights(model), *quant_weights(model)]
+    for weight in weights:
+        if not on or weight.panels is None:
+            weight.set_panels(on)

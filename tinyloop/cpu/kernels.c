@@ -231,98 +231,144 @@ void tl_quantize_int4_rows(const float *x, const int64_t *rows, int64_t n, uint8
     }
 }
 
-/* Matrix products of a few rows: y [M, N] = x [M, K] W^T (+ bias [N]), W [N, K] float32.
+/* Matrix products of a few rows: y [M, N] = x [M, K] W^T (+ bias [N]), W [N, K] float32, or int8
+ * codes with a float32 scale per output (W[n, k] = q[n, k] * scale[n], `QuantWeight`'s int8).
  *
  * A decode step multiplies a handful of rows (its batch, or a verify's few tokens) by every
  * weight matrix: too few rows for a general GEMM's blocking to pay, too many bytes of weights
  * for them to stay in cache between steps. So the weight is laid out once in panels of 16 output
- * columns, panel p holding W[16p .. 16p + 15, k] for k = 0 .. K - 1 consecutively (64 bytes a k,
- * the last panel zero-padded): one sequential stream through memory, prefetched ahead. For each
- * panel, up to 16 rows keep one 16-wide accumulator each in registers; each k loads the panel's
- * 16 weights once and adds x[m, k] times them to every row's accumulator (x is transposed first,
- * so a k's values for the rows are adjacent). Past 16 rows the next 16 reuse the panel from L1.
- * Each output is sum_k x[m, k] W[n, k] in k order with fused multiply-adds: float32 rounding
- * differs from torch's (another order) at the last bits. */
+ * columns, panel p holding W[16p .. 16p + 15, k] for k = 0 .. K - 1 consecutively (16 values a
+ * k, the last panel zero-padded): one sequential stream through memory, prefetched ahead. For
+ * each panel, up to 16 rows keep one 16-wide accumulator each in registers; each k loads the
+ * panel's 16 weights once (int8 codes widened to float32) and adds x[m, k] times them to every
+ * row's accumulator (x is transposed first, so a k's values for the rows are adjacent). Past 16
+ * rows the next 16 reuse the panel from L1. Each output is sum_k x[m, k] W[n, k] with fused
+ * multiply-adds (in k order from 4 rows up; as 4 or 2 interleaved partial sums for 1 or 2 rows),
+ * times the scale at the end for int8: float32 rounding differs from
+ * torch's (another order) at the last bits; x stays float32 (torch's int8 kernel rounds it to
+ * bfloat16 first). */
 #define PANEL 16
-#define PANEL_AHEAD 512 /* floats: prefetch 2 KiB (32 k) ahead along the panel stream */
+#define PANEL_AHEAD 2048 /* bytes: prefetch this far ahead along the panel stream */
 #define ROW_BLOCK 16
 
 #if defined(__AVX512F__)
 typedef __m512 vec16;
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(p) _mm512_loadu_ps(p)
+#define VLOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
 #define VFMA(acc, s, w) _mm512_fmadd_ps(_mm512_set1_ps(s), (w), (acc))
 #define VADD(a, b) _mm512_add_ps((a), (b))
+#define VMUL(a, b) _mm512_mul_ps((a), (b))
 #define VSTORE(p, v) _mm512_storeu_ps((p), (v))
 #else /* the compiler's generic vectors: the same sums (fused where it contracts them) */
 typedef float vec16 __attribute__((vector_size(64)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
 #define VZERO() ((vec16){0})
 #define VLOAD(p) ({ vec16 v_; memcpy(&v_, (p), sizeof v_); v_; })
+#define VLOAD_I8(p) ({ i8x16 c_; memcpy(&c_, (p), sizeof c_); __builtin_convertvector(c_, vec16); })
 #define VFMA(acc, s, w) ((acc) + (s) * (w))
 #define VADD(a, b) ((a) + (b))
+#define VMUL(a, b) ((a) * (b))
 #define VSTORE(p, v) do { vec16 v_ = (v); memcpy((p), &v_, sizeof v_); } while (0)
 #endif
 
-/* R rows (x transposed: xt[k * ldx + r]) times one panel into y (row stride ldy), `cols` of the
- * panel's 16 columns kept (the last panel of an N that 16 does not divide). */
-#define PANEL_ROWS(R)                                                                                   \
-    static void panel_rows_##R(const float *xt, int64_t ldx, const float *panel, int64_t K,             \
-                               const float *bias, float *y, int64_t ldy, int64_t cols) {                \
-        vec16 acc[R];                                                                                   \
-        for (int r = 0; r < R; ++r) acc[r] = VZERO();                                                   \
-        for (int64_t k = 0; k < K; ++k) {                                                               \
-            const vec16 w = VLOAD(panel + PANEL * k);                                                   \
-            __builtin_prefetch(panel + PANEL * k + PANEL_AHEAD, 0, 0);                                  \
-            for (int r = 0; r < R; ++r) acc[r] = VFMA(acc[r], xt[k * ldx + r], w);                     \
-        }                                                                                               \
-        float out[PANEL], b[PANEL] = {0};                                                               \
-        if (bias != NULL) memcpy(b, bias, (size_t)cols * sizeof(float));                                \
-        for (int r = 0; r < R; ++r) {                                                                   \
-            VSTORE(out, VADD(acc[r], VLOAD(b)));                                                        \
-            memcpy(y + r * ldy, out, (size_t)cols * sizeof(float));                                     \
-        }                                                                                               \
+/* R rows (x transposed: xt[k * ldx + r]) times one panel of TYPE (loaded by LOAD) into y (row
+ * stride ldy), `cols` of the panel's 16 columns kept (the last panel of an N that 16 does not
+ * divide), each times its scale where there are scales, plus its bias where there is one. KS
+ * independent sums per row over k = s mod KS, added at the end: a row's sum is a chain of
+ * dependent multiply-adds, so with one or two rows KS > 1 keeps the vector unit busy between
+ * them. */
+#define PANEL_ROWS(NAME, TYPE, LOAD, R, KS)                                                            \
+    static void NAME##_##R(const float *xt, int64_t ldx, const TYPE *panel, int64_t K,                \
+                           const float *scales, const float *bias, float *y, int64_t ldy, int64_t cols) { \
+        vec16 acc[KS][R];                                                                              \
+        for (int s = 0; s < KS; ++s)                                                                   \
+            for (int r = 0; r < R; ++r) acc[s][r] = VZERO();                                           \
+        int64_t k = 0;                                                                                 \
+        for (; k + KS <= K; k += KS)                                                                   \
+            for (int s = 0; s < KS; ++s) {                                                             \
+                const vec16 w = LOAD(panel + PANEL * (k + s));                                         \
+                __builtin_prefetch((const char *)(panel + PANEL * (k + s)) + PANEL_AHEAD, 0, 0);       \
+                for (int r = 0; r < R; ++r) acc[s][r] = VFMA(acc[s][r], xt[(k + s) * ldx + r], w);    \
+            }                                                                                          \
+        for (; k < K; ++k) {                                                                           \
+            const vec16 w = LOAD(panel + PANEL * k);                                                   \
+            for (int r = 0; r < R; ++r) acc[0][r] = VFMA(acc[0][r], xt[k * ldx + r], w);              \
+        }                                                                                              \
+        for (int s = 1; s < KS; ++s)                                                                   \
+            for (int r = 0; r < R; ++r) acc[0][r] = VADD(acc[0][r], acc[s][r]);                        \
+        float out[PANEL], b[PANEL] = {0}, sc[PANEL] = {0};                                             \
+        if (bias != NULL) memcpy(b, bias, (size_t)cols * sizeof(float));                               \
+        if (scales != NULL) memcpy(sc, scales, (size_t)cols * sizeof(float));                          \
+        for (int r = 0; r < R; ++r) {                                                                  \
+            VSTORE(out, VADD(scales != NULL ? VMUL(acc[0][r], VLOAD(sc)) : acc[0][r], VLOAD(b)));      \
+            memcpy(y + r * ldy, out, (size_t)cols * sizeof(float));                                    \
+        }                                                                                              \
     }
-PANEL_ROWS(1)
-PANEL_ROWS(2)
-PANEL_ROWS(4)
-PANEL_ROWS(8)
-PANEL_ROWS(16)
 
-/* W [N, K] (row stride ldw) into panels [ceil(N / 16), K, 16] (`panels` holds that many floats). */
-void tl_pack_panels(const float *w, int64_t ldw, int64_t N, int64_t K, float *panels) {
-    const int64_t n_panels = (N + PANEL - 1) / PANEL;
-    for (int64_t p = 0; p < n_panels; ++p)
-        for (int64_t k = 0; k < K; ++k)
-            for (int64_t j = 0; j < PANEL; ++j) {
-                const int64_t n = p * PANEL + j;
-                panels[(p * K + k) * PANEL + j] = n < N ? w[n * ldw + k] : 0.0f;
-            }
-}
+/* The rows of one panel in blocks of 16, 8, 4, 2, 1, and the matrix product over every panel. */
+#define PANEL_MATMUL(NAME, TYPE, LOAD)                                                                 \
+    PANEL_ROWS(NAME, TYPE, LOAD, 1, 4)                                                                 \
+    PANEL_ROWS(NAME, TYPE, LOAD, 2, 2)                                                                 \
+    PANEL_ROWS(NAME, TYPE, LOAD, 4, 1)                                                                 \
+    PANEL_ROWS(NAME, TYPE, LOAD, 8, 1)                                                                 \
+    PANEL_ROWS(NAME, TYPE, LOAD, 16, 1)                                                                \
+    static int NAME(const float *x, int64_t M, int64_t K, const TYPE *panels, int64_t N,               \
+                    const float *scales, const float *bias, float *y) {                                \
+        float *xt = malloc((size_t)(M < ROW_BLOCK ? M : ROW_BLOCK) * (size_t)K * sizeof(float));       \
+        if (xt == NULL) return -1;                                                                     \
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                                \
+            const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;                              \
+            for (int64_t k = 0; k < K; ++k)                                                            \
+                for (int64_t r = 0; r < rows; ++r) xt[k * rows + r] = x[(m0 + r) * K + k];             \
+            for (int64_t n0 = 0; n0 < N; n0 += PANEL) {                                                \
+                const TYPE *panel = panels + n0 * K;                                                   \
+                const float *s = scales != NULL ? scales + n0 : NULL, *b = bias != NULL ? bias + n0 : NULL; \
+                const int64_t cols = N - n0 < PANEL ? N - n0 : PANEL;                                  \
+                for (int64_t r = 0; r < rows;) {                                                       \
+                    const float *xr = xt + r;                                                          \
+                    float *yr = y + (m0 + r) * N + n0;                                                 \
+                    const int64_t left = rows - r, step = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1; \
+                    switch (step) {                                                                    \
+                    case 16: NAME##_16(xr, rows, panel, K, s, b, yr, N, cols); break;                  \
+                    case 8: NAME##_8(xr, rows, panel, K, s, b, yr, N, cols); break;                    \
+                    case 4: NAME##_4(xr, rows, panel, K, s, b, yr, N, cols); break;                    \
+                    case 2: NAME##_2(xr, rows, panel, K, s, b, yr, N, cols); break;                    \
+                    default: NAME##_1(xr, rows, panel, K, s, b, yr, N, cols); break;                   \
+                    }                                                                                  \
+                    r += step;                                                                         \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        free(xt);                                                                                      \
+        return 0;                                                                                      \
+    }
+PANEL_MATMUL(matmul_f32, float, VLOAD)
+PANEL_MATMUL(matmul_i8, int8_t, VLOAD_I8)
+
+/* W [N, K] (row stride ldw) into panels [ceil(N / 16), K, 16] (`panels` holds that many values). */
+#define PACK_PANELS(NAME, TYPE)                                                                        \
+    void NAME(const TYPE *w, int64_t ldw, int64_t N, int64_t K, TYPE *panels) {                        \
+        const int64_t n_panels = (N + PANEL - 1) / PANEL;                                              \
+        for (int64_t p = 0; p < n_panels; ++p)                                                         \
+            for (int64_t k = 0; k < K; ++k)                                                            \
+                for (int64_t j = 0; j < PANEL; ++j) {                                                  \
+                    const int64_t n = p * PANEL + j;                                                   \
+                    panels[(p * K + k) * PANEL + j] = n < N ? w[n * ldw + k] : (TYPE)0;                \
+                }                                                                                      \
+    }
+PACK_PANELS(tl_pack_panels, float)
+PACK_PANELS(tl_pack_panels_int8, int8_t)
 
 /* y [M, N] = x [M, K] W^T + bias (bias may be NULL), W as `tl_pack_panels` laid it out; x and y
  * contiguous. Returns 0, or -1 where it could not allocate its transposed rows. */
 int tl_panel_matmul(const float *x, int64_t M, int64_t K, const float *panels, int64_t N, const float *bias,
                     float *y) {
-    float *xt = malloc((size_t)(M < ROW_BLOCK ? M : ROW_BLOCK) * (size_t)K * sizeof(float));
-    if (xt == NULL) return -1;
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
-        for (int64_t k = 0; k < K; ++k)
-            for (int64_t r = 0; r < rows; ++r) xt[k * rows + r] = x[(m0 + r) * K + k];
-        for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
-            const float *panel = panels + n0 * K, *b = bias != NULL ? bias + n0 : NULL;
-            const int64_t cols = N - n0 < PANEL ? N - n0 : PANEL;
-            for (int64_t r = 0; r < rows;) { /* the rows in blocks of 16, 8, 4, 2, 1 */
-                const float *xr = xt + r;
-                float *yr = y + (m0 + r) * N + n0;
-                if (rows - r >= 16) { panel_rows_16(xr, rows, panel, K, b, yr, N, cols); r += 16; }
-                else if (rows - r >= 8) { panel_rows_8(xr, rows, panel, K, b, yr, N, cols); r += 8; }
-                else if (rows - r >= 4) { panel_rows_4(xr, rows, panel, K, b, yr, N, cols); r += 4; }
-                else if (rows - r >= 2) { panel_rows_2(xr, rows, panel, K, b, yr, N, cols); r += 2; }
-                else { panel_rows_1(xr, rows, panel, K, b, yr, N, cols); r += 1; }
-            }
-        }
-    }
-    free(xt);
-    return 0;
+    return matmul_f32(x, M, K, panels, N, NULL, bias, y);
+}
+
+/* The same with int8 codes laid out by `tl_pack_panels_int8` and a float32 scale per output. */
+int tl_panel_matmul_int8(const float *x, int64_t M, int64_t K, const int8_t *panels, int64_t N,
+                         const float *scales, const float *bias, float *y) {
+    return matmul_i8(x, M, K, panels, N, scales, bias, y);
 }

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
-           "decode_attention_int4", "rms_norm", "quantize_int4_rows", "pack_panels", "panel_matmul", "PANEL"]
+           "decode_attention_int4", "rms_norm", "quantize_int4_rows", "pack_panels", "panel_matmul", "serves_rows",
+           "PANEL", "PANEL_ROWS", "PANEL_MAX_THREADS"]
 
 log = logging.getLogger("tinyloop.cpu")
 
@@ -45,7 +46,9 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_rms_norm", None, [_P] * 3 + [_I] * 2 + [_F]),
     ("tl_quantize_int4_rows", None, [_P] * 2 + [_I] + [_P] * 2 + [_I] * 2),
     ("tl_pack_panels", None, [_P] + [_I] * 3 + [_P]),
+    ("tl_pack_panels_int8", None, [_P] + [_I] * 3 + [_P]),
     ("tl_panel_matmul", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 2),
+    ("tl_panel_matmul_int8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 3),
 ]
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not
@@ -196,26 +199,47 @@ def quantize_int4_rows(x: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor,
 
 
 PANEL = 16  # output columns a panel of ``pack_panels`` holds (kernels.c's PANEL)
+# Products of at most this many rows run on the panels (where a weight has them) ...
+PANEL_ROWS = 16
+# ... while torch runs at most this many intra-op threads (the kernel runs on one; with more,
+# torch's products spread over them: not measured here, on two cores).
+PANEL_MAX_THREADS = 2
+
+
+def serves_rows(rows: int) -> bool:
+    """Whether a product of ``rows`` rows runs on the panel kernel (weights that have panels)."""
+    return 0 < rows <= PANEL_ROWS and torch.get_num_threads() <= PANEL_MAX_THREADS
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[N, K]`` (float32 on the CPU, any strides with unit stride along K, else
-    copied) laid out for ``panel_matmul``: panels of 16 output columns, ``[ceil(N / 16), K, 16]``
-    flat, the last zero-padded."""
+    """``weight`` ``[N, K]`` (float32, or int8 codes, on the CPU; copied first unless its stride
+    along K is 1) laid out for ``panel_matmul``: panels of 16 output columns,
+    ``[ceil(N / 16), K, 16]`` flat, the last zero-padded; of the weight's dtype."""
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     n, k = weight.shape
-    panels = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.float32, device=weight.device)
-    load().tl_pack_panels(weight.data_ptr(), weight.stride(0), n, k, panels.data_ptr())
+    panels = torch.empty(-(-n // PANEL) * PANEL * k, dtype=weight.dtype, device=weight.device)
+    pack = load().tl_pack_panels if weight.dtype == torch.float32 else load().tl_pack_panels_int8
+    if weight.dtype not in (torch.float32, torch.int8):
+        raise TypeError(f"panels hold float32 or int8 weights, not {weight.dtype}")
+    pack(weight.data_ptr(), weight.stride(0), n, k, panels.data_ptr())
     return panels
 
 
-def panel_matmul(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+                 scales: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for x ``[M, K]`` float32 contiguous on the CPU and W ``[n, K]`` as
-    ``pack_panels`` laid it out (bias ``[n]`` contiguous, or None); ``[M, n]``. Fastest for a
-    few rows (decode); the caller chooses (``cpu_linear.PackedWeight``)."""
+    ``pack_panels`` laid it out: float32, or int8 codes times ``scales`` ``[n]`` (float32, one
+    per output; required with int8 panels). Bias ``[n]`` float32 contiguous, or None; returns
+    ``[M, n]``. Fastest for a few rows (decode); the caller chooses (``cpu_linear.PackedWeight``,
+    ``quant.QuantWeight``)."""
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    code = load().tl_panel_matmul(x.data_ptr(), m, k, panels.data_ptr(), n,
-                                  None if bias is None else bias.data_ptr(), out.data_ptr())
+    b = None if bias is None else bias.data_ptr()
+    if panels.dtype == torch.int8:
+        assert scales is not None, "int8 panels need their scales"
+        code = load().tl_panel_matmul_int8(x.data_ptr(), m, k, panels.data_ptr(), n, scales.data_ptr(), b,
+                                           out.data_ptr())
+    else:
+        code = load().tl_panel_matmul(x.data_ptr(), m, k, panels.data_ptr(), n, b, out.data_ptr())
     return _allocated(code, out, "a panel matrix product")

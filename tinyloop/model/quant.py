@@ -12,6 +12,11 @@ kernels' float32-activation variants run 15-30x slower here: 3.9 ms against 0.25
   [0, 15], torch's convention); ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the weight
   packed by ``_convert_weight_to_int4pack_for_cpu``.
 
+With the C kernels (``tinyloop/cpu``), an int8 weight also gets its codes in 16-column panels and
+products of 1 to 16 rows run on ``kernels.panel_matmul`` (``cpu_linear``'s panel kernel, the
+codes widened to float32 as they are read): x stays float32, and a one-row product reads the
+codes at close to the memory's speed (torch's int8 kernel: about a third of it here).
+
 ``quantize_linears(model, "int8" | "int4")`` swaps every float32 ``nn.Linear`` for a
 ``QuantLinear`` (the exit gate, one output wide, stays as it is, as does an int4 layer whose
 input width is not a multiple of the group). Its ``weight`` is the
@@ -27,10 +32,11 @@ import copy
 import torch
 from torch import nn
 
+from tinyloop.cpu import kernels
 from tinyloop.model.layers import HookFree
 
 __all__ = ["DRAFT_WEIGHTS", "WEIGHT_MODES", "QuantWeight", "QuantLinear", "draft_copy", "quantize_linears",
-           "quant_available"]
+           "quant_available", "quant_weights"]
 
 WEIGHT_MODES = ("float", "int8", "int4")
 _INT4_GROUP = 32
@@ -46,7 +52,7 @@ def quant_available(mode: str) -> bool:
 class QuantWeight:
     """One ``[N, K]`` float32 weight quantized to ``mode``; ``linear`` multiplies by it."""
 
-    __slots__ = ("mode", "shape", "group", "q", "scales", "scales16")
+    __slots__ = ("mode", "shape", "group", "q", "scales", "scales16", "panels")
 
     def __init__(self, weight: torch.Tensor, mode: str, group: int = _INT4_GROUP) -> None:
         if mode not in ("int8", "int4"):
@@ -69,6 +75,12 @@ class QuantWeight:
             zero = lo + 8 * scale  # w = (q - 8) * scale + zero
             self.scales = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [G, N, 2]
         self.scales16 = self.scales.to(torch.bfloat16)  # what the fast kernels take
+        self.panels: torch.Tensor | None = None  # int8 codes for the C kernels (``set_panels``)
+
+    def set_panels(self, on: bool) -> None:
+        """Lay int8 codes out in panels for ``kernels.panel_matmul`` (the C kernels built), or
+        drop them (int4 stays on torch's kernel)."""
+        self.panels = kernels.pack_panels(self.q) if on and self.mode == "int8" else None
 
     @property
     def nbytes(self) -> int:
@@ -84,9 +96,15 @@ class QuantWeight:
         return out
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W^T (+ bias)`` for x ``[..., K]``, W the dequantized weight, x rounded to
-        bfloat16 for the product; the result in x's dtype."""
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        """``x @ W^T (+ bias)`` for x ``[..., K]``, W the dequantized weight: a few float32 rows
+        on the panel kernel where there are panels, else x rounded to bfloat16 for torch's
+        product; the result in x's dtype."""
+        k = x.shape[-1]
+        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(x.numel() // k):
+            b = None if bias is None else bias.detach().float().contiguous()
+            out = kernels.panel_matmul(x.reshape(-1, k).contiguous(), self.panels, self.shape[0], b, self.scales)
+            return out.view(*x.shape[:-1], self.shape[0])
+        rows = x.reshape(-1, k).to(torch.bfloat16).contiguous()
         out = self._product(rows, self.scales16).to(x.dtype).view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out + bias
 
@@ -142,6 +160,13 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
         setattr(model, "packed_head", QuantWeight(head, mode))  # noqa: B010
         count += 1
     return count
+
+
+def quant_weights(model: nn.Module) -> list[QuantWeight]:
+    """Every ``QuantWeight`` of ``model`` (its quantized linears' and its head's), each once."""
+    weights: list[object] = [m.quant for m in model.modules() if isinstance(m, QuantLinear)]
+    weights.append(getattr(model, "packed_head", None))
+    return list({id(w): w for w in weights if isinstance(w, QuantWeight)}.values())
 
 
 DRAFT_WEIGHTS = ("same", "int8")
