@@ -302,7 +302,7 @@ def test_panel_products_match_f_linear(rows: int, n: int, k: int) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])
-def test_int8_panel_products_match_the_dequantized_weight(rows: int) -> None:
+def test_int8_panel_products_match_the_dequantized_weight(rows: int) -> None:  # (one thread: the module)
     from tinyloop.model.quant import QuantWeight
 
     gen = torch.Generator().manual_seed(rows)

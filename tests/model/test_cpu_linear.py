@@ -120,7 +120,8 @@ def test_decode_runs_every_matrix_product_on_the_packed_kernels(threads: int) ->
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels")
-def test_with_the_c_kernels_a_few_rows_run_on_the_panels(threads: int) -> None:
+@pytest.mark.usefixtures("one_torch_thread")  # (restores the count the test changes)
+def test_with_the_c_kernels_a_few_rows_run_on_the_panels() -> None:
     engine = Engine(model(), default_tokenizer(), max_seq_len=128)  # cpu_kernels on: panels on every weight
     weights = packed_weights(engine.model)
     assert weights and all(w.panels is not None for w in weights)
@@ -129,14 +130,15 @@ def test_with_the_c_kernels_a_few_rows_run_on_the_panels(threads: int) -> None:
     for batch in (1, 4):  # no torch product left in a decode step: the panel kernel ran them all
         ops = ops_per_decode(engine, batch)
         assert not any(ops[name] for name in products), ops
-    torch.set_num_threads(3)  # beyond kernels.PANEL_MAX_THREADS: torch's products, spread over the threads
+    torch.set_num_threads(kernels.PANEL_MAX_THREADS["float32"] + 1)  # torch's products, over the threads
     assert sum(ops_per_decode(engine, 4)[name] for name in products) > 0
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     use_cpu_kernels(engine.model, False)  # kernels off: the panels go with them
     assert all(w.panels is None for w in weights)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels")
+@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("rows", [1, 3, 16, 17])
 def test_a_panel_product_equals_f_linear(rows: int) -> None:
     from tinyloop.model.cpu_linear import PackedWeight

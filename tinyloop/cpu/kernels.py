@@ -199,16 +199,18 @@ def quantize_int4_rows(x: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor,
 
 
 PANEL = 16  # output columns a panel of ``pack_panels`` holds (kernels.c's PANEL)
-# Products of at most this many rows run on the panels (where a weight has them) ...
+# Products of at most this many rows run on the panels (where a weight has them) while torch
+# runs at most PANEL_MAX_THREADS intra-op threads (the kernel runs on one). Measured on two cores
+# (bench/panel_matmul.py): on two threads torch's float32 products of the ~100M preset run
+# 1.1-2x faster than the one-thread kernel, while its int8 kernel stays 2x slower.
 PANEL_ROWS = 16
-# ... while torch runs at most this many intra-op threads (the kernel runs on one; with more,
-# torch's products spread over them: not measured here, on two cores).
-PANEL_MAX_THREADS = 2
+PANEL_MAX_THREADS = {"float32": 1, "int8": 2}
 
 
-def serves_rows(rows: int) -> bool:
-    """Whether a product of ``rows`` rows runs on the panel kernel (weights that have panels)."""
-    return 0 < rows <= PANEL_ROWS and torch.get_num_threads() <= PANEL_MAX_THREADS
+def serves_rows(rows: int, dtype: str) -> bool:
+    """Whether a product of ``rows`` rows on a weight of ``dtype`` (``float32``, ``int8``) with
+    panels runs on the panel kernel, at torch's present thread count."""
+    return 0 < rows <= PANEL_ROWS and torch.get_num_threads() <= PANEL_MAX_THREADS[dtype]
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

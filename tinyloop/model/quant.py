@@ -100,7 +100,7 @@ class QuantWeight:
         on the panel kernel where there are panels, else x rounded to bfloat16 for torch's
         product; the result in x's dtype."""
         k = x.shape[-1]
-        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(x.numel() // k):
+        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(x.numel() // k, "int8"):
             b = None if bias is None else bias.detach().float().contiguous()
             out = kernels.panel_matmul(x.reshape(-1, k).contiguous(), self.panels, self.shape[0], b, self.scales)
             return out.view(*x.shape[:-1], self.shape[0])
