@@ -130,11 +130,31 @@ def test_with_the_c_kernels_a_few_rows_run_on_the_panels() -> None:
     for batch in (1, 4):  # no torch product left in a decode step: the panel kernel ran them all
         ops = ops_per_decode(engine, batch)
         assert not any(ops[name] for name in products), ops
-    torch.set_num_threads(kernels.PANEL_MAX_THREADS["float32"] + 1)  # torch's products, over the threads
-    assert sum(ops_per_decode(engine, 4)[name] for name in products) > 0
-    torch.set_num_threads(1)
     use_cpu_kernels(engine.model, False)  # kernels off: the panels go with them
     assert all(w.panels is None for w in weights)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels")
+@pytest.mark.usefixtures("one_torch_thread")  # (restores the count the test changes)
+def test_on_more_threads_only_small_products_stay_on_the_panels() -> None:
+    from tinyloop.model.cpu_linear import PackedWeight
+
+    big, small = PackedWeight(torch.randn(1024, 1024)), PackedWeight(torch.randn(64, 64))
+    big.set_panels(True)
+    small.set_panels(True)
+
+    def torch_products(weight: PackedWeight, rows: int) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            weight.linear(torch.randn(rows, weight.weight.shape[1]))
+        return sum(e.name in ("aten::linear", "aten::mm", "aten::bmm", "mkldnn::_linear_pointwise")
+                   for e in prof.events())
+
+    assert torch_products(big, 8) == 0 and torch_products(small, 8) == 0  # one thread: every few-row product
+    assert torch_products(big, 17) > 0  # more rows than a panel call serves
+    torch.set_num_threads(kernels.PANEL_MAX_THREADS["float32"] + 1)
+    assert torch_products(big, 8) > 0  # 8M multiply-adds: torch's threads
+    assert torch_products(small, 8) == 0  # 32k: still the one-thread kernel
+    assert kernels.serves_rows(8, 1024, 1024, "int8") == (torch.get_num_threads() <= kernels.PANEL_MAX_THREADS["int8"])
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels")

@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
            "decode_attention_int4", "rms_norm", "quantize_int4_rows", "pack_panels", "panel_matmul", "serves_rows",
-           "PANEL", "PANEL_ROWS", "PANEL_MAX_THREADS"]
+           "PANEL", "PANEL_ROWS", "PANEL_MAX_THREADS", "PANEL_SMALL_WORK"]
 
 log = logging.getLogger("tinyloop.cpu")
 
@@ -199,18 +199,24 @@ def quantize_int4_rows(x: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor,
 
 
 PANEL = 16  # output columns a panel of ``pack_panels`` holds (kernels.c's PANEL)
-# Products of at most this many rows run on the panels (where a weight has them) while torch
-# runs at most PANEL_MAX_THREADS intra-op threads (the kernel runs on one). Measured on two cores
-# (bench/panel_matmul.py): on two threads torch's float32 products of the ~100M preset run
-# 1.1-2x faster than the one-thread kernel, while its int8 kernel stays 2x slower.
+# Products of at most PANEL_ROWS rows run on the panels (where a weight has them) while torch
+# runs at most PANEL_MAX_THREADS intra-op threads (the kernel runs on one), or at any thread
+# count when they are at most PANEL_SMALL_WORK multiply-adds (torch's threads cost more than they
+# save there). Measured on two cores (bench/panel_matmul.py --threads 2): torch's two-thread
+# float32 products of the ~100M preset's weights run 1.1-2x faster than the one-thread kernel,
+# the small preset's products of up to about a million multiply-adds 1.2-1.6x slower, and
+# torch's int8 kernel 2x slower at every size.
 PANEL_ROWS = 16
 PANEL_MAX_THREADS = {"float32": 1, "int8": 2}
+PANEL_SMALL_WORK = 1 << 20
 
 
-def serves_rows(rows: int, dtype: str) -> bool:
-    """Whether a product of ``rows`` rows on a weight of ``dtype`` (``float32``, ``int8``) with
-    panels runs on the panel kernel, at torch's present thread count."""
-    return 0 < rows <= PANEL_ROWS and torch.get_num_threads() <= PANEL_MAX_THREADS[dtype]
+def serves_rows(rows: int, n: int, k: int, dtype: str) -> bool:
+    """Whether a product of ``rows`` rows by an ``[n, k]`` weight of ``dtype`` (``float32``,
+    ``int8``) with panels runs on the panel kernel, at torch's present thread count."""
+    if not 0 < rows <= PANEL_ROWS:
+        return False
+    return rows * n * k <= PANEL_SMALL_WORK or torch.get_num_threads() <= PANEL_MAX_THREADS[dtype]
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

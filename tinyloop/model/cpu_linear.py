@@ -30,9 +30,10 @@ copy in 16-column panels (``kernels.pack_panels``) and calls of 1 to 16 rows run
 row's sums in registers. Measured on this machine's two cores (``bench/panel_matmul.py``), it
 runs the ``small`` preset's products 1.2-2x faster than oneDNN's blocked kernel at 1-16 rows with
 the weights out of cache (what a decode step sees), and 1-3x faster than the one-row paths
-above, on one thread. It is single-threaded, so it serves only where torch runs one intra-op
-thread (``kernels.PANEL_MAX_THREADS``): on two, torch's products of the ~100M preset's weights
-run 1.1-2x faster than it.
+above, on one thread. It is single-threaded, so where torch runs more intra-op threads it serves
+only products small enough for torch's threads to cost more than they save
+(``kernels.serves_rows``): on two, torch's products of the ~100M preset's weights run 1.1-2x
+faster than it.
 
 The blocked and panel copies are made once: a model whose weights change afterwards must be
 packed again (``pack_linears`` re-packs; ``unpack_linears`` drops the copies). The engine packs
@@ -117,9 +118,9 @@ class PackedWeight:
         """``F.linear(x, weight, bias)``: a few rows on the panel kernel where the weight has
         panels; else one row on the re-laid weight (split over the threads where there are
         several), more on the blocked."""
-        k = x.shape[-1]
-        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(x.numel() // k, "float32"):
-            n = self.weight.shape[0]
+        k, n = x.shape[-1], self.weight.shape[0]
+        rows = x.numel() // k
+        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(rows, n, k, "float32"):
             b = None if bias is None else bias.detach().float().contiguous()
             return kernels.panel_matmul(x.reshape(-1, k).contiguous(), self.panels, n, b).view(*x.shape[:-1], n)
         if x.numel() <= k:

@@ -100,12 +100,13 @@ class QuantWeight:
         on the panel kernel where there are panels, else x rounded to bfloat16 for torch's
         product; the result in x's dtype."""
         k = x.shape[-1]
-        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(x.numel() // k, "int8"):
+        rows = x.numel() // k
+        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(rows, *self.shape, "int8"):
             b = None if bias is None else bias.detach().float().contiguous()
             out = kernels.panel_matmul(x.reshape(-1, k).contiguous(), self.panels, self.shape[0], b, self.scales)
             return out.view(*x.shape[:-1], self.shape[0])
-        rows = x.reshape(-1, k).to(torch.bfloat16).contiguous()
-        out = self._product(rows, self.scales16).to(x.dtype).view(*x.shape[:-1], self.shape[0])
+        flat = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+        out = self._product(flat, self.scales16).to(x.dtype).view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out + bias
 
     def dequantize(self) -> torch.Tensor:
