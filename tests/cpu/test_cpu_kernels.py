@@ -326,3 +326,16 @@ def test_int4_weights_keep_torchs_kernel() -> None:
     quant = QuantWeight(torch.randn(64, 64), "int4")
     quant.set_panels(True)
     assert quant.panels is None
+
+
+@needs_kernel
+def test_weights_packed_together_equal_each_packed_alone() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(40, 24, generator=gen), torch.randint(-127, 128, (33, 16), generator=gen).to(torch.int8),
+               torch.randn(16, 8, generator=gen).t()]  # float32, int8 codes, a transposed view
+    together = kernels.pack_panels_all(weights)
+    assert [t.dtype for t in together] == [w.dtype for w in weights]
+    for t, w in zip(together, weights, strict=True):
+        assert torch.equal(t, kernels.pack_panels(w))
+        assert t.data_ptr() % 64 == 0  # each on a cache line of its own
+    assert kernels.pack_panels_all([]) == []

@@ -100,8 +100,13 @@ def use_cpu_kernels(model: LoopedLM, on: bool = True) -> bool:
 
 
 def _set_panels(model: LoopedLM, on: bool) -> None:
-    """Give every packed float32 and int8 weight of ``model`` its panels (kept where it has them), or drop them."""
+    """Give every packed float32 and int8 weight of ``model`` its panels (kept where it has them;
+    packed together, on huge pages where the OS gives them: ``kernels.pack_panels_all``), or drop them."""
     weights: list[PackedWeight | QuantWeight] = [*packed_weights(model), *quant_weights(model)]
-    for weight in weights:
-        if not on or weight.panels is None:
-            weight.set_panels(on)
+    if not on:
+        for weight in weights:
+            weight.panels = None
+        return
+    todo = [(w, source) for w in weights if w.panels is None and (source := w.panel_source) is not None]
+    for (weight, _), panels in zip(todo, kernels.pack_panels_all([source for _, source in todo]), strict=True):
+        weight.panels = panels

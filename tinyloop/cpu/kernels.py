@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import mmap
 import os
 import platform
 import shutil
@@ -30,8 +31,8 @@ from typing import Any
 import torch
 
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
-           "decode_attention_int4", "rms_norm", "quantize_int4_rows", "pack_panels", "panel_matmul", "serves_rows",
-           "PANEL", "PANEL_ROWS", "PANEL_MAX_THREADS", "PANEL_SMALL_WORK"]
+           "decode_attention_int4", "rms_norm", "quantize_int4_rows", "pack_panels", "pack_panels_all", "panel_matmul",
+           "serves_rows", "PANEL", "PANEL_ROWS", "PANEL_MAX_THREADS", "PANEL_SMALL_WORK"]
 
 log = logging.getLogger("tinyloop.cpu")
 
@@ -219,19 +220,56 @@ def serves_rows(rows: int, n: int, k: int, dtype: str) -> bool:
     return rows * n * k <= PANEL_SMALL_WORK or torch.get_num_threads() <= PANEL_MAX_THREADS[dtype]
 
 
+def _panels_numel(weight: torch.Tensor) -> int:
+    return -(-weight.shape[0] // PANEL) * PANEL * weight.shape[1]
+
+
+def _pack_into(weight: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    if weight.dtype not in (torch.float32, torch.int8):
+        raise TypeError(f"panels hold float32 or int8 weights, not {weight.dtype}")
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    n, k = weight.shape
+    pack = load().tl_pack_panels if weight.dtype == torch.float32 else load().tl_pack_panels_int8
+    pack(weight.data_ptr(), weight.stride(0), n, k, panels.data_ptr())
+    return panels
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[N, K]`` (float32, or int8 codes, on the CPU; copied first unless its stride
     along K is 1) laid out for ``panel_matmul``: panels of 16 output columns,
     ``[ceil(N / 16), K, 16]`` flat, the last zero-padded; of the weight's dtype."""
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    n, k = weight.shape
-    panels = torch.empty(-(-n // PANEL) * PANEL * k, dtype=weight.dtype, device=weight.device)
-    pack = load().tl_pack_panels if weight.dtype == torch.float32 else load().tl_pack_panels_int8
-    if weight.dtype not in (torch.float32, torch.int8):
-        raise TypeError(f"panels hold float32 or int8 weights, not {weight.dtype}")
-    pack(weight.data_ptr(), weight.stride(0), n, k, panels.data_ptr())
-    return panels
+    return _pack_into(weight, torch.empty(_panels_numel(weight), dtype=weight.dtype, device=weight.device))
+
+
+_HUGE_PAGE = 1 << 21
+_ALIGN = 64  # each weight's panels start on a cache line
+
+
+def pack_panels_all(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``pack_panels`` of each weight, all carved out of one anonymous memory map that Linux is
+    asked to back with 2 MiB pages (``madvise(MADV_HUGEPAGE)``, where it exists). A decode step
+    streams every panel once: with 4 KiB pages the hardware prefetchers stop at every page edge
+    and each page costs a TLB miss; a one-row product read 15 GB/s against 17-19 GB/s on 2 MiB
+    pages here (``bench/panel_matmul.py``). Where the kernel gives none, the pages stay small."""
+    sizes = [_panels_numel(w) * w.element_size() for w in weights]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // _ALIGN) * _ALIGN
+    if total == 0:
+        return [_pack_into(w, torch.empty(0, dtype=w.dtype)) for w in weights]
+    # private (a shared anonymous map is shmem, which THP leaves alone by default), page-aligned,
+    # zeroed, unmapped when the last view goes
+    arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            arena.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: small pages
+            pass
+    memory = torch.frombuffer(arena, dtype=torch.uint8)  # (keeps the map alive)
+    return [_pack_into(w, memory[off:off + size].view(w.dtype))
+            for w, off, size in zip(weights, offsets, sizes, strict=True)]
 
 
 def panel_matmul(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,

@@ -109,10 +109,15 @@ class PackedWeight:
             with torch.no_grad():
                 self.blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
 
+    @property
+    def panel_source(self) -> torch.Tensor:
+        """What ``kernels.pack_panels`` lays out for this weight."""
+        return self.weight.detach()
+
     def set_panels(self, on: bool) -> None:
         """Lay the weight out in panels for ``kernels.panel_matmul`` (the C kernels built), or
-        drop them."""
-        self.panels = kernels.pack_panels(self.weight.detach()) if on else None
+        drop them (``cpu.backend.use_cpu_kernels`` packs a model's weights together instead)."""
+        self.panels = kernels.pack_panels(self.panel_source) if on else None
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)``: a few rows on the panel kernel where the weight has

@@ -77,10 +77,16 @@ class QuantWeight:
         self.scales16 = self.scales.to(torch.bfloat16)  # what the fast kernels take
         self.panels: torch.Tensor | None = None  # int8 codes for the C kernels (``set_panels``)
 
+    @property
+    def panel_source(self) -> torch.Tensor | None:
+        """What ``kernels.pack_panels`` lays out: the int8 codes (int4 stays on torch's kernel)."""
+        return self.q if self.mode == "int8" else None
+
     def set_panels(self, on: bool) -> None:
         """Lay int8 codes out in panels for ``kernels.panel_matmul`` (the C kernels built), or
-        drop them (int4 stays on torch's kernel)."""
-        self.panels = kernels.pack_panels(self.q) if on and self.mode == "int8" else None
+        drop them (``cpu.backend.use_cpu_kernels`` packs a model's weights together instead)."""
+        source = self.panel_source
+        self.panels = kernels.pack_panels(source) if on and source is not None else None
 
     @property
     def nbytes(self) -> int:
