@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import mmap
 import os
 import platform
 import shutil
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tinyloop.model.hostmem import huge_page_bytes
 
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
            "decode_attention_int4", "rms_norm", "quantize_int4_rows", "pack_panels", "pack_panels_all", "panel_matmul",
@@ -242,32 +243,18 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return _pack_into(weight, torch.empty(_panels_numel(weight), dtype=weight.dtype, device=weight.device))
 
 
-_HUGE_PAGE = 1 << 21
 _ALIGN = 64  # each weight's panels start on a cache line
 
 
 def pack_panels_all(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``pack_panels`` of each weight, all carved out of one anonymous memory map that Linux is
-    asked to back with 2 MiB pages (``madvise(MADV_HUGEPAGE)``, where it exists). A decode step
-    streams every panel once: with 4 KiB pages the hardware prefetchers stop at every page edge
-    and each page costs a TLB miss; a one-row product read 15 GB/s against 17-19 GB/s on 2 MiB
-    pages here (``bench/panel_matmul.py``). Where the kernel gives none, the pages stay small."""
+    """``pack_panels`` of each weight, all carved out of one buffer on 2 MiB pages where Linux
+    gives them (``model.hostmem``: a decode step streams every panel)."""
     sizes = [_panels_numel(w) * w.element_size() for w in weights]
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
         total += -(-size // _ALIGN) * _ALIGN
-    if total == 0:
-        return [_pack_into(w, torch.empty(0, dtype=w.dtype)) for w in weights]
-    # private (a shared anonymous map is shmem, which THP leaves alone by default), page-aligned,
-    # zeroed, unmapped when the last view goes
-    arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            arena.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages: small pages
-            pass
-    memory = torch.frombuffer(arena, dtype=torch.uint8)  # (keeps the map alive)
+    memory = huge_page_bytes(total)
     return [_pack_into(w, memory[off:off + size].view(w.dtype))
             for w, off, size in zip(weights, offsets, sizes, strict=True)]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from tinyloop.model import hostmem
 from tinyloop.model.config import ModelConfig
 from tinyloop.vocabulary import KVMode
 
@@ -66,7 +67,7 @@ class PlainBuffer:
 
     def __init__(self, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device | str) -> None:
-        self.data = torch.zeros((rows, *row_shape), dtype=dtype, device=device)
+        self.data = hostmem.zeros((rows, *row_shape), dtype, device)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -102,8 +103,8 @@ class Int4Buffer:
         if width % 2 or width % group:
             raise ValueError(f"int4 needs an even width divisible by the group, got {width}/{group}")
         self.group = group
-        self.codes = torch.zeros((rows, *lead, width // 2), dtype=torch.uint8, device=device)
-        self.meta = torch.zeros((rows, *lead, width // group, 2), dtype=torch.float16, device=device)
+        self.codes = hostmem.zeros((rows, *lead, width // 2), torch.uint8, device)
+        self.meta = hostmem.zeros((rows, *lead, width // group, 2), torch.float16, device)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
