@@ -320,12 +320,32 @@ def test_int8_panel_products_match_the_dequantized_weight(rows: int) -> None:  #
 
 
 @needs_kernel
-def test_int4_weights_keep_torchs_kernel() -> None:
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
+def test_int4_panel_products_match_the_dequantized_weight(rows: int) -> None:
     from tinyloop.model.quant import QuantWeight
 
-    quant = QuantWeight(torch.randn(64, 64), "int4")
+    gen = torch.Generator().manual_seed(rows)
+    quant = QuantWeight(torch.randn(48, 96, generator=gen) * 0.05, "int4")  # 3 groups of 32 inputs
+    x, bias = torch.randn(rows, 96, generator=gen), torch.randn(48, generator=gen)
+    exact = torch.nn.functional.linear(x, quant.dequantize(), bias)
+    torch_path = quant.linear(x, bias)  # torch's int4 kernel: x rounded to bfloat16
     quant.set_panels(True)
-    assert quant.panels is None
+    assert isinstance(quant.panels, tuple)
+    panel = quant.linear(x, bias)  # 1-16 rows on the panels, x in float32; 17 on torch's kernel
+    torch.testing.assert_close(panel, exact if rows <= kernels.PANEL_ROWS else torch_path, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_int4_panels_pad_a_short_last_panel() -> None:
+    gen = torch.Generator().manual_seed(9)
+    n, k, group = 21, 64, 32
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales, zeros = torch.rand(k // group, n, generator=gen), torch.randn(k // group, n, generator=gen)
+    weight = (codes.float() - 8) * scales.repeat_interleave(group, 0).t() + zeros.repeat_interleave(group, 0).t()
+    packed = kernels.pack_panels_int4(codes[:, 0::2] | (codes[:, 1::2] << 4), scales, zeros, group)
+    x = torch.randn(3, k, generator=gen)
+    torch.testing.assert_close(kernels.panel_matmul_int4(x, packed, n, group, None), x @ weight.t(),
+                               rtol=1e-5, atol=1e-4)
 
 
 @needs_kernel

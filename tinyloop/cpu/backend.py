@@ -110,3 +110,6 @@ def _set_panels(model: LoopedLM, on: bool) -> None:
     todo = [(w, source) for w in weights if w.panels is None and (source := w.panel_source) is not None]
     for (weight, _), panels in zip(todo, kernels.pack_panels_all([source for _, source in todo]), strict=True):
         weight.panels = panels
+    for weight in weights:  # int4: packed one by one (codes and group parameters)
+        if weight.panels is None:
+            weight.set_panels(True)

@@ -372,3 +372,146 @@ int tl_panel_matmul_int8(const float *x, int64_t M, int64_t K, const int8_t *pan
                          const float *scales, const float *bias, float *y) {
     return matmul_i8(x, M, K, panels, N, scales, bias, y);
 }
+
+/* 4-bit weights (`QuantWeight`'s int4): W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n] for the
+ * group g = k / group, q in [0, 15]. Per group, y gets scale * sum_k x q + (zero - 8 scale) *
+ * sum_k x: the panels hold, per k, the 16 columns' codes in 8 bytes (byte j: column j in the low
+ * nibble, column j + 8 in the high), and per group the 16 columns' scale and zero - 8 scale
+ * ([n_panels, G, 2, 16] float32, `params`). The group sums of x are taken once per call. */
+#if defined(__AVX512F__)
+static inline vec16 load_nibbles(const uint8_t *p) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)(const void *)p), low = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+}
+#else
+static inline void nibbles_to(const uint8_t *p, float *out) {
+    for (int j = 0; j < 8; ++j) {
+        out[j] = (float)(p[j] & 15u);
+        out[j + 8] = (float)(p[j] >> 4);
+    }
+}
+#define load_nibbles(p) ({ float f_[PANEL]; nibbles_to((p), f_); VLOAD(f_); })
+#endif
+
+/* Four k's codes (32 bytes) as four 16-wide float vectors: one load, the low and high nibbles
+ * split once for all four, then each k's 8 + 8 codes widened. */
+#if defined(__AVX512F__)
+static inline void load_nibbles4(const uint8_t *p, vec16 *w) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(const void *)p), low = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    const __m256i even = _mm256_unpacklo_epi64(lo, hi), odd = _mm256_unpackhi_epi64(lo, hi); /* k0 | k2, k1 | k3 */
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(even)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(odd)));
+    w[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(even, 1)));
+    w[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(odd, 1)));
+}
+#else
+static inline void load_nibbles4(const uint8_t *p, vec16 *w) {
+    for (int s = 0; s < 4; ++s) w[s] = load_nibbles(p + 8 * s);
+}
+#endif
+
+/* R rows times one 4-bit panel; four k's at a time (a group is a multiple of 4), each in its own
+ * partial sum (one or two rows would otherwise wait on a chain of dependent multiply-adds). */
+#define PANEL_ROWS_I4(R, KS)                                                                           \
+    static void matmul_i4_##R(const float *xt, int64_t ldx, const float *xsum, const uint8_t *panel,   \
+                              const float *params, int64_t K, int64_t group, const float *bias, float *y, \
+                              int64_t ldy, int64_t cols) {                                             \
+        vec16 acc[R];                                                                                  \
+        for (int r = 0; r < R; ++r) acc[r] = VZERO();                                                  \
+        for (int64_t g = 0; g < K / group; ++g) {                                                      \
+            vec16 part[4][R];                                                                          \
+            for (int s = 0; s < 4; ++s)                                                                \
+                for (int r = 0; r < R; ++r) part[s][r] = VZERO();                                      \
+            for (int64_t k = g * group; k < (g + 1) * group; k += 4) {                                 \
+                vec16 w[4];                                                                            \
+                load_nibbles4(panel + 8 * k, w);                                                       \
+                __builtin_prefetch(panel + 8 * k + PANEL_AHEAD, 0, 0);                                 \
+                for (int s = 0; s < 4; ++s)                                                            \
+                    for (int r = 0; r < R; ++r) part[s][r] = VFMA(part[s][r], xt[(k + s) * ldx + r], w[s]); \
+            }                                                                                          \
+            for (int s = 1; s < 4; ++s)                                                                \
+                for (int r = 0; r < R; ++r) part[0][r] = VADD(part[0][r], part[s][r]);                 \
+            const vec16 scale = VLOAD(params + g * 2 * PANEL), shift = VLOAD(params + g * 2 * PANEL + PANEL); \
+            for (int r = 0; r < R; ++r)                                                                \
+                acc[r] = VFMA(VADD(acc[r], VMUL(part[0][r], scale)), xsum[g * ldx + r], shift);        \
+        }                                                                                              \
+        float out[PANEL], b[PANEL] = {0};                                                              \
+        if (bias != NULL) memcpy(b, bias, (size_t)cols * sizeof(float));                               \
+        for (int r = 0; r < R; ++r) {                                                                  \
+            VSTORE(out, VADD(acc[r], VLOAD(b)));                                                       \
+            memcpy(y + r * ldy, out, (size_t)cols * sizeof(float));                                    \
+        }                                                                                              \
+    }
+PANEL_ROWS_I4(1, 4)
+PANEL_ROWS_I4(2, 4)
+PANEL_ROWS_I4(4, 4)
+PANEL_ROWS_I4(8, 4)
+PANEL_ROWS_I4(16, 4)
+
+/* codes [N, K / 2] (q[n, 2i] in the low nibble of byte i, q[n, 2i + 1] in the high), scales and
+ * zeros [G, N] float32 into panels [ceil(N / 16), K, 8] bytes and params [ceil(N / 16), G, 2, 16]. */
+void tl_pack_panels_int4(const uint8_t *codes, const float *scales, const float *zeros, int64_t N, int64_t K,
+                         int64_t group, uint8_t *panels, float *params) {
+    const int64_t n_panels = (N + PANEL - 1) / PANEL, G = K / group;
+    for (int64_t p = 0; p < n_panels; ++p) {
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t j = 0; j < 8; ++j) {
+                uint8_t q[2] = {8, 8}; /* a padded column: code 8, scale 0 */
+                for (int h = 0; h < 2; ++h) {
+                    const int64_t n = p * PANEL + j + 8 * h;
+                    if (n < N) q[h] = (codes[n * (K / 2) + k / 2] >> (4 * (k & 1))) & 15u;
+                }
+                panels[(p * K + k) * 8 + j] = (uint8_t)(q[0] | (q[1] << 4));
+            }
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t j = 0; j < PANEL; ++j) {
+                const int64_t n = p * PANEL + j;
+                const float s = n < N ? scales[g * N + n] : 0.0f, z = n < N ? zeros[g * N + n] : 0.0f;
+                params[((p * G + g) * 2) * PANEL + j] = s;
+                params[((p * G + g) * 2 + 1) * PANEL + j] = z - 8.0f * s;
+            }
+    }
+}
+
+/* y [M, N] = x [M, K] W^T + bias for 4-bit W as `tl_pack_panels_int4` laid it out. Returns 0, or
+ * -1 where it could not allocate its scratch. */
+int tl_panel_matmul_int4(const float *x, int64_t M, int64_t K, const uint8_t *panels, const float *params,
+                         int64_t N, int64_t group, const float *bias, float *y) {
+    const int64_t G = K / group, block = M < ROW_BLOCK ? M : ROW_BLOCK;
+    float *xt = malloc((size_t)block * (size_t)(K + G) * sizeof(float));
+    if (xt == NULL) return -1;
+    float *xsum = xt + block * K;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t r = 0; r < rows; ++r) xt[k * rows + r] = x[(m0 + r) * K + k];
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t r = 0; r < rows; ++r) {
+                float total = 0.0f;
+                for (int64_t k = g * group; k < (g + 1) * group; ++k) total += xt[k * rows + r];
+                xsum[g * rows + r] = total;
+            }
+        for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
+            const uint8_t *panel = panels + n0 * K / 2;
+            const float *pp = params + (n0 / PANEL) * G * 2 * PANEL, *b = bias != NULL ? bias + n0 : NULL;
+            const int64_t cols = N - n0 < PANEL ? N - n0 : PANEL;
+            for (int64_t r = 0; r < rows;) {
+                const float *xr = xt + r, *sr = xsum + r;
+                float *yr = y + (m0 + r) * N + n0;
+                const int64_t left = rows - r, step = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                switch (step) {
+                case 16: matmul_i4_16(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
+                case 8: matmul_i4_8(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
+                case 4: matmul_i4_4(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
+                case 2: matmul_i4_2(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
+                default: matmul_i4_1(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
+                }
+                r += step;
+            }
+        }
+    }
+    free(xt);
+    return 0;
+}

@@ -32,8 +32,9 @@ import torch
 from tinyloop.model.hostmem import huge_page_bytes
 
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
-           "decode_attention_int4", "rms_norm", "quantize_int4_rows", "pack_panels", "pack_panels_all", "panel_matmul",
-           "serves_rows", "PANEL", "PANEL_ROWS", "PANEL_MAX_THREADS", "PANEL_SMALL_WORK"]
+           "decode_attention_int4", "rms_norm", "quantize_int4_rows", "pack_panels", "pack_panels_all",
+           "pack_panels_int4", "panel_matmul", "panel_matmul_int4", "serves_rows", "PANEL", "PANEL_ROWS",
+           "PANEL_MAX_THREADS", "PANEL_SMALL_WORK"]
 
 log = logging.getLogger("tinyloop.cpu")
 
@@ -51,6 +52,8 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_pack_panels_int8", None, [_P] + [_I] * 3 + [_P]),
     ("tl_panel_matmul", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 2),
     ("tl_panel_matmul_int8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 3),
+    ("tl_pack_panels_int4", None, [_P] * 3 + [_I] * 3 + [_P] * 2),
+    ("tl_panel_matmul_int4", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 2 + [_I] * 2 + [_P] * 2),
 ]
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not
@@ -207,9 +210,9 @@ PANEL = 16  # output columns a panel of ``pack_panels`` holds (kernels.c's PANEL
 # save there). Measured on two cores (bench/panel_matmul.py --threads 2): torch's two-thread
 # float32 products of the ~100M preset's weights run 1.1-2x faster than the one-thread kernel,
 # the small preset's products of up to about a million multiply-adds 1.2-1.6x slower, and
-# torch's int8 kernel 2x slower at every size.
+# torch's int8 and int4 kernels 2x slower at every size.
 PANEL_ROWS = 16
-PANEL_MAX_THREADS = {"float32": 1, "int8": 2}
+PANEL_MAX_THREADS = {"float32": 1, "int8": 2, "int4": 2}
 PANEL_SMALL_WORK = 1 << 20
 
 
@@ -257,6 +260,36 @@ def pack_panels_all(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     memory = huge_page_bytes(total)
     return [_pack_into(w, memory[off:off + size].view(w.dtype))
             for w, off, size in zip(weights, offsets, sizes, strict=True)]
+
+
+def pack_panels_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit weights laid out for ``panel_matmul_int4``: ``codes`` ``[N, K / 2]`` uint8 (two codes
+    in [0, 15] a byte, the even k in the low nibble), ``scales`` and ``zeros`` ``[K / group, N]``
+    float32 (W = (code - 8) * scale + zero, ``quant.QuantWeight``'s int4). Returns the panels'
+    codes (8 bytes per k per 16 columns) and their per-group parameters, on 2 MiB pages."""
+    n, half = codes.shape
+    k, panels_n = 2 * half, -(-n // PANEL)
+    groups = k // group
+    codes, scales, zeros = codes.contiguous(), scales.float().contiguous(), zeros.float().contiguous()
+    if codes.dtype != torch.uint8 or k % group or scales.shape != (groups, n) or zeros.shape != (groups, n):
+        raise ValueError("int4 panels need uint8 codes [N, K/2] and float32 scales and zeros [K/group, N]")
+    panels = huge_page_bytes(panels_n * k * 8)
+    params = huge_page_bytes(panels_n * groups * 2 * PANEL * 4).view(torch.float32)
+    load().tl_pack_panels_int4(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, group, panels.data_ptr(),
+                               params.data_ptr())
+    return panels, params
+
+
+def panel_matmul_int4(x: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor], n: int, group: int,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """``panel_matmul`` for 4-bit weights laid out by ``pack_panels_int4`` (x stays float32)."""
+    m, k = x.shape
+    codes, params = panels
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    code = load().tl_panel_matmul_int4(x.data_ptr(), m, k, codes.data_ptr(), params.data_ptr(), n, group,
+                                       None if bias is None else bias.data_ptr(), out.data_ptr())
+    return _allocated(code, out, "a panel matrix product")
 
 
 def panel_matmul(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,

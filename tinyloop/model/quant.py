@@ -12,10 +12,12 @@ kernels' float32-activation variants run 15-30x slower here: 3.9 ms against 0.25
   [0, 15], torch's convention); ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the weight
   packed by ``_convert_weight_to_int4pack_for_cpu``.
 
-With the C kernels (``tinyloop/cpu``), an int8 weight also gets its codes in 16-column panels and
-products of 1 to 16 rows run on ``kernels.panel_matmul`` (``cpu_linear``'s panel kernel, the
-codes widened to float32 as they are read): x stays float32, and a one-row product reads the
-codes at close to the memory's speed (torch's int8 kernel: about a third of it here).
+With the C kernels (``tinyloop/cpu``), a quantized weight also gets its codes in 16-column panels
+and products of 1 to 16 rows run on ``kernels.panel_matmul`` (``cpu_linear``'s panel kernel, the
+codes widened to float32 as they are read; int4 per group, scaled and shifted at the group's end):
+x stays float32, and a one-row product reads the codes at close to the memory's speed (torch's
+int8 and int4 kernels: a third to a half of it here). An int4 weight keeps its codes a second time
+(``codes4``, half a byte a weight) to lay them out.
 
 ``quantize_linears(model, "int8" | "int4")`` swaps every float32 ``nn.Linear`` for a
 ``QuantLinear`` (the exit gate, one output wide, stays as it is, as does an int4 layer whose
@@ -52,7 +54,7 @@ def quant_available(mode: str) -> bool:
 class QuantWeight:
     """One ``[N, K]`` float32 weight quantized to ``mode``; ``linear`` multiplies by it."""
 
-    __slots__ = ("mode", "shape", "group", "q", "scales", "scales16", "panels")
+    __slots__ = ("mode", "shape", "group", "q", "scales", "scales16", "panels", "codes4")
 
     def __init__(self, weight: torch.Tensor, mode: str, group: int = _INT4_GROUP) -> None:
         if mode not in ("int8", "int4"):
@@ -72,21 +74,28 @@ class QuantWeight:
             scale = ((hi - lo) / 15).clamp_min(1e-12)  # [N, G]
             codes = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
             self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.reshape(n, k), 1)
+            flat = codes.reshape(n, k).to(torch.uint8)
+            self.codes4 = (flat[:, 0::2] | (flat[:, 1::2] << 4)).contiguous()  # [N, K/2]: the panels' source
             zero = lo + 8 * scale  # w = (q - 8) * scale + zero
             self.scales = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [G, N, 2]
         self.scales16 = self.scales.to(torch.bfloat16)  # what the fast kernels take
-        self.panels: torch.Tensor | None = None  # int8 codes for the C kernels (``set_panels``)
+        # the C kernels' layout (``set_panels``): int8 codes, or int4 codes and their group parameters
+        self.panels: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def panel_source(self) -> torch.Tensor | None:
-        """What ``kernels.pack_panels`` lays out: the int8 codes (int4 stays on torch's kernel)."""
+        """What ``kernels.pack_panels`` lays out: the int8 codes (int4 panels: ``set_panels``)."""
         return self.q if self.mode == "int8" else None
 
     def set_panels(self, on: bool) -> None:
-        """Lay int8 codes out in panels for ``kernels.panel_matmul`` (the C kernels built), or
-        drop them (``cpu.backend.use_cpu_kernels`` packs a model's weights together instead)."""
-        source = self.panel_source
-        self.panels = kernels.pack_panels(source) if on and source is not None else None
+        """Lay the codes out in panels for ``kernels.panel_matmul`` (the C kernels built), or drop
+        them (``cpu.backend.use_cpu_kernels`` packs a model's int8 weights together instead)."""
+        if not on:
+            self.panels = None
+        elif self.mode == "int8":
+            self.panels = kernels.pack_panels(self.q)
+        else:  # scales [G, N, 2]: (scale, zero) per group and output
+            self.panels = kernels.pack_panels_int4(self.codes4, self.scales[..., 0], self.scales[..., 1], self.group)
 
     @property
     def nbytes(self) -> int:
@@ -107,9 +116,13 @@ class QuantWeight:
         product; the result in x's dtype."""
         k = x.shape[-1]
         rows = x.numel() // k
-        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(rows, *self.shape, "int8"):
+        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(rows, *self.shape, self.mode):
             b = None if bias is None else bias.detach().float().contiguous()
-            out = kernels.panel_matmul(x.reshape(-1, k).contiguous(), self.panels, self.shape[0], b, self.scales)
+            flat = x.reshape(-1, k).contiguous()
+            if isinstance(self.panels, tuple):
+                out = kernels.panel_matmul_int4(flat, self.panels, self.shape[0], self.group, b)
+            else:
+                out = kernels.panel_matmul(flat, self.panels, self.shape[0], b, self.scales)
             return out.view(*x.shape[:-1], self.shape[0])
         flat = x.reshape(-1, k).to(torch.bfloat16).contiguous()
         out = self._product(flat, self.scales16).to(x.dtype).view(*x.shape[:-1], self.shape[0])
