@@ -1,8 +1,9 @@
 """``CpuBackend``: the model's ``Backend`` seam (``tinyloop/model/backend.py``) with decode
 attention, 4-bit KV writes and RMSNorm on this package's C kernels (``kernels.py``), everything
 else torch. Each falls back to the torch reference off the cases it covers. ``use_cpu_kernels``
-also gives the model's packed float32 weights (``cpu_linear.PackedWeight``) and int8 weights
-(``quant.QuantWeight``) their panel copies, so products of a few rows run on ``kernels.panel_matmul``.
+also gives the model's packed float32 weights (``cpu_linear.PackedWeight``) and int8 and int4
+weights (``quant.QuantWeight``) their panel copies, so products of a few rows run on
+``kernels.panel_matmul``.
 
 RMSNorm: torch runs ``F.rms_norm`` on the CPU as six ops, about 12 us a call at decode sizes
 against 2-3 us for the kernel, and a looped model normalises four times a layer application
@@ -100,8 +101,9 @@ def use_cpu_kernels(model: LoopedLM, on: bool = True) -> bool:
 
 
 def _set_panels(model: LoopedLM, on: bool) -> None:
-    """Give every packed float32 and int8 weight of ``model`` its panels (kept where it has them;
-    packed together, on huge pages where the OS gives them: ``kernels.pack_panels_all``), or drop them."""
+    """Give every packed float32 and quantized weight of ``model`` its panels (kept where it has
+    them; float32 and int8 packed together, on huge pages where the OS gives them:
+    ``kernels.pack_panels_all``), or drop them."""
     weights: list[PackedWeight | QuantWeight] = [*packed_weights(model), *quant_weights(model)]
     if not on:
         for weight in weights:

@@ -62,6 +62,7 @@ class QuantWeight:
         w = weight.detach().float()
         n, k = w.shape
         self.mode, self.shape, self.group = mode, (n, k), group
+        self.codes4: torch.Tensor | None = None  # int4: the codes, two a byte, for ``set_panels``
         if mode == "int8":
             scale = (w.abs().amax(1) / 127).clamp_min(1e-12)  # [N]
             self.q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
@@ -75,7 +76,7 @@ class QuantWeight:
             codes = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
             self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.reshape(n, k), 1)
             flat = codes.reshape(n, k).to(torch.uint8)
-            self.codes4 = (flat[:, 0::2] | (flat[:, 1::2] << 4)).contiguous()  # [N, K/2]: the panels' source
+            self.codes4 = (flat[:, 0::2] | (flat[:, 1::2] << 4)).contiguous()  # [N, K/2]
             zero = lo + 8 * scale  # w = (q - 8) * scale + zero
             self.scales = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [G, N, 2]
         self.scales16 = self.scales.to(torch.bfloat16)  # what the fast kernels take
@@ -95,6 +96,7 @@ class QuantWeight:
         elif self.mode == "int8":
             self.panels = kernels.pack_panels(self.q)
         else:  # scales [G, N, 2]: (scale, zero) per group and output
+            assert self.codes4 is not None
             self.panels = kernels.pack_panels_int4(self.codes4, self.scales[..., 0], self.scales[..., 1], self.group)
 
     @property
