@@ -359,3 +359,12 @@ def test_weights_packed_together_equal_each_packed_alone() -> None:
         assert torch.equal(t, kernels.pack_panels(w))
         assert t.data_ptr() % 64 == 0  # each on a cache line of its own
     assert kernels.pack_panels_all([]) == []
+
+
+@needs_kernel
+def test_int4_panels_refuse_a_layout_the_kernel_cannot_read() -> None:
+    codes, params = torch.zeros(16, 12, dtype=torch.uint8), torch.zeros(4, 16)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        kernels.pack_panels_int4(codes, params[:4], params[:4], 6)  # groups of 6 inputs
+    with pytest.raises(ValueError, match="uint8 codes"):
+        kernels.pack_panels_int4(codes.to(torch.int8), params[:3], params[:3], 8)

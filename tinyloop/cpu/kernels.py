@@ -218,7 +218,7 @@ PANEL_SMALL_WORK = 1 << 20
 
 def serves_rows(rows: int, n: int, k: int, dtype: str) -> bool:
     """Whether a product of ``rows`` rows by an ``[n, k]`` weight of ``dtype`` (``float32``,
-    ``int8``) with panels runs on the panel kernel, at torch's present thread count."""
+    ``int8``, ``int4``) with panels runs on the panel kernel, at torch's present thread count."""
     if not 0 < rows <= PANEL_ROWS:
         return False
     return rows * n * k <= PANEL_SMALL_WORK or torch.get_num_threads() <= PANEL_MAX_THREADS[dtype]
@@ -272,8 +272,10 @@ def pack_panels_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     k, panels_n = 2 * half, -(-n // PANEL)
     groups = k // group
     codes, scales, zeros = codes.contiguous(), scales.float().contiguous(), zeros.float().contiguous()
-    if codes.dtype != torch.uint8 or k % group or scales.shape != (groups, n) or zeros.shape != (groups, n):
-        raise ValueError("int4 panels need uint8 codes [N, K/2] and float32 scales and zeros [K/group, N]")
+    shapes_ok = scales.shape == zeros.shape == (groups, n)
+    if codes.dtype != torch.uint8 or group % 4 or k % group or not shapes_ok:
+        raise ValueError("int4 panels need uint8 codes [N, K/2], a group of a multiple of 4 inputs dividing K, "
+                         "and float32 scales and zeros [K/group, N]")
     panels = huge_page_bytes(panels_n * k * 8)
     params = huge_page_bytes(panels_n * groups * 2 * PANEL * 4).view(torch.float32)
     load().tl_pack_panels_int4(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, group, panels.data_ptr(),
