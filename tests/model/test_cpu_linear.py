@@ -130,8 +130,14 @@ def test_with_the_c_kernels_a_few_rows_run_on_the_panels() -> None:
     for batch in (1, 4):  # no torch product left in a decode step: the panel kernel ran them all
         ops = ops_per_decode(engine, batch)
         assert not any(ops[name] for name in products), ops
-    use_cpu_kernels(engine.model, False)  # kernels off: the panels go with them
+    # one thread: the panels replace the blocked copies, and run a prefill's many rows too
+    assert all(w.blocked is None for w in weights)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.generate(GenerationRequest(prompt_tokens=tuple(range(3, 43)), max_tokens=1))  # a 40-token prefill
+    assert not any(e.name in products for e in prof.events())
+    use_cpu_kernels(engine.model, False)  # kernels off: the panels go with them, the blocked copies come back
     assert all(w.panels is None for w in weights)
+    assert all(w.blocked is not None for w in weights) == onednn_available()
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels")
@@ -139,6 +145,10 @@ def test_with_the_c_kernels_a_few_rows_run_on_the_panels() -> None:
 def test_on_more_threads_only_small_products_stay_on_the_panels() -> None:
     from tinyloop.model.cpu_linear import PackedWeight
 
+    torch.set_num_threads(2)  # an engine built on two threads keeps its blocked copies
+    engine = Engine(model(), default_tokenizer(), max_seq_len=128)
+    assert all(w.blocked is not None for w in packed_weights(engine.model)) == onednn_available()
+    torch.set_num_threads(1)
     big, small = PackedWeight(torch.randn(1024, 1024)), PackedWeight(torch.randn(64, 64))
     big.set_panels(True)
     small.set_panels(True)

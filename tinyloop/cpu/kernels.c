@@ -242,7 +242,7 @@ void tl_quantize_int4_rows(const float *x, const int64_t *rows, int64_t n, uint8
  * each panel, up to 16 rows keep one 16-wide accumulator each in registers; each k loads the
  * panel's 16 weights once (int8 codes widened to float32) and adds x[m, k] times them to every
  * row's accumulator (x is transposed first, so a k's values for the rows are adjacent). Past 16
- * rows the next 16 reuse the panel from L1. Each output is sum_k x[m, k] W[n, k] with fused
+ * rows (a prefill), each chunk of panels stays in L2 while every block of 16 rows passes over it. Each output is sum_k x[m, k] W[n, k] with fused
  * multiply-adds (in k order from 4 rows up; as 4 or 2 interleaved partial sums for 1 or 2 rows),
  * times the scale at the end for int8: float32 rounding differs from
  * torch's (another order) at the last bits; x stays float32 (torch's int8 kernel rounds it to
@@ -250,6 +250,7 @@ void tl_quantize_int4_rows(const float *x, const int64_t *rows, int64_t n, uint8
 #define PANEL 16
 #define PANEL_AHEAD 2048 /* bytes: prefetch this far ahead along the panel stream */
 #define ROW_BLOCK 16
+#define PANEL_CHUNK_BYTES (256 * 1024) /* panels every block of rows reuses from L2 */
 
 #if defined(__AVX512F__)
 typedef __m512 vec16;
@@ -315,31 +316,42 @@ typedef int8_t i8x16 __attribute__((vector_size(16)));
     PANEL_ROWS(NAME, TYPE, LOAD, 16, 1)                                                                \
     static int NAME(const float *x, int64_t M, int64_t K, const TYPE *panels, int64_t N,               \
                     const float *scales, const float *bias, float *y) {                                \
-        float *xt = malloc((size_t)(M < ROW_BLOCK ? M : ROW_BLOCK) * (size_t)K * sizeof(float));       \
+        /* x transposed in blocks of up to 16 rows: block b holds rows 16b.. as xt[k * rows + r] */    \
+        float *xt = malloc((size_t)M * (size_t)K * sizeof(float));                                     \
         if (xt == NULL) return -1;                                                                     \
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                                \
             const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;                              \
+            float *xb = xt + m0 * K;                                                                   \
             for (int64_t k = 0; k < K; ++k)                                                            \
-                for (int64_t r = 0; r < rows; ++r) xt[k * rows + r] = x[(m0 + r) * K + k];             \
-            for (int64_t n0 = 0; n0 < N; n0 += PANEL) {                                                \
-                const TYPE *panel = panels + n0 * K;                                                   \
-                const float *s = scales != NULL ? scales + n0 : NULL, *b = bias != NULL ? bias + n0 : NULL; \
-                const int64_t cols = N - n0 < PANEL ? N - n0 : PANEL;                                  \
-                for (int64_t r = 0; r < rows;) {                                                       \
-                    const float *xr = xt + r;                                                          \
-                    float *yr = y + (m0 + r) * N + n0;                                                 \
-                    const int64_t left = rows - r, step = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1; \
-                    switch (step) {                                                                    \
-                    case 16: NAME##_16(xr, rows, panel, K, s, b, yr, N, cols); break;                  \
-                    case 8: NAME##_8(xr, rows, panel, K, s, b, yr, N, cols); break;                    \
-                    case 4: NAME##_4(xr, rows, panel, K, s, b, yr, N, cols); break;                    \
-                    case 2: NAME##_2(xr, rows, panel, K, s, b, yr, N, cols); break;                    \
-                    default: NAME##_1(xr, rows, panel, K, s, b, yr, N, cols); break;                   \
+                for (int64_t r = 0; r < rows; ++r) xb[k * rows + r] = x[(m0 + r) * K + k];            \
+        }                                                                                              \
+        /* many rows (a prefill): the panels in chunks that stay in L2 while every block of rows      \
+         * passes over them, so the weight is read from memory once */                                 \
+        int64_t chunk = PANEL_CHUNK_BYTES / (K * PANEL * (int64_t)sizeof(TYPE));                       \
+        chunk = chunk < 1 ? PANEL : chunk * PANEL;                                                     \
+        for (int64_t c0 = 0; c0 < N; c0 += chunk)                                                      \
+            for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                            \
+                const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;                          \
+                const float *xb = xt + m0 * K;                                                         \
+                for (int64_t n0 = c0; n0 < N && n0 < c0 + chunk; n0 += PANEL) {                        \
+                    const TYPE *panel = panels + n0 * K;                                               \
+                    const float *s = scales != NULL ? scales + n0 : NULL, *b = bias != NULL ? bias + n0 : NULL; \
+                    const int64_t cols = N - n0 < PANEL ? N - n0 : PANEL;                              \
+                    for (int64_t r = 0; r < rows;) {                                                   \
+                        const float *xr = xb + r;                                                      \
+                        float *yr = y + (m0 + r) * N + n0;                                             \
+                        const int64_t left = rows - r, step = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1; \
+                        switch (step) {                                                                \
+                        case 16: NAME##_16(xr, rows, panel, K, s, b, yr, N, cols); break;              \
+                        case 8: NAME##_8(xr, rows, panel, K, s, b, yr, N, cols); break;                \
+                        case 4: NAME##_4(xr, rows, panel, K, s, b, yr, N, cols); break;                \
+                        case 2: NAME##_2(xr, rows, panel, K, s, b, yr, N, cols); break;                \
+                        default: NAME##_1(xr, rows, panel, K, s, b, yr, N, cols); break;               \
+                        }                                                                              \
+                        r += step;                                                                     \
                     }                                                                                  \
-                    r += step;                                                                         \
                 }                                                                                      \
             }                                                                                          \
-        }                                                                                              \
         free(xt);                                                                                      \
         return 0;                                                                                      \
     }

@@ -216,11 +216,15 @@ PANEL_MAX_THREADS = {"float32": 1, "int8": 2, "int4": 2}
 PANEL_SMALL_WORK = 1 << 20
 
 
-def serves_rows(rows: int, n: int, k: int, dtype: str) -> bool:
+def serves_rows(rows: int, n: int, k: int, dtype: str, any_rows: bool = False) -> bool:
     """Whether a product of ``rows`` rows by an ``[n, k]`` weight of ``dtype`` (``float32``,
-    ``int8``, ``int4``) with panels runs on the panel kernel, at torch's present thread count."""
-    if not 0 < rows <= PANEL_ROWS:
+    ``int8``, ``int4``) with panels runs on the panel kernel, at torch's present thread count;
+    ``any_rows``: past PANEL_ROWS too, where torch runs one thread (a weight that has no other
+    fast copy: ``cpu_linear.PackedWeight`` without its blocked one)."""
+    if rows <= 0:
         return False
+    if rows > PANEL_ROWS:
+        return any_rows and torch.get_num_threads() == 1
     return rows * n * k <= PANEL_SMALL_WORK or torch.get_num_threads() <= PANEL_MAX_THREADS[dtype]
 
 

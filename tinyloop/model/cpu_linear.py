@@ -33,7 +33,10 @@ the weights out of cache (what a decode step sees), and 1-3x faster than the one
 above, on one thread. It is single-threaded, so where torch runs more intra-op threads it serves
 only products small enough for torch's threads to cost more than they save
 (``kernels.serves_rows``): on two, torch's products of the ~100M preset's weights run 1.1-2x
-faster than it.
+faster than it. Where torch runs one thread, the panels replace the blocked copy
+(``cpu.backend.use_cpu_kernels``): the kernel then runs prefill's products too, each chunk of
+panels kept in L2 while every block of 16 rows passes over it, at 0.85-1.2x oneDNN's speed
+(bench/RESULTS.md, 2026-12-01 00:35), and the weights are held twice, not three times.
 
 The blocked and panel copies are made once: a model whose weights change afterwards must be
 packed again (``pack_linears`` re-packs; ``unpack_linears`` drops the copies). The engine packs
@@ -94,7 +97,7 @@ def split_parts(k: int) -> int:
 class PackedWeight:
     """A float32 weight in its one-row layout and, for calls of several rows, its oneDNN blocked copy."""
 
-    __slots__ = ("weight", "blocked", "splittable", "_split", "panels")
+    __slots__ = ("weight", "blocked", "splittable", "_split", "panels", "_blockable")
 
     def __init__(self, weight: torch.Tensor, blocked: bool = True, split: bool | None = None) -> None:
         relayout(weight, torch.get_num_threads() > 1 if split is None else split)
@@ -105,9 +108,17 @@ class PackedWeight:
         self._split: tuple[int, torch.Tensor] | None = None  # (parts, W_t viewed [P, K/P, N])
         self.blocked: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None  # the C kernels' layout, set by ``set_panels``
-        if blocked and onednn_available():
+        self._blockable = blocked and onednn_available()
+        self.set_blocked(True)
+
+    def set_blocked(self, on: bool) -> None:
+        """Make the oneDNN blocked copy (where oneDNN is built and the weight was packed with one),
+        or drop it: at one thread with panels, the panel kernel serves every row count."""
+        if on and self._blockable and self.blocked is None:
             with torch.no_grad():
-                self.blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
+                self.blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_ROWS)
+        elif not on:
+            self.blocked = None
 
     @property
     def panel_source(self) -> torch.Tensor:
@@ -121,11 +132,12 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)``: a few rows on the panel kernel where the weight has
-        panels; else one row on the re-laid weight (split over the threads where there are
-        several), more on the blocked."""
+        panels (any number where it has no blocked copy); else one row on the re-laid weight
+        (split over the threads where there are several), more on the blocked."""
         k, n = x.shape[-1], self.weight.shape[0]
         rows = x.numel() // k
-        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(rows, n, k, "float32"):
+        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(
+                rows, n, k, "float32", any_rows=self.blocked is None):
             b = None if bias is None else bias.detach().float().contiguous()
             return kernels.panel_matmul(x.reshape(-1, k).contiguous(), self.panels, n, b).view(*x.shape[:-1], n)
         if x.numel() <= k:
