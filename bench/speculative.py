@@ -113,8 +113,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_small(Path(tmp), args.seed)
         engine = Engine.load(path, cpu_kernels=args.cpu_kernels)
-        engines = {w: engine if w == "same" else Engine.load(path, draft_weights=w, cpu_kernels=args.cpu_kernels)
-                   for w in args.draft_weights.split(",")}
+        draft_modes = args.draft_weights.split(",")
+        # plain and tree rows always run on the model's own weights ("same"), chains on each mode asked for
+        engines = {"same": engine, **{w: Engine.load(path, draft_weights=w, cpu_kernels=args.cpu_kernels)
+                                      for w in draft_modes if w != "same"}}
         name = f"random small (seed {args.seed})" if args.model is None else str(path)
     tokens = engine.tokenizer.encode(args.prompt)
     loops = engine.default_loops
@@ -127,7 +129,7 @@ def main() -> None:
     min_probs = [float(p) for p in args.draft_min_prob.split(",")]
     runs = [(s, p, w) for s in SETTINGS
             for p in (min_probs if s[0] == "chain" else [engine.draft_min_prob])
-            for w in (engines if s[0] == "chain" else ["same"])]
+            for w in (draft_modes if s[0] == "chain" else ["same"])]
     walls: list[list[float]] = [[] for _ in runs]  # per row, one wall time per round
     results: list[GenerationResult] = []
     for round_ in range(args.repeat):  # rounds: every row once, so a slow spell hits all rows alike
