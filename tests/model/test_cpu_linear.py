@@ -149,7 +149,7 @@ def test_on_more_threads_only_small_products_stay_on_the_panels() -> None:
     engine = Engine(model(), default_tokenizer(), max_seq_len=128)
     assert all(w.blocked is not None for w in packed_weights(engine.model)) == onednn_available()
     torch.set_num_threads(1)
-    big, small = PackedWeight(torch.randn(1024, 1024)), PackedWeight(torch.randn(64, 64))
+    big, small = PackedWeight(torch.randn(2048, 2048)), PackedWeight(torch.randn(64, 64))
     big.set_panels(True)
     small.set_panels(True)
 
@@ -162,9 +162,9 @@ def test_on_more_threads_only_small_products_stay_on_the_panels() -> None:
     assert torch_products(big, 8) == 0 and torch_products(small, 8) == 0  # one thread: every few-row product
     assert torch_products(big, 17) > 0  # more rows than a panel call serves
     torch.set_num_threads(kernels.PANEL_MAX_THREADS["float32"] + 1)
-    assert torch_products(big, 8) > 0  # 8M multiply-adds: torch's threads
+    assert torch_products(big, 8) > 0  # 32M multiply-adds: torch's threads
     assert torch_products(small, 8) == 0  # 32k: still the one-thread kernel
-    assert kernels.serves_rows(8, 1024, 1024, "int8") == (torch.get_num_threads() <= kernels.PANEL_MAX_THREADS["int8"])
+    assert kernels.serves_rows(8, 2048, 2048, "int8") == (torch.get_num_threads() <= kernels.PANEL_MAX_THREADS["int8"])
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels")

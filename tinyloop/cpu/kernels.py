@@ -206,14 +206,17 @@ def quantize_int4_rows(x: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor,
 PANEL = 16  # output columns a panel of ``pack_panels`` holds (kernels.c's PANEL)
 # Products of at most PANEL_ROWS rows run on the panels (where a weight has them) while torch
 # runs at most PANEL_MAX_THREADS intra-op threads (the kernel runs on one), or at any thread
-# count when they are at most PANEL_SMALL_WORK multiply-adds (torch's threads cost more than they
-# save there). Measured on two cores (bench/panel_matmul.py --threads 2): torch's two-thread
-# float32 products of the ~100M preset's weights run 1.1-2x faster than the one-thread kernel,
-# the small preset's products of up to about a million multiply-adds 1.2-1.6x slower, and
-# torch's int8 and int4 kernels 2x slower at every size.
+# count when they are at most PANEL_SMALL_WORK multiply-adds. Measured on two cores: in isolation
+# (bench/panel_matmul.py --threads 2) torch's two-thread float32 products of the ~100M preset's
+# weights run 1.1-2x faster than the one-thread kernel, but inside a decode step (engines on two
+# threads, the threshold switched in one process, RESULTS 2026-12-01 00:44) the kernel beats
+# them up to 2^24 multiply-adds: a `small` step of 8 rows 1.14x faster at 2^22 than at 2^20 and
+# 1.10x faster again at 2^24, the ~100M preset's one-row step 1.08x and then 1.04x, its 8-row step
+# even; the demo model's speculation 1.64-1.70x plain at 2^20, 1.79-1.83x at 2^22. torch's int8
+# and int4 kernels are 2x slower at every size.
 PANEL_ROWS = 16
 PANEL_MAX_THREADS = {"float32": 1, "int8": 2, "int4": 2}
-PANEL_SMALL_WORK = 1 << 20
+PANEL_SMALL_WORK = 1 << 24
 
 
 def serves_rows(rows: int, n: int, k: int, dtype: str, any_rows: bool = False) -> bool:

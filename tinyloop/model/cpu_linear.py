@@ -32,11 +32,12 @@ runs the ``small`` preset's products 1.2-2x faster than oneDNN's blocked kernel 
 the weights out of cache (what a decode step sees), and 1-3x faster than the one-row paths
 above, on one thread. It is single-threaded, so where torch runs more intra-op threads it serves
 only products small enough for torch's threads to cost more than they save
-(``kernels.serves_rows``): on two, torch's products of the ~100M preset's weights run 1.1-2x
-faster than it. Where torch runs one thread, the panels replace the blocked copy
-(``cpu.backend.use_cpu_kernels``): the kernel then runs prefill's products too, each chunk of
-panels kept in L2 while every block of 16 rows passes over it, at 0.85-1.2x oneDNN's speed
-(bench/RESULTS.md, 2026-12-01 00:33), and the weights are held twice, not three times.
+(``kernels.serves_rows``; on two threads, up to 2^24 multiply-adds: measured inside decode
+steps, though in isolation torch's two threads run the ~100M preset's products 1.1-2x faster).
+Where torch runs one thread, the panels replace the blocked copy (``cpu.backend.use_cpu_kernels``):
+the kernel then runs prefill's products too, each chunk of panels kept in L2 while every block of
+16 rows passes over it, at 0.85-1.2x oneDNN's speed (bench/RESULTS.md, 2026-12-01 00:33), and the
+weights are held twice, not three times.
 
 The blocked and panel copies are made once: a model whose weights change afterwards must be
 packed again (``pack_linears`` re-packs; ``unpack_linears`` drops the copies). The engine packs
