@@ -209,7 +209,7 @@ PANEL = 16  # output columns a panel of ``pack_panels`` holds (kernels.c's PANEL
 # count when they are at most PANEL_SMALL_WORK multiply-adds. Measured on two cores: in isolation
 # (bench/panel_matmul.py --threads 2) torch's two-thread float32 products of the ~100M preset's
 # weights run 1.1-2x faster than the one-thread kernel, but inside a decode step (engines on two
-# threads, the threshold switched in one process, RESULTS 2026-12-01 00:44) the kernel beats
+# threads, the threshold switched in one process, RESULTS 2026-12-01 00:45) the kernel beats
 # them up to 2^24 multiply-adds: a `small` step of 8 rows 1.14x faster at 2^22 than at 2^20 and
 # 1.10x faster again at 2^24, the ~100M preset's one-row step 1.08x and then 1.04x, its 8-row step
 # even; the demo model's speculation 1.64-1.70x plain at 2^20, 1.79-1.83x at 2^22. torch's int8
