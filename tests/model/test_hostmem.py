@@ -4,6 +4,7 @@ alive while any view is."""
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,3 +37,30 @@ def test_the_kv_pool_on_the_cpu_is_zeros_on_it() -> None:
     for field in store.fields.values():
         for t in field.tensors:
             assert not t.any()
+
+
+def test_zeros_commit_their_memory_when_made() -> None:
+    """Written once at allocation (as ``torch.zeros``): a buffer that does not fit fails when it
+    is made, not at its first use."""
+
+    def rss_kb() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS"):
+                return int(line.split()[1])
+        pytest.skip("no /proc/self/status here")
+
+    before = rss_kb()
+    t = hostmem.zeros((64 << 20,), torch.uint8, "cpu")  # 64 MiB
+    assert rss_kb() - before > 48 << 10
+    del t
+
+
+def test_a_map_that_cannot_be_made_is_a_memory_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mmap
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(MemoryError, match="could not map"):
+        hostmem.huge_page_bytes(1 << 20)
