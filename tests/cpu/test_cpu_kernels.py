@@ -368,3 +368,23 @@ def test_int4_panels_refuse_a_layout_the_kernel_cannot_read() -> None:
         kernels.pack_panels_int4(codes, params[:4], params[:4], 6)  # groups of 6 inputs
     with pytest.raises(ValueError, match="uint8 codes"):
         kernels.pack_panels_int4(codes.to(torch.int8), params[:3], params[:3], 8)
+
+
+@needs_kernel
+def test_float32_kv_writes_copy_rows_as_indexing_does() -> None:
+    gen = torch.Generator().manual_seed(4)
+    dst, x = torch.randn(50, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    rows = torch.tensor([7, 0, 49])
+    want = dst.clone()
+    want[rows] = x
+    kernels.write_rows(x, rows, dst)
+    assert torch.equal(dst, want)
+    before = dst.clone()
+    with pytest.raises(IndexError, match="outside the pool"):
+        kernels.write_rows(x, torch.tensor([1, 50, 2]), dst)
+    assert torch.equal(dst, before)  # nothing written
+    store = pool(2, 16)
+    rows = torch.tensor([3, 9])
+    k, v = torch.randn(2, 2, 16, generator=gen), torch.randn(2, 2, 16, generator=gen)
+    CPU.kv_write(store, rows, k=k, v=v)
+    assert torch.equal(store.read("k", rows, torch.float32), k) and torch.equal(store.read("v", rows, torch.float32), v)

@@ -1,9 +1,9 @@
 """``CpuBackend``: the model's ``Backend`` seam (``tinyloop/model/backend.py``) with decode
-attention, 4-bit KV writes and RMSNorm on this package's C kernels (``kernels.py``), everything
-else torch. Each falls back to the torch reference off the cases it covers. ``use_cpu_kernels``
-also gives the model's packed float32 weights (``cpu_linear.PackedWeight``) and int8 and int4
-weights (``quant.QuantWeight``) their panel copies, so products of a few rows run on
-``kernels.panel_matmul``.
+attention, KV writes (float32 rows copied, 4-bit quantized) and RMSNorm on this package's C
+kernels (``kernels.py``), everything else torch. Each falls back to the torch reference off the
+cases it covers. ``use_cpu_kernels`` also gives the model's packed float32 weights
+(``cpu_linear.PackedWeight``) and int8 and int4 weights (``quant.QuantWeight``) their panel
+copies, so products of a few rows run on ``kernels.panel_matmul``.
 
 RMSNorm: torch runs ``F.rms_norm`` on the CPU as six ops, about 12 us a call at decode sizes
 against 2-3 us for the kernel, and a looped model normalises four times a layer application
@@ -59,14 +59,24 @@ class CpuBackend(TorchBackend):
 
     def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
         fields = store.fields
-        if not all(isinstance(f, Int4Buffer) and f.codes.device.type == "cpu" for f in fields.values()) or not all(
-                values[name].dtype == torch.float32 for name in fields):
+        if not all(values[name].dtype == torch.float32 and values[name].is_cpu for name in fields):
             return super().kv_write(store, rows, **values)
-        rows = rows.contiguous()
-        for name, f in fields.items():
-            assert isinstance(f, Int4Buffer)
-            x = values[name].contiguous()
-            kernels.quantize_int4_rows(x.view(x.shape[0], -1), rows, f.codes, f.meta, f.group)
+        if all(isinstance(f, Int4Buffer) and f.codes.device.type == "cpu" for f in fields.values()):
+            rows = rows.contiguous()
+            for name, f in fields.items():
+                assert isinstance(f, Int4Buffer)
+                x = values[name].contiguous()
+                kernels.quantize_int4_rows(x.view(x.shape[0], -1), rows, f.codes, f.meta, f.group)
+            return None
+        plain = all(isinstance(f, PlainBuffer) and f.data.dtype == torch.float32 and f.data.is_cpu
+                    and f.data.is_contiguous() for f in fields.values())
+        if plain and rows.dtype == torch.long and rows.is_contiguous():
+            for name, f in fields.items():  # (no op where the values are contiguous: the step's op count)
+                assert isinstance(f, PlainBuffer)
+                x = values[name]
+                kernels.write_rows(x if x.is_contiguous() else x.contiguous(), rows, f.data)
+            return None
+        return super().kv_write(store, rows, **values)
 
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:

@@ -191,6 +191,15 @@ void tl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64
     }
 }
 
+/* `n` rows of `width` float32 values into pool rows `rows` of `dst` ([n_rows, width]): a K or V
+ * write, one copy per row. Returns 0, or -1 (nothing written) where a row is outside the pool. */
+int tl_write_rows(const float *x, const int64_t *rows, int64_t n, float *dst, int64_t n_rows, int64_t width) {
+    for (int64_t i = 0; i < n; ++i)
+        if (rows[i] < 0 || rows[i] >= n_rows) return -1;
+    for (int64_t i = 0; i < n; ++i) memcpy(dst + rows[i] * width, x + i * width, (size_t)width * sizeof(float));
+    return 0;
+}
+
 /* 4-bit quantization of `n` rows of `width` float32 values into pool rows `rows` (codes
  * [N, width / 2], even index in the low nibble; fp16 (scale, minimum) per group of `group`), as
  * ``kvstore.quantize_int4`` computes it: minimum and (maximum - minimum) / 15 clamped to fp16's

@@ -32,7 +32,7 @@ import torch
 from tinyloop.model.hostmem import huge_page_bytes
 
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
-           "decode_attention_int4", "rms_norm", "quantize_int4_rows", "pack_panels", "pack_panels_all",
+           "decode_attention_int4", "rms_norm", "quantize_int4_rows", "write_rows", "pack_panels", "pack_panels_all",
            "pack_panels_int4", "panel_matmul", "panel_matmul_int4", "serves_rows", "PANEL", "PANEL_ROWS",
            "PANEL_MAX_THREADS", "PANEL_SMALL_WORK"]
 
@@ -48,6 +48,7 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_decode_attention_int4", ctypes.c_int, [_P] * 8 + [_I] * 7 + [_F]),
     ("tl_rms_norm", None, [_P] * 3 + [_I] * 2 + [_F]),
     ("tl_quantize_int4_rows", None, [_P] * 2 + [_I] + [_P] * 2 + [_I] * 2),
+    ("tl_write_rows", ctypes.c_int, [_P] * 2 + [_I, _P] + [_I] * 2),
     ("tl_pack_panels", None, [_P] + [_I] * 3 + [_P]),
     ("tl_pack_panels_int8", None, [_P] + [_I] * 3 + [_P]),
     ("tl_panel_matmul", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 2),
@@ -192,6 +193,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.shape[-1]
     load().tl_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h, h, eps)
     return out
+
+
+def write_rows(x: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst[rows] = x`` for x ``[n, ...]`` and dst ``[N, ...]`` (the same row shape) float32
+    contiguous on the CPU, rows ``[n]`` int64 contiguous: a float32 pool's K or V write, no view
+    or copy made. Raises IndexError, writing nothing, where a row is outside ``dst``."""
+    n, width = rows.shape[0], dst.stride(0)
+    if x.numel() != n * width:
+        raise ValueError(f"{n} rows of {width} values to write, got {tuple(x.shape)}")
+    if load().tl_write_rows(x.data_ptr(), rows.data_ptr(), n, dst.data_ptr(), dst.shape[0], width):
+        raise IndexError(f"a KV row is outside the pool of {dst.shape[0]} rows")
 
 
 def quantize_int4_rows(x: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
