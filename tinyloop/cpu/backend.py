@@ -115,9 +115,10 @@ def _set_panels(model: LoopedLM, on: bool) -> None:
     them; float32 and int8 packed together, on huge pages where the OS gives them:
     ``kernels.pack_panels_all``), or drop them. Where torch runs one thread the float32 weights'
     oneDNN blocked copies go (the panels serve prefill too); they come back with the panels off."""
-    weights: list[PackedWeight | QuantWeight] = [*packed_weights(model), *quant_weights(model)]
-    for packed in packed_weights(model):  # at one thread the panels serve every row count
-        packed.set_blocked(not (on and torch.get_num_threads() == 1))
+    packed = packed_weights(model)
+    weights: list[PackedWeight | QuantWeight] = [*packed, *quant_weights(model)]
+    for one in packed:  # at one thread the panels serve every row count
+        one.set_blocked(not (on and torch.get_num_threads() == 1))
     if not on:
         for weight in weights:
             weight.panels = None

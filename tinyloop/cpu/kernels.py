@@ -302,12 +302,18 @@ def pack_panels_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return panels, params
 
 
+def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A product's bias as the kernels read it: float32 and contiguous (no copy where it is)."""
+    return None if bias is None else bias.detach().float().contiguous()
+
+
 def panel_matmul_int4(x: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor], n: int, group: int,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """``panel_matmul`` for 4-bit weights laid out by ``pack_panels_int4`` (x stays float32)."""
     m, k = x.shape
     codes, params = panels
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    bias = _bias(bias)
     code = load().tl_panel_matmul_int4(x.data_ptr(), m, k, codes.data_ptr(), params.data_ptr(), n, group,
                                        None if bias is None else bias.data_ptr(), out.data_ptr())
     return _allocated(code, out, "a panel matrix product")
@@ -317,11 +323,12 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
                  scales: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for x ``[M, K]`` float32 contiguous on the CPU and W ``[n, K]`` as
     ``pack_panels`` laid it out: float32, or int8 codes times ``scales`` ``[n]`` (float32, one
-    per output; required with int8 panels). Bias ``[n]`` float32 contiguous, or None; returns
+    per output; required with int8 panels). Bias ``[n]``, or None; returns
     ``[M, n]``. Fastest for a few rows (decode); the caller chooses (``cpu_linear.PackedWeight``,
     ``quant.QuantWeight``)."""
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    bias = _bias(bias)
     b = None if bias is None else bias.data_ptr()
     if panels.dtype == torch.int8:
         assert scales is not None, "int8 panels need their scales"

@@ -46,6 +46,5 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     """``torch.zeros(shape, dtype=dtype, device=device)``; on the CPU, on 2 MiB pages."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty(0, dtype=dtype, device="cpu").element_size()
-    out = huge_page_bytes(math.prod(shape) * itemsize).view(dtype).view(shape)
+    out = huge_page_bytes(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
     return out.zero_()  # every page written: the memory committed now

@@ -119,12 +119,11 @@ class QuantWeight:
         k = x.shape[-1]
         rows = x.numel() // k
         if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(rows, *self.shape, self.mode):
-            b = None if bias is None else bias.detach().float().contiguous()
             flat = x.reshape(-1, k).contiguous()
             if isinstance(self.panels, tuple):
-                out = kernels.panel_matmul_int4(flat, self.panels, self.shape[0], self.group, b)
+                out = kernels.panel_matmul_int4(flat, self.panels, self.shape[0], self.group, bias)
             else:
-                out = kernels.panel_matmul(flat, self.panels, self.shape[0], b, self.scales)
+                out = kernels.panel_matmul(flat, self.panels, self.shape[0], bias, self.scales)
             return out.view(*x.shape[:-1], self.shape[0])
         flat = x.reshape(-1, k).to(torch.bfloat16).contiguous()
         out = self._product(flat, self.scales16).to(x.dtype).view(*x.shape[:-1], self.shape[0])
