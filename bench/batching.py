@@ -67,6 +67,12 @@ import httpx
 import trio
 
 
+def _kernel_threads() -> int:
+    from tinyloop.cpu import kernels
+
+    return kernels.threads() if kernels.available() else 0
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
@@ -307,6 +313,7 @@ async def run(args: argparse.Namespace) -> None:
     print(f"{args.preset} (random init): {config.n_prelude}+{config.n_core}x{config.default_loops}+"
           f"{config.n_coda} layers, hidden {config.hidden}; prompt {args.prompt}, {args.tokens} tokens "
           f"per stream, greedy; max_batch_size {args.batch}; torch threads {torch.get_num_threads()}; "
+          f"kernel threads {_kernel_threads()}; "
           f"clients {args.clients}; decode attention {engine.model.backend.name}")
 
     def prompts_for(n: int) -> list[list[int]]:
@@ -379,6 +386,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="max_batch_size")
     ap.add_argument("--kv-cache-mb", type=float, default=256)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--kernel-threads", type=int, default=None,
+                    help="threads of the C kernels (default: the server's, TINYLOOP_KERNEL_THREADS)")
     ap.add_argument("--clients", choices=["process", "inproc", "both"], default="process",
                     help="where the HTTP clients run (the module docstring)")
     ap.add_argument("--repeat", type=int, default=1,
@@ -399,6 +408,12 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.cpu_kernels:
+        from tinyloop.cpu import kernels
+        from tinyloop.settings import Settings
+
+        if kernels.available():
+            kernels.set_threads(Settings(kernel_threads=args.kernel_threads).cpu_kernel_threads)
     t0 = time.perf_counter()
     trio.run(run, args)
     print(f"({time.perf_counter() - t0:.0f} s)")

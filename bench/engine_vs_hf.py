@@ -37,6 +37,7 @@ from functools import partial
 
 import torch
 
+from tinyloop.cpu import kernels
 from tinyloop.engine.engine import Engine
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.context import FullContext
@@ -177,6 +178,8 @@ def main() -> None:
         args.tokens, args.repeat, args.copy_mb = 4, 1, 128
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_kernels and kernels.available():  # the same threads as torch's (and transformers')
+        kernels.set_threads(torch.get_num_threads())
     config = PRESETS[PRESET]
     loops_list = args.loops or sorted({1, config.default_loops})
     try:
@@ -208,7 +211,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"{PRESET}: {config.n_prelude}+{config.n_core}xloops+{config.n_coda} layers, hidden "
           f"{config.hidden}, vocab {config.vocab_size}; float32, greedy, prompt {args.prompt}, "
-          f"{args.tokens} new tokens, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.tokens} new tokens, torch {torch.__version__}, {torch.get_num_threads()} threads "
+          f"(C kernels {kernels.threads() if kernels.loaded() else 0}), "
           f"transformers {hf_version or '-'}")
     print(f"{'loops':>5} {'HF layers':>9} {'batch':>5} {'ours tok/s':>10} {'HF tok/s':>9} {'ours/HF':>7} "
           f"{'MB/tok':>7} {'ours GB/s':>9} {'HF GB/s':>8}")

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from tinyloop.cpu import kernels
 from tinyloop.engine.engine import Engine
 from tinyloop.model.artifact import save_artifact
 from tinyloop.model.presets import PRESETS, init_model
@@ -110,6 +111,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_kernels and kernels.available():  # the same threads as torch's (and transformers')
+        kernels.set_threads(torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_small(Path(tmp), args.seed)
         engine = Engine.load(path, cpu_kernels=args.cpu_kernels)
@@ -123,7 +126,8 @@ def main() -> None:
     print(f"model: {name}; {engine.config.n_prelude}+{engine.config.n_core}x{loops}+"
           f"{engine.config.n_coda} layers, hidden {engine.config.hidden}; prompt {len(tokens)} tokens, "
           f"{args.tokens} generated, greedy, batch 1, verify_loops {loops}, "
-          f"torch threads {torch.get_num_threads()}; backend {engine.model.backend.name}")
+          f"torch threads {torch.get_num_threads()}; "
+          f"C kernel threads {kernels.threads() if kernels.loaded() else 0}; backend {engine.model.backend.name}")
     engine.generate(request(tokens, 4, "plain", None, None, None))  # warm-up
     rows: list[Row] = []
     min_probs = [float(p) for p in args.draft_min_prob.split(",")]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tinyloop.cpu import kernels
 from tinyloop.model.artifact import save_artifact
 from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.tokenizer import default_tokenizer
@@ -36,3 +37,12 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def one_kernel_thread() -> Iterator[None]:
+    """Put the C kernels back on one thread after a test that served (``load_engines`` gives them
+    every core), so the rest of the suite runs as it would alone."""
+    yield
+    if kernels.loaded() and kernels.threads() != 1:
+        kernels.set_threads(1)

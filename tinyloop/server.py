@@ -17,6 +17,7 @@ from quart_trio import QuartTrio
 
 from tinyloop.actors.runtime import open_runtime
 from tinyloop.convert.cache import converted_artifact, is_hf_dir
+from tinyloop.cpu import kernels
 from tinyloop.engine.engine import Engine
 from tinyloop.errors import ConfigError
 from tinyloop.http.connection import install_protocol_errors
@@ -85,6 +86,8 @@ def load_engines(settings: Settings) -> list[Engine]:
     devices = settings.engine_devices
     if "cpu" in devices:  # before loading: the CPU weight layouts depend on the threads (cpu_linear.py)
         torch.set_num_threads(settings.cpu_threads)
+        if settings.cpu_kernels and kernels.available():
+            kernels.set_threads(settings.cpu_kernel_threads)
     engines: list[Engine] = []
     by_device: dict[str, Engine] = {}
     for device in devices:

@@ -53,6 +53,11 @@ class Settings:
     threads: int | None = _opt(None, "TINYLOOP_THREADS",
                                "torch threads each CPU engine computes on (default: the usable cores less "
                                "one, which the HTTP event loop keeps, split among the CPU engines; at least 1)")
+    kernel_threads: int | None = _opt(None, "TINYLOOP_KERNEL_THREADS",
+                                      "threads the CPU C kernels split products of several rows and decode "
+                                      "attention over (default: the usable cores, split among the CPU engines; "
+                                      "a helper takes work only while its core is free, so the event loop's "
+                                      "core is lent, not taken)")
     dtype: str | None = _opt(None, "TINYLOOP_DTYPE", "float32, bfloat16 or float16 (default: the artifact's)")
     kv_cache_mb: float | None = _opt(None, "TINYLOOP_KV_CACHE_MB", "KV cache budget in MiB")
     kv_block_size: int = _opt(16, "TINYLOOP_KV_BLOCK_SIZE", "tokens per KV block")
@@ -123,6 +128,8 @@ class Settings:
                 raise ConfigError(f"{name} must be >= 1")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads must be >= 1")
+        if self.kernel_threads is not None and self.kernel_threads < 1:
+            raise ConfigError("kernel_threads must be >= 1")
         if min(self.max_prompt_chars, self.max_messages) < 1:
             raise ConfigError("max_prompt_chars and max_messages must be >= 1")
         if not 0 <= self.port <= 65535:
@@ -202,6 +209,17 @@ class Settings:
             return self.threads
         cpu_engines = max(1, sum(1 for d in self.engine_devices if d == "cpu"))
         return max(1, (usable_cores() - 1) // cpu_engines)
+
+    @property
+    def cpu_kernel_threads(self) -> int:
+        """The threads of the CPU C kernels (one pool in the process): ``kernel_threads``, else
+        the usable cores split among the CPU engines, at least 1. Unlike torch's threads they
+        include the event loop's core: a kernel's helper claims work only when it runs, so a
+        busy event loop delays no product (``cpu.kernels.set_threads``)."""
+        if self.kernel_threads is not None:
+            return self.kernel_threads
+        cpu_engines = max(1, sum(1 for d in self.engine_devices if d == "cpu"))
+        return max(1, usable_cores() // cpu_engines)
 
     @property
     def kv_mode(self) -> KVMode:

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http.conftest import running_server, tiny_engine
 from tinyloop import settings as settings_module
+from tinyloop.cpu import kernels
 from tinyloop.errors import ConfigError
 from tinyloop.http.service import ServedModel
 from tinyloop.server import load_engines
@@ -67,19 +68,24 @@ def test_load_engines_shares_one_model_and_splits_the_threads(tiny_artifact: Pat
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     threads = torch.get_num_threads()
     try:
-        for cores, engines_n, each in ((2, 1, 1), (16, 1, 15), (16, 3, 5), (2, 3, 1)):
+        for cores, engines_n, each, kernel_each in ((2, 1, 1, 2), (16, 1, 15, 16), (16, 3, 5, 5), (2, 3, 1, 1)):
             monkeypatch.setattr(settings_module, "usable_cores", lambda n=cores: n)
             settings = Settings(model_path=str(tiny_artifact), engines=engines_n)
             assert settings.cpu_threads == each  # the cores but one (the event loop's), split
+            assert settings.cpu_kernel_threads == kernel_each  # every core, split
             if engines_n == 3 and cores == 16:
                 engines = load_engines(settings)
                 assert len(engines) == 3 and len({id(e.model) for e in engines}) == 1
                 assert len({id(e.pool) for e in engines}) == 3
                 assert torch.get_num_threads() == 5
-        load_engines(Settings(model_path=str(tiny_artifact), threads=2))  # set: taken as it is
+                assert not kernels.available() or kernels.threads() == 5
+        load_engines(Settings(model_path=str(tiny_artifact), threads=2, kernel_threads=3))  # set: taken as it is
         assert torch.get_num_threads() == 2
+        assert not kernels.available() or kernels.threads() == 3
         with pytest.raises(ConfigError):
             Settings(threads=0)
+        with pytest.raises(ConfigError):
+            Settings(kernel_threads=0)
     finally:
         torch.set_num_threads(threads)
 

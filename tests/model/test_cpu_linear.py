@@ -165,6 +165,14 @@ def test_on_more_threads_only_small_products_stay_on_the_panels() -> None:
     assert torch_products(big, 8) > 0  # 32M multiply-adds: torch's threads
     assert torch_products(small, 8) == 0  # 32k: still the one-thread kernel
     assert kernels.serves_rows(8, 2048, 2048, "int8") == (torch.get_num_threads() <= kernels.PANEL_MAX_THREADS["int8"])
+    kernels.set_threads(torch.get_num_threads())  # the kernels on as many threads as torch: every product
+    try:
+        assert torch_products(big, 8) == 0
+        assert kernels.serves_rows(8, 2048, 2048, "int8")
+        engine = Engine(model(), default_tokenizer(), max_seq_len=128)  # and no blocked copies
+        assert all(w.blocked is None for w in packed_weights(engine.model))
+    finally:
+        kernels.set_threads(1)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels")

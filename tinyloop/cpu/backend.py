@@ -113,12 +113,13 @@ def use_cpu_kernels(model: LoopedLM, on: bool = True) -> bool:
 def _set_panels(model: LoopedLM, on: bool) -> None:
     """Give every packed float32 and quantized weight of ``model`` its panels (kept where it has
     them; float32 and int8 packed together, on huge pages where the OS gives them:
-    ``kernels.pack_panels_all``), or drop them. Where torch runs one thread the float32 weights'
-    oneDNN blocked copies go (the panels serve prefill too); they come back with the panels off."""
+    ``kernels.pack_panels_all``), or drop them. Where the kernels run on at least torch's threads
+    the float32 weights' oneDNN blocked copies go (the panels serve prefill too); they come back
+    with the panels off."""
     packed = packed_weights(model)
     weights: list[PackedWeight | QuantWeight] = [*packed, *quant_weights(model)]
-    for one in packed:  # at one thread the panels serve every row count
-        one.set_blocked(not (on and torch.get_num_threads() == 1))
+    for one in packed:  # on as many threads as torch the panels serve every row count
+        one.set_blocked(not (on and kernels.covers_torch()))
     if not on:
         for weight in weights:
             weight.panels = None

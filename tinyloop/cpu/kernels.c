@@ -20,15 +20,157 @@
  * taken in one pass over their V rows: each key's K and V are read once, whole (a 4-bit row is
  * dequantized into a scratch row first, with torch's rounding: the product, then the sum). The
  * softmax is float32 as torch's reference computes it (max subtracted first); only the order of
- * the sums differs from it. Single-threaded: the caller runs it on its own thread.
+ * the sums differs from it. The rows are shared among the kernel threads (`run_tasks`): each
+ * row's result is the same whichever thread computes it.
  */
+#define _GNU_SOURCE /* pthreads, sched_yield and clock_gettime under -std=c11 */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+/* Helper threads. A kernel splits its work into tasks (column groups of a product, rows of an
+ * attention) and runs them with `run_tasks`: the calling thread publishes the job, then claims
+ * tasks itself, one at a time, while the helpers claim them too, until none is left. Nothing
+ * waits for a helper that is late (busy elsewhere, or asleep): the caller does what the helpers
+ * do not, and waits only for the tasks a helper has already begun. So on a machine whose other
+ * cores are busy (the server's event loop) a kernel is never slower than alone by more than the
+ * publishing, and where a core is free it takes part. A helper spins for the next job for
+ * HELPER_SPIN_NS (a decode step's products come a few tens of microseconds apart), yielding its
+ * core to any other runnable thread, then sleeps until woken. One job at a time: a second
+ * caller (another engine's thread) runs its tasks alone. After a fork the child has no helpers;
+ * its calls simply run every task themselves. */
+#define MAX_HELPERS 63
+#define HELPER_SPIN_NS 200000
+typedef void (*task_fn)(const void *job, int64_t task);
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int started;                /* helper threads made (only grows; under `lock`) */
+    _Atomic int wanted;         /* of them, how many take part (tl_set_threads - 1) */
+    _Atomic int sleeping;       /* helpers waiting on `wake` */
+    atomic_flag busy;           /* a job is running */
+    _Atomic uint64_t ticket;    /* the job's generation << 32 | its next unclaimed task */
+    _Atomic int64_t done;       /* tasks of the current job finished */
+    _Atomic(task_fn) fn;        /* the current job, written before its ticket is published */
+    _Atomic(const void *) job;
+    _Atomic int64_t n_tasks;
+    _Atomic int64_t shared_tasks, helped_tasks; /* tasks of jobs published to the helpers; of them, run by one */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, ATOMIC_FLAG_INIT, 0, 0, NULL, NULL, 0, 0, 0};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Claim and run tasks of generation `gen` until none is left (or a newer job replaced it). A
+ * task is claimed by moving the ticket from (gen, i) to (gen, i + 1); while a claimed task runs
+ * its job cannot end, so the job's fields read after the claim are that job's. */
+static void work_on(uint64_t gen, int is_helper) {
+    for (;;) {
+        uint64_t t = atomic_load(&pool.ticket);
+        const int64_t n = atomic_load_explicit(&pool.n_tasks, memory_order_relaxed);
+        if ((t >> 32) != gen || (int64_t)(t & 0xffffffffu) >= n) return;
+        if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + 1)) continue;
+        atomic_load_explicit(&pool.fn, memory_order_relaxed)(atomic_load_explicit(&pool.job, memory_order_relaxed),
+                                                             (int64_t)(t & 0xffffffffu));
+        if (is_helper) atomic_fetch_add_explicit(&pool.helped_tasks, 1, memory_order_relaxed);
+        atomic_fetch_add(&pool.done, 1);
+    }
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void *helper(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    uint64_t seen = atomic_load(&pool.ticket) >> 32;
+    for (;;) {
+        const int64_t until = now_ns() + HELPER_SPIN_NS;
+        uint64_t gen;
+        for (int spins = 1; (gen = atomic_load(&pool.ticket) >> 32) == seen; ++spins) {
+            cpu_relax();
+            if (spins % 64 == 0) {
+                sched_yield();
+                if (now_ns() > until) { /* no job for a while: sleep until one comes */
+                    pthread_mutex_lock(&pool.lock);
+                    atomic_fetch_add(&pool.sleeping, 1);
+                    while ((atomic_load(&pool.ticket) >> 32) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+                    atomic_fetch_sub(&pool.sleeping, 1);
+                    pthread_mutex_unlock(&pool.lock);
+                }
+            }
+        }
+        seen = gen;
+        if (index < atomic_load(&pool.wanted)) work_on(gen, 1);
+    }
+    return NULL;
+}
+
+/* Use `threads` threads in all (the caller and threads - 1 helpers, made on first need); 1 runs
+ * every kernel on its caller's thread alone. Returns the number now in use. */
+int tl_set_threads(int threads) {
+    int helpers = threads < 1 ? 0 : threads - 1;
+    helpers = helpers > MAX_HELPERS ? MAX_HELPERS : helpers;
+    pthread_mutex_lock(&pool.lock);
+    while (pool.started < helpers) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&thread, &attr, helper, (void *)(intptr_t)pool.started);
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        pool.started += 1;
+    }
+    helpers = helpers < pool.started ? helpers : pool.started;
+    atomic_store(&pool.wanted, helpers);
+    pthread_mutex_unlock(&pool.lock);
+    return helpers + 1;
+}
+
+int tl_threads(void) { return atomic_load(&pool.wanted) + 1; }
+
+/* Tasks of the jobs shared with the helpers so far, and how many of them the helpers ran. */
+void tl_task_counts(int64_t *out) {
+    out[0] = atomic_load(&pool.shared_tasks);
+    out[1] = atomic_load(&pool.helped_tasks);
+}
+
+/* fn(job, i) for i in [0, n), on this thread and whichever helpers join in. */
+static void run_tasks(task_fn fn, const void *job, int64_t n) {
+    if (n < 2 || atomic_load(&pool.wanted) == 0 || atomic_flag_test_and_set(&pool.busy)) {
+        for (int64_t i = 0; i < n; ++i) fn(job, i);
+        return;
+    }
+    atomic_store_explicit(&pool.fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&pool.job, job, memory_order_relaxed);
+    atomic_store_explicit(&pool.n_tasks, n, memory_order_relaxed);
+    atomic_store(&pool.done, 0);
+    const uint64_t gen = ((atomic_load(&pool.ticket) >> 32) + 1) & 0xffffffffu;
+    atomic_store(&pool.ticket, gen << 32);
+    if (atomic_load(&pool.sleeping) > 0) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    atomic_fetch_add_explicit(&pool.shared_tasks, n, memory_order_relaxed);
+    work_on(gen, 0);
+    while (atomic_load(&pool.done) < n) cpu_relax();
+    atomic_flag_clear(&pool.busy);
+}
 
 /* Keys live in blocks of consecutive rows scattered over the pool: the rows a few keys ahead are
  * fetched whole (several cache lines each), which the hardware prefetcher does not do across
@@ -100,65 +242,91 @@ static inline const float *row_of(const field_t *f, int64_t row, float *scratch)
     return scratch;
 }
 
-static int attend(const float *q, const field_t *k, const field_t *v, const int64_t *rows, const int64_t *n_keys,
-                  float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L, int64_t T, float scale) {
+typedef struct {
+    const float *q;
+    const field_t *k, *v;
+    const int64_t *rows, *n_keys;
+    float *out;
+    int64_t HQ, KVH, D, L, T;
+    float scale;
+    _Atomic int failed;
+} attend_job;
+
+/* One row's attention: task r of an `attend_job`. */
+static void attend_row(const void *job_, int64_t r) {
+    attend_job *job = (attend_job *)job_;
+    const float *q = job->q, scale = job->scale;
+    const field_t *k = job->k, *v = job->v;
+    const int64_t *rows = job->rows, *n_keys = job->n_keys;
+    float *out = job->out;
+    const int64_t HQ = job->HQ, KVH = job->KVH, D = job->D, L = job->L, T = job->T;
     const int64_t G = HQ / KVH, head = T * D; /* q and out [R, HQ, T, D]: a head's stride */
     /* [HQ, L] scores, then 1 / sum per head, then a scratch row for a 4-bit key */
     float *scores = malloc(sizeof(float) * (size_t)(HQ * L + HQ + k->width));
-    if (scores == NULL) return 1;
+    if (scores == NULL) {
+        atomic_store(&job->failed, 1);
+        return;
+    }
     float *inv = scores + HQ * L, *scratch = inv + HQ;
-    for (int64_t r = 0; r < R; ++r)
-        for (int64_t t = 0; t < T; ++t) {
-            const int64_t n = n_keys[r] + t; /* query t sees the keys before it and itself */
-            const int64_t *key_rows = rows + r * L;
-            const float *qr = q + r * HQ * head + t * D;
-            float *out_r = out + r * HQ * head + t * D;
-            /* scores: one pass over the keys' K rows, every head of a key while its row is in cache */
-            for (int64_t j = 0; j < n; ++j) {
-                if (j + AHEAD < n) prefetch_row(k, key_rows[j + AHEAD]);
-                const float *kj = row_of(k, key_rows[j], scratch);
-                for (int64_t h = 0, hq = 0; h < KVH; ++h) {
-                    const float *kh = kj + h * D;
-                    for (int64_t g = 0; g < G; ++g, ++hq) {
-                        const float *qh = qr + hq * head;
-                        float s = 0.0f;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t n = n_keys[r] + t; /* query t sees the keys before it and itself */
+        const int64_t *key_rows = rows + r * L;
+        const float *qr = q + r * HQ * head + t * D;
+        float *out_r = out + r * HQ * head + t * D;
+        /* scores: one pass over the keys' K rows, every head of a key while its row is in cache */
+        for (int64_t j = 0; j < n; ++j) {
+            if (j + AHEAD < n) prefetch_row(k, key_rows[j + AHEAD]);
+            const float *kj = row_of(k, key_rows[j], scratch);
+            for (int64_t h = 0, hq = 0; h < KVH; ++h) {
+                const float *kh = kj + h * D;
+                for (int64_t g = 0; g < G; ++g, ++hq) {
+                    const float *qh = qr + hq * head;
+                    float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                        for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-                        scores[hq * L + j] = s * scale;
-                    }
+                    for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+                    scores[hq * L + j] = s * scale;
                 }
             }
-            for (int64_t hq = 0; hq < HQ; ++hq) { /* softmax per query head: float32, max first */
-                float *sh = scores + hq * L;
-                float top = -INFINITY, total = 0.0f;
-                for (int64_t j = 0; j < n; ++j) top = sh[j] > top ? sh[j] : top;
-                for (int64_t j = 0; j < n; ++j) {
-                    sh[j] = expf(sh[j] - top);
-                    total += sh[j];
-                }
-                inv[hq] = 1.0f / total;
-            }
-            /* the weighted sum: one pass over the keys' V rows, normalised at the end */
-            for (int64_t hq = 0; hq < HQ; ++hq)
-                for (int64_t d = 0; d < D; ++d) out_r[hq * head + d] = 0.0f;
-            for (int64_t j = 0; j < n; ++j) {
-                if (j + AHEAD < n) prefetch_row(v, key_rows[j + AHEAD]);
-                const float *vj = row_of(v, key_rows[j], scratch);
-                for (int64_t h = 0, hq = 0; h < KVH; ++h) {
-                    const float *vh = vj + h * D;
-                    for (int64_t g = 0; g < G; ++g, ++hq) {
-                        const float p = scores[hq * L + j];
-                        float *oh = out_r + hq * head;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
-                    }
-                }
-            }
-            for (int64_t hq = 0; hq < HQ; ++hq)
-                for (int64_t d = 0; d < D; ++d) out_r[hq * head + d] *= inv[hq];
         }
+        for (int64_t hq = 0; hq < HQ; ++hq) { /* softmax per query head: float32, max first */
+            float *sh = scores + hq * L;
+            float top = -INFINITY, total = 0.0f;
+            for (int64_t j = 0; j < n; ++j) top = sh[j] > top ? sh[j] : top;
+            for (int64_t j = 0; j < n; ++j) {
+                sh[j] = expf(sh[j] - top);
+                total += sh[j];
+            }
+            inv[hq] = 1.0f / total;
+        }
+        /* the weighted sum: one pass over the keys' V rows, normalised at the end */
+        for (int64_t hq = 0; hq < HQ; ++hq)
+            for (int64_t d = 0; d < D; ++d) out_r[hq * head + d] = 0.0f;
+        for (int64_t j = 0; j < n; ++j) {
+            if (j + AHEAD < n) prefetch_row(v, key_rows[j + AHEAD]);
+            const float *vj = row_of(v, key_rows[j], scratch);
+            for (int64_t h = 0, hq = 0; h < KVH; ++h) {
+                const float *vh = vj + h * D;
+                for (int64_t g = 0; g < G; ++g, ++hq) {
+                    const float p = scores[hq * L + j];
+                    float *oh = out_r + hq * head;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
+                }
+            }
+        }
+        for (int64_t hq = 0; hq < HQ; ++hq)
+            for (int64_t d = 0; d < D; ++d) out_r[hq * head + d] *= inv[hq];
+    }
     free(scores);
-    return 0;
+}
+
+/* Every row's attention, the rows shared among the kernel threads. Returns 0, or 1 where a
+ * scratch buffer could not be allocated. */
+static int attend(const float *q, const field_t *k, const field_t *v, const int64_t *rows, const int64_t *n_keys,
+                  float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L, int64_t T, float scale) {
+    attend_job job = {q, k, v, rows, n_keys, out, HQ, KVH, D, L, T, scale, 0};
+    run_tasks(attend_row, &job, R);
+    return atomic_load(&job.failed);
 }
 
 int tl_decode_attention(const float *q, const float *k, const float *v, const int64_t *rows,
@@ -316,6 +484,24 @@ typedef int8_t i8x16 __attribute__((vector_size(16)));
         }                                                                                              \
     }
 
+/* A product's work split among threads: task t computes the columns of panels
+ * [t * per_task, (t + 1) * per_task) for every row. */
+typedef struct {
+    const float *xt;     /* x transposed in blocks of up to 16 rows: block b holds rows 16b.. as xt[k * rows + r] */
+    int64_t M, K, N, per_task, chunk; /* chunk: panels every block of rows passes over while they sit in L2 */
+    const void *panels;
+    const float *scales, *bias;
+    float *y;
+} panel_job;
+
+/* Products of at least PARALLEL_ROWS rows and PARALLEL_WORK multiply-adds run on the helper threads
+ * too: fewer rows read the weights faster than the vector unit uses them (the memory bus, not a
+ * core, is the limit: a second core adds nothing) and a smaller product ends before a helper
+ * joins. In about TASKS_PER_THREAD tasks a thread, so a late helper leaves little to wait for. */
+#define PARALLEL_ROWS 4
+#define PARALLEL_WORK (1 << 19)
+#define TASKS_PER_THREAD 4
+
 /* The rows of one panel in blocks of 16, 8, 4, 2, 1, and the matrix product over every panel. */
 #define PANEL_MATMUL(NAME, TYPE, LOAD)                                                                 \
     PANEL_ROWS(NAME, TYPE, LOAD, 1, 4)                                                                 \
@@ -323,32 +509,23 @@ typedef int8_t i8x16 __attribute__((vector_size(16)));
     PANEL_ROWS(NAME, TYPE, LOAD, 4, 1)                                                                 \
     PANEL_ROWS(NAME, TYPE, LOAD, 8, 1)                                                                 \
     PANEL_ROWS(NAME, TYPE, LOAD, 16, 1)                                                                \
-    static int NAME(const float *x, int64_t M, int64_t K, const TYPE *panels, int64_t N,               \
-                    const float *scales, const float *bias, float *y) {                                \
-        /* x transposed in blocks of up to 16 rows: block b holds rows 16b.. as xt[k * rows + r] */    \
-        float *xt = malloc((size_t)M * (size_t)K * sizeof(float));                                     \
-        if (xt == NULL) return -1;                                                                     \
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                                \
-            const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;                              \
-            float *xb = xt + m0 * K;                                                                   \
-            for (int64_t k = 0; k < K; ++k)                                                            \
-                for (int64_t r = 0; r < rows; ++r) xb[k * rows + r] = x[(m0 + r) * K + k];            \
-        }                                                                                              \
-        /* many rows (a prefill): the panels in chunks that stay in L2 while every block of rows      \
-         * passes over them, so the weight is read from memory once */                                 \
-        int64_t chunk = PANEL_CHUNK_BYTES / (K * PANEL * (int64_t)sizeof(TYPE));                       \
-        chunk = chunk < 1 ? PANEL : chunk * PANEL;                                                     \
-        for (int64_t c0 = 0; c0 < N; c0 += chunk)                                                      \
+    static void NAME##_task(const void *job_, int64_t task) {                                          \
+        const panel_job *job = job_;                                                                   \
+        const int64_t M = job->M, K = job->K, N = job->N;                                              \
+        const int64_t first = task * job->per_task * PANEL, last = first + job->per_task * PANEL;      \
+        const TYPE *panels = job->panels;                                                              \
+        for (int64_t c0 = first; c0 < N && c0 < last; c0 += job->chunk)                                \
             for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                            \
                 const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;                          \
-                const float *xb = xt + m0 * K;                                                         \
-                for (int64_t n0 = c0; n0 < N && n0 < c0 + chunk; n0 += PANEL) {                        \
+                const float *xb = job->xt + m0 * K;                                                    \
+                for (int64_t n0 = c0; n0 < N && n0 < c0 + job->chunk && n0 < last; n0 += PANEL) {      \
                     const TYPE *panel = panels + n0 * K;                                               \
-                    const float *s = scales != NULL ? scales + n0 : NULL, *b = bias != NULL ? bias + n0 : NULL; \
+                    const float *s = job->scales != NULL ? job->scales + n0 : NULL;                    \
+                    const float *b = job->bias != NULL ? job->bias + n0 : NULL;                        \
                     const int64_t cols = N - n0 < PANEL ? N - n0 : PANEL;                              \
                     for (int64_t r = 0; r < rows;) {                                                   \
                         const float *xr = xb + r;                                                      \
-                        float *yr = y + (m0 + r) * N + n0;                                             \
+                        float *yr = job->y + (m0 + r) * N + n0;                                        \
                         const int64_t left = rows - r, step = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1; \
                         switch (step) {                                                                \
                         case 16: NAME##_16(xr, rows, panel, K, s, b, yr, N, cols); break;              \
@@ -361,6 +538,28 @@ typedef int8_t i8x16 __attribute__((vector_size(16)));
                     }                                                                                  \
                 }                                                                                      \
             }                                                                                          \
+    }                                                                                                  \
+    static int NAME(const float *x, int64_t M, int64_t K, const TYPE *panels, int64_t N,               \
+                    const float *scales, const float *bias, float *y) {                                \
+        float *xt = malloc((size_t)M * (size_t)K * sizeof(float));                                     \
+        if (xt == NULL) return -1;                                                                     \
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {                                                \
+            const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;                              \
+            float *xb = xt + m0 * K;                                                                   \
+            for (int64_t k = 0; k < K; ++k)                                                            \
+                for (int64_t r = 0; r < rows; ++r) xb[k * rows + r] = x[(m0 + r) * K + k];            \
+        }                                                                                              \
+        const int64_t n_panels = (N + PANEL - 1) / PANEL;                                              \
+        int64_t chunk = PANEL_CHUNK_BYTES / (K * PANEL * (int64_t)sizeof(TYPE));                       \
+        chunk = chunk < 1 ? 1 : chunk;                                                                 \
+        int64_t per_task = n_panels;                                                                   \
+        const int threads = tl_threads();                                                              \
+        if (threads > 1 && M >= PARALLEL_ROWS && M * N * K >= PARALLEL_WORK) {                         \
+            per_task = (n_panels + threads * TASKS_PER_THREAD - 1) / (threads * TASKS_PER_THREAD);     \
+            per_task = per_task > chunk ? per_task - per_task % chunk : per_task; /* whole L2 chunks */ \
+        }                                                                                              \
+        const panel_job job = {xt, M, K, N, per_task, (chunk < per_task ? chunk : per_task) * PANEL, panels, scales, bias, y}; \
+        run_tasks(NAME##_task, &job, (n_panels + per_task - 1) / per_task);                            \
         free(xt);                                                                                      \
         return 0;                                                                                      \
     }
@@ -496,31 +695,30 @@ void tl_pack_panels_int4(const uint8_t *codes, const float *scales, const float 
     }
 }
 
-/* y [M, N] = x [M, K] W^T + bias for 4-bit W as `tl_pack_panels_int4` laid it out. Returns 0, or
- * -1 where it could not allocate its scratch. */
-int tl_panel_matmul_int4(const float *x, int64_t M, int64_t K, const uint8_t *panels, const float *params,
-                         int64_t N, int64_t group, const float *bias, float *y) {
-    const int64_t G = K / group, block = M < ROW_BLOCK ? M : ROW_BLOCK;
-    float *xt = malloc((size_t)block * (size_t)(K + G) * sizeof(float));
-    if (xt == NULL) return -1;
-    float *xsum = xt + block * K;
+typedef struct {
+    const float *xt; /* per block of up to 16 rows: x transposed, then its group sums */
+    int64_t M, K, N, group, per_task;
+    const uint8_t *panels;
+    const float *params, *bias;
+    float *y;
+} int4_job;
+
+/* Task t of an `int4_job`: the columns of panels [t * per_task, (t + 1) * per_task), every row. */
+static void int4_task(const void *job_, int64_t task) {
+    const int4_job *job = job_;
+    const int64_t M = job->M, K = job->K, N = job->N, group = job->group, G = K / group;
+    const int64_t first = task * job->per_task * PANEL, last = first + job->per_task * PANEL;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
-        for (int64_t k = 0; k < K; ++k)
-            for (int64_t r = 0; r < rows; ++r) xt[k * rows + r] = x[(m0 + r) * K + k];
-        for (int64_t g = 0; g < G; ++g)
-            for (int64_t r = 0; r < rows; ++r) {
-                float total = 0.0f;
-                for (int64_t k = g * group; k < (g + 1) * group; ++k) total += xt[k * rows + r];
-                xsum[g * rows + r] = total;
-            }
-        for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
-            const uint8_t *panel = panels + n0 * K / 2;
-            const float *pp = params + (n0 / PANEL) * G * 2 * PANEL, *b = bias != NULL ? bias + n0 : NULL;
+        const float *xt = job->xt + m0 * (K + G), *xsum = xt + rows * K;
+        for (int64_t n0 = first; n0 < N && n0 < last; n0 += PANEL) {
+            const uint8_t *panel = job->panels + n0 * K / 2;
+            const float *pp = job->params + (n0 / PANEL) * G * 2 * PANEL;
+            const float *b = job->bias != NULL ? job->bias + n0 : NULL;
             const int64_t cols = N - n0 < PANEL ? N - n0 : PANEL;
             for (int64_t r = 0; r < rows;) {
                 const float *xr = xt + r, *sr = xsum + r;
-                float *yr = y + (m0 + r) * N + n0;
+                float *yr = job->y + (m0 + r) * N + n0;
                 const int64_t left = rows - r, step = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
                 switch (step) {
                 case 16: matmul_i4_16(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
@@ -533,6 +731,33 @@ int tl_panel_matmul_int4(const float *x, int64_t M, int64_t K, const uint8_t *pa
             }
         }
     }
+}
+
+/* y [M, N] = x [M, K] W^T + bias for 4-bit W as `tl_pack_panels_int4` laid it out. Returns 0, or
+ * -1 where it could not allocate its scratch. */
+int tl_panel_matmul_int4(const float *x, int64_t M, int64_t K, const uint8_t *panels, const float *params,
+                         int64_t N, int64_t group, const float *bias, float *y) {
+    const int64_t G = K / group, n_panels = (N + PANEL - 1) / PANEL;
+    float *xt = malloc((size_t)M * (size_t)(K + G) * sizeof(float));
+    if (xt == NULL) return -1;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
+        float *xb = xt + m0 * (K + G), *xsum = xb + rows * K;
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t r = 0; r < rows; ++r) xb[k * rows + r] = x[(m0 + r) * K + k];
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t r = 0; r < rows; ++r) {
+                float total = 0.0f;
+                for (int64_t k = g * group; k < (g + 1) * group; ++k) total += xb[k * rows + r];
+                xsum[g * rows + r] = total;
+            }
+    }
+    const int threads = tl_threads();
+    int64_t per_task = n_panels;
+    if (threads > 1 && M >= PARALLEL_ROWS && M * N * K >= PARALLEL_WORK)
+        per_task = (n_panels + threads * TASKS_PER_THREAD - 1) / (threads * TASKS_PER_THREAD);
+    const int4_job job = {xt, M, K, N, group, per_task, panels, params, bias, y};
+    run_tasks(int4_task, &job, (n_panels + per_task - 1) / per_task);
     free(xt);
     return 0;
 }

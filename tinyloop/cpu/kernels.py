@@ -34,14 +34,14 @@ from tinyloop.model.hostmem import huge_page_bytes
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
            "decode_attention_int4", "rms_norm", "quantize_int4_rows", "write_rows", "pack_panels", "pack_panels_all",
            "pack_panels_int4", "panel_matmul", "panel_matmul_int4", "serves_rows", "PANEL", "PANEL_ROWS",
-           "PANEL_MAX_THREADS", "PANEL_SMALL_WORK"]
+           "PANEL_MAX_THREADS", "PANEL_SMALL_WORK", "set_threads", "threads", "task_counts", "loaded", "covers_torch"]
 
 log = logging.getLogger("tinyloop.cpu")
 
 SOURCE = Path(__file__).resolve().parent / "kernels.c"
 # -march=native: the host's vector units (AVX-512 here); the cache key holds the CPU's flags.
 # -fopenmp-simd: the `omp simd` reductions vectorise without -ffast-math (same IEEE maths).
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-pthread", "-shared", "-fPIC")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_decode_attention", ctypes.c_int, [_P] * 6 + [_I] * 6 + [_F]),
@@ -55,6 +55,9 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_panel_matmul_int8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 3),
     ("tl_pack_panels_int4", None, [_P] * 3 + [_I] * 3 + [_P] * 2),
     ("tl_panel_matmul_int4", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 2 + [_I] * 2 + [_P] * 2),
+    ("tl_set_threads", ctypes.c_int, [ctypes.c_int]),
+    ("tl_threads", ctypes.c_int, []),
+    ("tl_task_counts", None, [_P]),
 ]
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not
@@ -140,6 +143,11 @@ def load() -> ctypes.CDLL:
         return lib
 
 
+def loaded() -> bool:
+    """Whether the library is loaded already (``load()`` would not build)."""
+    return "lib" in _state
+
+
 def available() -> bool:
     """Whether ``load()`` succeeds (building on the first call)."""
     try:
@@ -147,6 +155,34 @@ def available() -> bool:
     except KernelUnavailable:
         return False
     return True
+
+
+def set_threads(threads: int) -> int:
+    """Run the C kernels' products of several rows and decode attention on ``threads`` threads
+    in all: the caller's and ``threads - 1`` helpers (made on first need, kept). The work is
+    split into tasks that whichever thread is free claims, so a helper busy elsewhere (the
+    server's event loop shares its core) delays nothing; 1 runs everything on the caller's
+    thread. Returns the count now in use (fewer where the OS would not make a thread)."""
+    if threads < 1:
+        raise ValueError(f"kernel threads must be at least 1, not {threads}")
+    _threads[0] = int(load().tl_set_threads(threads))
+    return _threads[0]
+
+
+def threads() -> int:
+    """The threads the C kernels run on (``set_threads``; 1 until it is called)."""
+    return _threads[0]
+
+
+_threads = [1]
+
+
+def task_counts() -> tuple[int, int]:
+    """Tasks of the kernel calls split among the threads so far, and how many of them the
+    helpers ran (the rest ran on their callers' threads): how much the helpers take part."""
+    counts = (ctypes.c_int64 * 2)()
+    load().tl_task_counts(counts)
+    return counts[0], counts[1]
 
 
 def _allocated(code: int, out: torch.Tensor, what: str = "decode attention") -> torch.Tensor:
@@ -239,8 +275,15 @@ def serves_rows(rows: int, n: int, k: int, dtype: str, any_rows: bool = False) -
     if rows <= 0:
         return False
     if rows > PANEL_ROWS:
-        return any_rows and torch.get_num_threads() == 1
-    return rows * n * k <= PANEL_SMALL_WORK or torch.get_num_threads() <= PANEL_MAX_THREADS[dtype]
+        return any_rows and covers_torch()
+    return covers_torch() or rows * n * k <= PANEL_SMALL_WORK or torch.get_num_threads() <= PANEL_MAX_THREADS[dtype]
+
+
+def covers_torch() -> bool:
+    """Whether the kernels run on at least torch's threads (``set_threads``): then the panels
+    serve products of every size (they are as fast as torch's at one thread, and split the
+    same way at more)."""
+    return _threads[0] >= torch.get_num_threads()
 
 
 def _panels_numel(weight: torch.Tensor) -> int:

@@ -30,14 +30,15 @@ copy in 16-column panels (``kernels.pack_panels``) and calls of 1 to 16 rows run
 row's sums in registers. Measured on this machine's two cores (``bench/panel_matmul.py``), it
 runs the ``small`` preset's products 1.2-2x faster than oneDNN's blocked kernel at 1-16 rows with
 the weights out of cache (what a decode step sees), and 1-3x faster than the one-row paths
-above, on one thread. It is single-threaded, so where torch runs more intra-op threads it serves
-only products small enough for torch's threads to cost more than they save
-(``kernels.serves_rows``; on two threads, up to 2^24 multiply-adds: measured inside decode
-steps, though in isolation torch's two threads run the ~100M preset's products 1.1-2x faster).
-Where torch runs one thread, the panels replace the blocked copy (``cpu.backend.use_cpu_kernels``):
-the kernel then runs prefill's products too, each chunk of panels kept in L2 while every block of
-16 rows passes over it, at 0.85-1.2x oneDNN's speed (bench/RESULTS.md, 2026-12-01 00:33), and the
-weights are held twice, not three times.
+above, on one thread. Products of 4 rows and more split their panels among the kernels' own
+threads (``kernels.set_threads``: helpers that take tasks only while their core is free). Where
+the kernels run on fewer threads than torch they serve only products small enough for torch's
+threads to cost more than they save (``kernels.serves_rows``; on two threads, up to 2^24
+multiply-adds: measured inside decode steps). Where they run on at least torch's threads (the
+server's default: torch keeps one core fewer), the panels replace the blocked copy
+(``cpu.backend.use_cpu_kernels``): the kernel then runs prefill's products too, each chunk of
+panels kept in L2 while every block of 16 rows passes over it, at 0.85-1.2x oneDNN's speed on
+one thread (bench/RESULTS.md, 2026-12-01 00:33), and the weights are held twice, not three times.
 
 The blocked and panel copies are made once: a model whose weights change afterwards must be
 packed again (``pack_linears`` re-packs; ``unpack_linears`` drops the copies). The engine packs
@@ -114,7 +115,7 @@ class PackedWeight:
 
     def set_blocked(self, on: bool) -> None:
         """Make the oneDNN blocked copy (where oneDNN is built and the weight was packed with one),
-        or drop it: at one thread with panels, the panel kernel serves every row count."""
+        or drop it: with panels on at least torch's threads, the panel kernel serves every row count."""
         if on and self._blockable and self.blocked is None:
             with torch.no_grad():
                 self.blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_ROWS)

@@ -1,0 +1,109 @@
+"""The C kernels' helper threads (``kernels.set_threads``): the same results on any number of
+threads, helpers that really take part, and callers on several threads at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.cpu.test_cpu_kernels import key_rows, needs_kernel, pool
+from tinyloop.cpu import kernels
+from tinyloop.cpu.backend import CPU
+from tinyloop.model.quant import QuantWeight
+
+pytestmark = needs_kernel
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    """Restore the kernels' thread count after the test."""
+    before = kernels.threads()
+    yield
+    kernels.set_threads(before)
+
+
+def on_threads(n: int, fn):  # type: ignore[no-untyped-def]
+    kernels.set_threads(n)
+    return fn()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 17, 40])
+def test_products_split_among_threads_equal_one_thread(threads: None, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 1000, 256  # 63 panels, the last short; 4 rows x 1000 x 256 is past the split's threshold
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(1008, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    panels = kernels.pack_panels(weight)
+    products = [(lambda: kernels.panel_matmul(x, panels, n, bias[:n]), weight)]
+    if rows <= kernels.PANEL_ROWS:  # the quantized panels serve decode's row counts (int4: N a multiple of 16)
+        for mode in ("int8", "int4"):
+            quant = QuantWeight(torch.randn(1008, k, generator=gen) * 0.05, mode)
+            quant.set_panels(True)
+            products.append((lambda q=quant: q.linear(x, bias), quant.dequantize()))
+    for product, dense in products:
+        alone = on_threads(1, product)
+        shared_before = kernels.task_counts()[0]
+        split = on_threads(2, product)
+        assert torch.equal(split, alone)  # each output column is computed by one thread, the same way
+        assert (kernels.task_counts()[0] > shared_before) == (rows >= 4)  # a row or three: one thread
+        torch.testing.assert_close(alone, torch.nn.functional.linear(x, dense, bias[:dense.shape[0]]),
+                                   rtol=1e-4, atol=1e-3)
+
+
+def test_attention_split_among_threads_equals_one_thread(threads: None) -> None:
+    store = pool(2, 64)
+    keys = key_rows(16, 40, 128)
+    gen = torch.Generator().manual_seed(3)
+    n_keys = torch.randint(1, 41, (16,), generator=gen)
+    q = torch.randn(16, 8, 1, 64, generator=gen)
+    alone = on_threads(1, lambda: CPU.decode_attention(store, q, keys, n_keys, None))
+    shared_before = kernels.task_counts()[0]
+    split = on_threads(2, lambda: CPU.decode_attention(store, q, keys, n_keys, None))
+    assert torch.equal(split, alone)
+    assert kernels.task_counts()[0] - shared_before == 16  # one task a row
+
+
+def test_the_helpers_take_part(threads: None) -> None:
+    kernels.set_threads(2)
+    weight = torch.randn(2048, 512)
+    panels, x = kernels.pack_panels(weight), torch.randn(16, 512)
+    _, helped_before = kernels.task_counts()
+    deadline = time.monotonic() + 20  # a helper needs a core: bounded for a loaded machine
+    while kernels.task_counts()[1] == helped_before and time.monotonic() < deadline:
+        kernels.panel_matmul(x, panels, 2048, None)
+    assert kernels.task_counts()[1] > helped_before
+
+
+def test_callers_on_several_threads_at_once_get_their_own_results(threads: None) -> None:
+    """One job at a time goes to the helpers; a caller that finds them busy runs its own tasks:
+    every caller's product is still its own and whole."""
+    kernels.set_threads(2)
+    weight = torch.randn(777, 384)
+    panels = kernels.pack_panels(weight)
+    inputs = [torch.randn(8, 384, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    want = [on_threads(1, lambda x=x: kernels.panel_matmul(x, panels, 777, None)) for x in inputs]
+    kernels.set_threads(2)
+    wrong: list[int] = []
+
+    def caller(i: int) -> None:
+        for _ in range(30):
+            if not torch.equal(kernels.panel_matmul(inputs[i], panels, 777, None), want[i]):
+                wrong.append(i)
+
+    callers = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for one in callers:
+        one.start()
+    for one in callers:
+        one.join(timeout=60)
+    assert not wrong and not any(one.is_alive() for one in callers)
+
+
+def test_the_thread_count_is_checked(threads: None) -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        kernels.set_threads(0)
+    assert kernels.set_threads(3) == 3 and kernels.threads() == 3
+    assert kernels.set_threads(1) == 1 and kernels.threads() == 1
