@@ -388,3 +388,9 @@ def test_float32_kv_writes_copy_rows_as_indexing_does() -> None:
     k, v = torch.randn(2, 2, 16, generator=gen), torch.randn(2, 2, 16, generator=gen)
     CPU.kv_write(store, rows, k=k, v=v)
     assert torch.equal(store.read("k", rows, torch.float32), k) and torch.equal(store.read("v", rows, torch.float32), v)
+    strided = torch.tensor([[5, 0], [11, 0]])[:, 0]  # a batch's rows: a column of its context's table
+    assert not strided.is_contiguous()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        CPU.kv_write(store, strided, k=k, v=v)
+    assert not any("index_put" in e.name for e in prof.events())  # copied in C too
+    assert torch.equal(store.read("k", strided, torch.float32), k)

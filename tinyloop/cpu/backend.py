@@ -70,7 +70,8 @@ class CpuBackend(TorchBackend):
             return None
         plain = all(isinstance(f, PlainBuffer) and f.data.dtype == torch.float32 and f.data.is_cpu
                     and f.data.is_contiguous() for f in fields.values())
-        if plain and rows.dtype == torch.long and rows.is_contiguous():
+        if plain and rows.dtype == torch.long:
+            rows = rows.contiguous()  # (a batch's rows are a strided column of its context's table)
             for name, f in fields.items():  # (no op where the values are contiguous: the step's op count)
                 assert isinstance(f, PlainBuffer)
                 x = values[name]
