@@ -1,8 +1,9 @@
 """Continuous batching through the HTTP server: aggregate tokens/s and inter-token latency.
 
     python bench/batching.py [--quick] [--preset small|tiny] [--streams 1 4 16] [--tokens 64]
-                             [--prompt 16] [--threads N] [--batch 16]
-                             [--clients process|inproc|both] [--no-alone] [--repeat N]
+                             [--prompt 16] [--threads N] [--kernel-threads N] [--batch 16]
+                             [--clients process|inproc|both] [--client-http raw|httpx]
+                             [--no-alone] [--repeat N]
 
 A random model of ``--preset`` (default ``small``) behind the real server (runtime + hypercorn
 in this process, 127.0.0.1:0, ``max_batch_size`` ``--batch``). For each count of concurrent
@@ -16,7 +17,11 @@ Where the clients run (``--clients``), as vLLM's ``benchmark_serving`` does it:
   which runs the streams when the parent asks (a JSON line on its stdin) and answers with the
   timings (a JSON line on its stdout). The server's process then holds only the server, so
   the figures are the server's (on a 2-core machine the child still takes CPU from the same
-  cores: ``client us/tok`` says how much);
+  cores: ``client us/tok`` says how much). By default (``--client-http raw``, since 2026-12-01)
+  the child writes each request by hand on a connection of its own and counts the token events
+  as their bytes arrive without decoding their JSON, as a load generator such as ``wrk`` does:
+  about 45 us of CPU a token at 16 streams against httpx's 110-145 (``--client-http httpx``,
+  what the figures before that date used), which the server's engine otherwise lost;
 - ``inproc``: in the server's own process and Trio loop (what this benchmark did until
   2026-11-30): the clients' parsing (about 110 us of CPU per token at 16 streams) then runs on
   the server's event-loop thread and takes the GIL in turn with the engine's worker thread, so
@@ -110,12 +115,47 @@ async def one_stream(client: httpx.AsyncClient, prompt: list[int], n: int) -> tu
     return start, arrivals
 
 
-async def run_streams(client: httpx.AsyncClient, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
-    """Every prompt as a stream at once; the timings as JSON-able data (see ``Run``)."""
+async def one_stream_raw(url: str, prompt: list[int], n: int) -> tuple[float, list[float]]:
+    """``one_stream`` without an HTTP client library: the request written by hand on a connection
+    of its own, each token event counted when its bytes arrive, its JSON not decoded (what a load
+    generator such as ``wrk`` does: on a machine of two cores the clients' CPU is the server's)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"prompt_tokens": prompt, "max_tokens": n, "stream": True, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    request = (f"POST /generate HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    async with await trio.open_tcp_stream(host, int(port)) as stream:
+        await stream.send_all(request)
+        data, head = b"", True
+        while chunk := await stream.receive_some(1 << 16):
+            now, data = time.perf_counter(), data + chunk
+            if head:  # the status line and headers first
+                if b"\r\n\r\n" not in data:
+                    continue
+                status, data = data.split(b"\r\n\r\n", 1)
+                if not status.startswith(b"HTTP/1.1 200"):
+                    raise RuntimeError(f"HTTP {status[:200]!r}")
+                head = False
+            *events, data = data.split(b"\n\n")  # whole SSE events (chunked framing between them)
+            for event in events:
+                at = event.find(b"data: {")
+                if event.startswith(b'data: {"error"', at):
+                    raise RuntimeError(event[at:at + 300].decode(errors="replace"))
+                if at >= 0 and not event.startswith(b'data: {"done"', at):
+                    arrivals.append(now)
+    return start, arrivals
+
+
+async def run_streams(client: httpx.AsyncClient | str, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """Every prompt as a stream at once (through ``client``, or ``one_stream_raw`` to the URL
+    ``client``); the timings as JSON-able data (see ``Run``)."""
     timings: list[tuple[float, list[float]]] = []
 
     async def go(p: list[int]) -> None:
-        timings.append(await one_stream(client, p, tokens))
+        timings.append(await (one_stream_raw(client, p, tokens) if isinstance(client, str)
+                              else one_stream(client, p, tokens)))
 
     cpu0, start = time.process_time(), time.perf_counter()
     async with trio.open_nursery() as nursery:
@@ -125,14 +165,15 @@ async def run_streams(client: httpx.AsyncClient, prompts: list[list[int]], token
             "streams": [[s - start, [t - start for t in ts]] for s, ts in timings]}
 
 
-async def client_main(url: str, connections: int) -> None:
+async def client_main(url: str, connections: int, raw: bool) -> None:
     """The child: one JSON command a line on stdin (``{"prompts": [...], "tokens": n}``), one
-    JSON answer a line on stdout (``run_streams``'s), until stdin ends."""
+    JSON answer a line on stdout (``run_streams``'s), until stdin ends; ``raw``: each stream
+    through ``one_stream_raw``, else httpx."""
     limits = httpx.Limits(max_connections=connections)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
-            out = await run_streams(client, cmd["prompts"], cmd["tokens"])
+            out = await run_streams(url if raw else client, cmd["prompts"], cmd["tokens"])
             sys.stdout.write(json.dumps(out) + "\n")
             sys.stdout.flush()
 
@@ -328,7 +369,8 @@ async def run(args: argparse.Namespace) -> None:
     async with trio.open_nursery() as nursery, open_runtime(engine, settings) as rt:
         binds = await nursery.start(partial(serve_http, rt, served, settings))
         limits = httpx.Limits(max_connections=most + 2)
-        argv = [sys.executable, __file__, "--client-of", binds[0], "--connections", str(most + 2)]
+        argv = [sys.executable, __file__, "--client-of", binds[0], "--connections", str(most + 2),
+                "--client-http", args.client_http]
         proc = await trio.lowlevel.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         try:
             async with httpx.AsyncClient(base_url=binds[0], limits=limits, timeout=600) as client:
@@ -390,6 +432,9 @@ def main() -> None:
                     help="threads of the C kernels (default: the server's, TINYLOOP_KERNEL_THREADS)")
     ap.add_argument("--clients", choices=["process", "inproc", "both"], default="process",
                     help="where the HTTP clients run (the module docstring)")
+    ap.add_argument("--client-http", choices=["raw", "httpx"], default="raw",
+                    help="the child process's HTTP client: raw (the request by hand, events counted "
+                         "unparsed) or httpx (each event's JSON decoded)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds (interleaved); the summary takes each row's median round")
     ap.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
@@ -400,7 +445,7 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=18, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client_of:
-        trio.run(client_main, args.client_of, args.connections)
+        trio.run(client_main, args.client_of, args.connections, args.client_http == "raw")
         return
     if args.quick:
         args.preset, args.tokens = "tiny", 8

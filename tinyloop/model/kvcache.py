@@ -228,13 +228,15 @@ class SeqKV:
 
         All-or-nothing: raises KVCacheExhausted without taking any block when the pool is short.
         """
-        bs = self.pool.block_size
-        need_per_slot = -(-new_length // bs) - self.blocks_per_slot
+        bs, have = self.pool.block_size, self.blocks_per_slot
+        need_per_slot = max(-(-new_length // bs) - have, 0)
         first_write_block = self.length // bs
-        shared = [s for s in range(self.n_slots)
-                  if first_write_block < self.blocks_per_slot
-                  and self.pool.refcount[self.tables[s][first_write_block]] > 1]
-        total = max(need_per_slot, 0) * self.n_slots + len(shared)
+        refcount = self.pool.refcount
+        shared = ([s for s, table in enumerate(self.tables) if refcount[table[first_write_block]] > 1]
+                  if first_write_block < have else [])
+        total = need_per_slot * self.n_slots + len(shared)
+        if total == 0:  # (most decode steps: the token goes into a block of its own)
+            return
         fresh = self.pool.allocate(total)
         for s in shared:  # copy-on-write of the partly filled block we are about to write into
             old = self.tables[s][first_write_block]
@@ -242,9 +244,9 @@ class SeqKV:
             self.pool.copy_block(old, new)
             self.tables[s][first_write_block] = new
             self.pool.release([old])
-        for s in range(self.n_slots):
-            for _ in range(max(need_per_slot, 0)):
-                self.tables[s].append(fresh.pop())
+        for table in self.tables:
+            for _ in range(need_per_slot):
+                table.append(fresh.pop())
 
     def truncate(self, new_length: int) -> None:
         """Forget positions ``>= new_length`` (speculation rollback); frees whole blocks past it."""
