@@ -394,3 +394,25 @@ def test_float32_kv_writes_copy_rows_as_indexing_does() -> None:
         CPU.kv_write(store, strided, k=k, v=v)
     assert not any("index_put" in e.name for e in prof.events())  # copied in C too
     assert torch.equal(store.read("k", strided, torch.float32), k)
+
+
+@needs_kernel
+def test_rows_slices_of_a_batch_are_read_in_place() -> None:
+    """A layer's q, k and v are slices of its fused projections ([R, Hq + 2 Hkv, T, D]): the
+    kernels read each row where it lies (``rows_of``) instead of copying them together."""
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(5, 4 + 2 + 2, 1, 16, generator=gen)
+    q, k = qkv[:, :4], qkv[:, 4:6]
+    assert kernels.rows_of(q) == (q, 8 * 16) and kernels.rows_of(k)[1] == 8 * 16
+    assert kernels.rows_of(qkv[:1, :4])[1] == 4 * 16  # one row: no stride to speak of
+    across = torch.randn(3, 16, 4)[:, :, 0]  # a row's values not adjacent: copied
+    copied, stride = kernels.rows_of(across)
+    assert copied.is_contiguous() and stride == 16 and torch.equal(copied, across)
+    store = pool(2, 16)
+    keys, n_keys = key_rows(5, 12, 128), torch.full((5,), 12)
+    got = kernels.decode_attention(q, store.fields["k"].data, store.fields["v"].data, keys, n_keys)
+    want = kernels.decode_attention(q.contiguous(), store.fields["k"].data, store.fields["v"].data, keys, n_keys)
+    assert torch.equal(got, want)
+    dst = torch.zeros(40, 2, 16)
+    kernels.write_rows(k, torch.tensor([3, 9, 0, 31, 7]), dst)
+    assert torch.equal(dst[torch.tensor([3, 9, 0, 31, 7])], k[:, :, 0])

@@ -75,7 +75,7 @@ class CpuBackend(TorchBackend):
             for name, f in fields.items():  # (no op where the values are contiguous: the step's op count)
                 assert isinstance(f, PlainBuffer)
                 x = values[name]
-                kernels.write_rows(x if x.is_contiguous() else x.contiguous(), rows, f.data)
+                kernels.write_rows(x, rows, f.data)
             return None
         return super().kv_write(store, rows, **values)
 
@@ -84,7 +84,7 @@ class CpuBackend(TorchBackend):
         k, v = store.fields.get("k"), store.fields.get("v")
         if q.device.type != "cpu" or q.dtype != torch.float32:
             return super().decode_attention(store, q, rows, n_keys, mask)
-        q, rows, n_keys = q.contiguous(), rows.contiguous(), n_keys.contiguous()
+        rows, n_keys = rows.contiguous(), n_keys.contiguous()  # (q: read in place, row by row)
         if isinstance(k, PlainBuffer) and isinstance(v, PlainBuffer) and k.data.dtype == torch.float32:
             return kernels.decode_attention(q, k.data, v.data, rows, n_keys)
         if isinstance(k, Int4Buffer) and isinstance(v, Int4Buffer) and k.meta.dtype == torch.float16:

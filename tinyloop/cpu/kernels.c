@@ -5,7 +5,8 @@
  * with no gathered copy of K and V.
  *
  *   q      [R, HQ, T, D] float32, each row's T new tokens' queries (RoPE applied): one token
- *                        in decode, a few in a speculative chain's verify
+ *                        in decode, a few in a speculative chain's verify; row r's at q + r * ldq
+ *                        (a slice of a batch's fused projections: no copy)
  *   k, v   the pool's K and V, row n holding every KV head's D values (width = KVH * D):
  *            float32 [N, width], or 4-bit (``kvstore.Int4Buffer``): codes uint8 [N, width / 2]
  *            (even index in the low nibble) and per group of `group` values an fp16 (scale,
@@ -243,11 +244,11 @@ static inline const float *row_of(const field_t *f, int64_t row, float *scratch)
 }
 
 typedef struct {
-    const float *q;
+    const float *q; /* row r's [HQ, T, D] at q + r * ldq */
     const field_t *k, *v;
     const int64_t *rows, *n_keys;
     float *out;
-    int64_t HQ, KVH, D, L, T;
+    int64_t ldq, HQ, KVH, D, L, T;
     float scale;
     _Atomic int failed;
 } attend_job;
@@ -271,7 +272,7 @@ static void attend_row(const void *job_, int64_t r) {
     for (int64_t t = 0; t < T; ++t) {
         const int64_t n = n_keys[r] + t; /* query t sees the keys before it and itself */
         const int64_t *key_rows = rows + r * L;
-        const float *qr = q + r * HQ * head + t * D;
+        const float *qr = q + r * job->ldq + t * D;
         float *out_r = out + r * HQ * head + t * D;
         /* scores: one pass over the keys' K rows, every head of a key while its row is in cache */
         for (int64_t j = 0; j < n; ++j) {
@@ -322,26 +323,27 @@ static void attend_row(const void *job_, int64_t r) {
 
 /* Every row's attention, the rows shared among the kernel threads. Returns 0, or 1 where a
  * scratch buffer could not be allocated. */
-static int attend(const float *q, const field_t *k, const field_t *v, const int64_t *rows, const int64_t *n_keys,
-                  float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L, int64_t T, float scale) {
-    attend_job job = {q, k, v, rows, n_keys, out, HQ, KVH, D, L, T, scale, 0};
+static int attend(const float *q, int64_t ldq, const field_t *k, const field_t *v, const int64_t *rows,
+                  const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L,
+                  int64_t T, float scale) {
+    attend_job job = {q, k, v, rows, n_keys, out, ldq, HQ, KVH, D, L, T, scale, 0};
     run_tasks(attend_row, &job, R);
     return atomic_load(&job.failed);
 }
 
-int tl_decode_attention(const float *q, const float *k, const float *v, const int64_t *rows,
+int tl_decode_attention(const float *q, int64_t ldq, const float *k, const float *v, const int64_t *rows,
                         const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH,
                         int64_t D, int64_t L, int64_t T, float scale) {
     const field_t kf = {k, NULL, NULL, KVH * D, 1}, vf = {v, NULL, NULL, KVH * D, 1};
-    return attend(q, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, T, scale);
+    return attend(q, ldq, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, T, scale);
 }
 
-int tl_decode_attention_int4(const float *q, const uint8_t *k_codes, const uint16_t *k_meta,
+int tl_decode_attention_int4(const float *q, int64_t ldq, const uint8_t *k_codes, const uint16_t *k_meta,
                              const uint8_t *v_codes, const uint16_t *v_meta, const int64_t *rows,
                              const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH,
                              int64_t D, int64_t L, int64_t T, int64_t group, float scale) {
     const field_t kf = {NULL, k_codes, k_meta, KVH * D, group}, vf = {NULL, v_codes, v_meta, KVH * D, group};
-    return attend(q, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, T, scale);
+    return attend(q, ldq, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, T, scale);
 }
 
 /* RMSNorm of `rows` rows of H float32 values: x / sqrt(mean(x^2) + eps) * w, in torch's order
@@ -359,12 +361,14 @@ void tl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64
     }
 }
 
-/* `n` rows of `width` float32 values into pool rows `rows` of `dst` ([n_rows, width]): a K or V
- * write, one copy per row. Returns 0, or -1 (nothing written) where a row is outside the pool. */
-int tl_write_rows(const float *x, const int64_t *rows, int64_t n, float *dst, int64_t n_rows, int64_t width) {
+/* `n` rows of `width` float32 values (row i at x + i * ldx) into pool rows `rows` of `dst`
+ * ([n_rows, width]): a K or V write, one copy per row. Returns 0, or -1 (nothing written) where a
+ * row is outside the pool. */
+int tl_write_rows(const float *x, int64_t ldx, const int64_t *rows, int64_t n, float *dst, int64_t n_rows,
+                  int64_t width) {
     for (int64_t i = 0; i < n; ++i)
         if (rows[i] < 0 || rows[i] >= n_rows) return -1;
-    for (int64_t i = 0; i < n; ++i) memcpy(dst + rows[i] * width, x + i * width, (size_t)width * sizeof(float));
+    for (int64_t i = 0; i < n; ++i) memcpy(dst + rows[i] * width, x + i * ldx, (size_t)width * sizeof(float));
     return 0;
 }
 

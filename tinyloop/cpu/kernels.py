@@ -34,7 +34,8 @@ from tinyloop.model.hostmem import huge_page_bytes
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
            "decode_attention_int4", "rms_norm", "quantize_int4_rows", "write_rows", "pack_panels", "pack_panels_all",
            "pack_panels_int4", "panel_matmul", "panel_matmul_int4", "serves_rows", "PANEL", "PANEL_ROWS",
-           "PANEL_MAX_THREADS", "PANEL_SMALL_WORK", "set_threads", "threads", "task_counts", "loaded", "covers_torch"]
+           "PANEL_MAX_THREADS", "PANEL_SMALL_WORK", "set_threads", "threads", "task_counts", "loaded", "covers_torch",
+           "rows_of"]
 
 log = logging.getLogger("tinyloop.cpu")
 
@@ -44,11 +45,11 @@ SOURCE = Path(__file__).resolve().parent / "kernels.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-pthread", "-shared", "-fPIC")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
-    ("tl_decode_attention", ctypes.c_int, [_P] * 6 + [_I] * 6 + [_F]),
-    ("tl_decode_attention_int4", ctypes.c_int, [_P] * 8 + [_I] * 7 + [_F]),
+    ("tl_decode_attention", ctypes.c_int, [_P, _I] + [_P] * 5 + [_I] * 6 + [_F]),
+    ("tl_decode_attention_int4", ctypes.c_int, [_P, _I] + [_P] * 7 + [_I] * 7 + [_F]),
     ("tl_rms_norm", None, [_P] * 3 + [_I] * 2 + [_F]),
     ("tl_quantize_int4_rows", None, [_P] * 2 + [_I] + [_P] * 2 + [_I] * 2),
-    ("tl_write_rows", ctypes.c_int, [_P] * 2 + [_I, _P] + [_I] * 2),
+    ("tl_write_rows", ctypes.c_int, [_P, _I, _P, _I, _P] + [_I] * 2),
     ("tl_pack_panels", None, [_P] + [_I] * 3 + [_P]),
     ("tl_pack_panels_int8", None, [_P] + [_I] * 3 + [_P]),
     ("tl_panel_matmul", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 2),
@@ -192,19 +193,37 @@ def _allocated(code: int, out: torch.Tensor, what: str = "decode attention") -> 
     return out
 
 
+def rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` ``[n, ...]`` as the kernels read rows: each ``x[i]`` contiguous, the stride between
+    them returned (no copy where x is a slice of a batch's larger rows: a layer's q, k or v);
+    a contiguous copy where a row is not contiguous."""
+    inner = 1
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:]), strict=True):
+        if size != 1 and stride != inner:
+            x = x.contiguous()
+            return x, x[0].numel() if x.shape[0] else 0
+        inner *= size
+    if x.shape[0] > 1 and x.stride(0) < inner:  # rows that overlap (an expanded tensor)
+        x = x.contiguous()
+    return x, x.stride(0) if x.shape[0] > 1 else inner
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
                      n_keys: torch.Tensor) -> torch.Tensor:
     """Each row's new tokens over keys read in place from the pool (``kernels.c``).
 
-    q ``[R, HQ, T, D]``, k and v ``[N, KVH, D]`` (the pool), float32 and contiguous; rows ``[R, L]``
+    q ``[R, HQ, T, D]`` float32 (each row's ``[HQ, T, D]`` read in place where contiguous:
+    ``rows_of``), k and v ``[N, KVH, D]`` (the pool) float32 and contiguous; rows ``[R, L]``
     and n_keys ``[R]`` int64 on the CPU: row r's token t attends to the pool rows
     ``rows[r, :n_keys[r] + t]``. Returns ``[R, HQ, T, D]``. The caller checks shapes and types
     (``CpuBackend``).
     """
     r, hq, t, d = q.shape
-    out = torch.empty_like(q)
-    code = load().tl_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), rows.data_ptr(), n_keys.data_ptr(),
-                                      out.data_ptr(), r, hq, k.shape[1], d, rows.shape[1], t, d ** -0.5)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    q, ldq = rows_of(q)
+    code = load().tl_decode_attention(q.data_ptr(), ldq, k.data_ptr(), v.data_ptr(), rows.data_ptr(),
+                                      n_keys.data_ptr(), out.data_ptr(), r, hq, k.shape[1], d, rows.shape[1], t,
+                                      d ** -0.5)
     return _allocated(code, out)
 
 
@@ -215,8 +234,9 @@ def decode_attention_int4(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor],
     dequantized as ``dequantize_int4`` does it, then attended to."""
     r, hq, t, d = q.shape
     (k_codes, k_meta), (v_codes, v_meta) = k, v
-    out = torch.empty_like(q)
-    code = load().tl_decode_attention_int4(q.data_ptr(), k_codes.data_ptr(), k_meta.data_ptr(), v_codes.data_ptr(),
+    out = torch.empty(q.shape, dtype=q.dtype)
+    q, ldq = rows_of(q)
+    code = load().tl_decode_attention_int4(q.data_ptr(), ldq, k_codes.data_ptr(), k_meta.data_ptr(), v_codes.data_ptr(),
                                            v_meta.data_ptr(), rows.data_ptr(), n_keys.data_ptr(), out.data_ptr(),
                                            r, hq, k_codes.shape[1], d, rows.shape[1], t, group, d ** -0.5)
     return _allocated(code, out)
@@ -232,13 +252,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def write_rows(x: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor) -> None:
-    """``dst[rows] = x`` for x ``[n, ...]`` and dst ``[N, ...]`` (the same row shape) float32
-    contiguous on the CPU, rows ``[n]`` int64 contiguous: a float32 pool's K or V write, no view
-    or copy made. Raises IndexError, writing nothing, where a row is outside ``dst``."""
+    """``dst[rows] = x`` for x ``[n, ...]`` float32 (each row read in place where contiguous:
+    ``rows_of``) and dst ``[N, ...]`` (the same row shape) float32 contiguous on the CPU, rows
+    ``[n]`` int64 contiguous: a float32 pool's K or V write. Raises IndexError, writing nothing,
+    where a row is outside ``dst``."""
     n, width = rows.shape[0], dst.stride(0)
     if x.numel() != n * width:
         raise ValueError(f"{n} rows of {width} values to write, got {tuple(x.shape)}")
-    if load().tl_write_rows(x.data_ptr(), rows.data_ptr(), n, dst.data_ptr(), dst.shape[0], width):
+    x, ldx = rows_of(x if x.dim() > 1 and x.shape[0] == n else x.reshape(n, width))
+    if load().tl_write_rows(x.data_ptr(), ldx, rows.data_ptr(), n, dst.data_ptr(), dst.shape[0], width):
         raise IndexError(f"a KV row is outside the pool of {dst.shape[0]} rows")
 
 

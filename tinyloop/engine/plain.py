@@ -76,7 +76,8 @@ class PlainDecoding:
         # Greedy rows draw nothing: only the others' generators need saving for a retry.
         states = [(s, s.generator.get_state()) for s in good if not s.request.sampling.greedy]
         try:
-            results: list[Any] = sample_batch(logits[keep], [s.request.sampling for s in good],
+            results: list[Any] = sample_batch(logits if len(good) == len(seqs) else logits[keep],
+                                              [s.request.sampling for s in good],
                                               [s.generator for s in good], [s.prompt for s in good],
                                               [s.output for s in good])
         except Exception:  # find the row that raised: every other row samples as it would have
