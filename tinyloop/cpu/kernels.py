@@ -219,7 +219,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
     (``CpuBackend``).
     """
     r, hq, t, d = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, ldq = rows_of(q)
     code = load().tl_decode_attention(q.data_ptr(), ldq, k.data_ptr(), v.data_ptr(), rows.data_ptr(),
                                       n_keys.data_ptr(), out.data_ptr(), r, hq, k.shape[1], d, rows.shape[1], t,
@@ -234,7 +234,7 @@ def decode_attention_int4(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor],
     dequantized as ``dequantize_int4`` does it, then attended to."""
     r, hq, t, d = q.shape
     (k_codes, k_meta), (v_codes, v_meta) = k, v
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, ldq = rows_of(q)
     code = load().tl_decode_attention_int4(q.data_ptr(), ldq, k_codes.data_ptr(), k_meta.data_ptr(), v_codes.data_ptr(),
                                            v_meta.data_ptr(), rows.data_ptr(), n_keys.data_ptr(), out.data_ptr(),
