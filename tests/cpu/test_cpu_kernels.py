@@ -416,3 +416,18 @@ def test_rows_slices_of_a_batch_are_read_in_place() -> None:
     dst = torch.zeros(40, 2, 16)
     kernels.write_rows(k, torch.tensor([3, 9, 0, 31, 7]), dst)
     assert torch.equal(dst[torch.tensor([3, 9, 0, 31, 7])], k[:, :, 0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize(("rows", "heads", "tokens", "dim", "table_rows"),
+                         [(1, 4, 1, 64, 1), (16, 6, 1, 64, 16), (3, 2, 5, 16, 3), (2, 3, 4, 8, 1)])
+def test_rope_in_c_is_torchs_to_the_bit(style: str, rows: int, heads: int, tokens: int, dim: int,
+                                        table_rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows * heads + tokens)
+    x = torch.randn(rows, heads + 3, tokens, dim, generator=gen)[:, :heads] * 50  # a slice of q, k and v
+    cos, sin = torch.randn(table_rows, tokens, dim, generator=gen), torch.randn(table_rows, tokens, dim, generator=gen)
+    for c, s in ((cos[:, None], sin[:, None]), (cos, sin)):  # [R, 1, T, D] as the contexts give it, and [R, T, D]
+        assert torch.equal(CPU.rope(x, c, s, style), TORCH.rope(x, c, s, style))
+    half = x.to(torch.bfloat16)  # not float32: torch's ops
+    assert torch.equal(CPU.rope(half, cos, sin, style), TORCH.rope(half, cos, sin, style))

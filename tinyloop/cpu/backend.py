@@ -57,6 +57,17 @@ class CpuBackend(TorchBackend):
             return super().rms_norm_cast_first(x, weight, eps)
         return kernels.rms_norm(x, weight, eps)
 
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+        # cos and sin [R or 1, 1, T, D] (one table for every head) or [R or 1, T, D], contiguous:
+        # the same memory as [R or 1, T, D], read so (no view made: a view costs more than the op)
+        xs, cs = x.shape, cos.shape
+        covered = (x.dtype is _F32 and cos.dtype is _F32 and sin.dtype is _F32 and x.is_cpu and len(xs) == 4
+                   and cs == sin.shape and cs[-2:] == xs[2:] and (len(cs) == 3 or len(cs) == 4 and cs[1] == 1)
+                   and cs[0] in (1, xs[0]) and xs[3] % 2 == 0 and cos.is_contiguous() and sin.is_contiguous())
+        if not covered:
+            return super().rope(x, cos, sin, style)
+        return kernels.rope(x, cos, sin, style == "half")
+
     def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
         fields = store.fields
         if not all(values[name].dtype == torch.float32 and values[name].is_cpu for name in fields):

@@ -346,6 +346,45 @@ int tl_decode_attention_int4(const float *q, int64_t ldq, const uint8_t *k_codes
     return attend(q, ldq, &kf, &vf, rows, n_keys, out, R, HQ, KVH, D, L, T, scale);
 }
 
+/* RoPE: out [R, H, T, D] = x * cos + rotate(x) * sin, row r of x at x + r * ldx ([H, T, D]
+ * contiguous), cos and sin [cs_rows, T, D] (cs_rows R, or 1 for every row); `half`: rotate(x) =
+ * cat(-x2, x1) of x's halves, else each pair (x0, x1) becomes (-x1, x0). Each product and the sum
+ * rounded on its own, as torch's separate ops round them (no contraction into a fused
+ * multiply-add: separate statements), so the result is torch's to the bit. */
+void tl_rope(const float *x, int64_t ldx, const float *cos, const float *sin, int64_t cs_rows, float *out,
+             int64_t R, int64_t H, int64_t T, int64_t D, int half) {
+    const int64_t h2 = D / 2;
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t t = 0; t < T; ++t) {
+                const float *xr = x + r * ldx + (h * T + t) * D;
+                const int64_t table = ((cs_rows == 1 ? 0 : r) * T + t) * D;
+                const float *c = cos + table, *sn = sin + table;
+                float *o = out + ((r * H + h) * T + t) * D;
+                if (half) {
+#pragma omp simd
+                    for (int64_t d = 0; d < h2; ++d) {
+                        const float straight = xr[d] * c[d];
+                        const float rotated = -xr[d + h2] * sn[d];
+                        o[d] = straight + rotated;
+                    }
+#pragma omp simd
+                    for (int64_t d = h2; d < D; ++d) {
+                        const float straight = xr[d] * c[d];
+                        const float rotated = xr[d - h2] * sn[d];
+                        o[d] = straight + rotated;
+                    }
+                } else {
+                    for (int64_t d = 0; d < D; d += 2) {
+                        const float straight0 = xr[d] * c[d], rotated0 = -xr[d + 1] * sn[d];
+                        const float straight1 = xr[d + 1] * c[d + 1], rotated1 = xr[d] * sn[d + 1];
+                        o[d] = straight0 + rotated0;
+                        o[d + 1] = straight1 + rotated1;
+                    }
+                }
+            }
+}
+
 /* RMSNorm of `rows` rows of H float32 values: x / sqrt(mean(x^2) + eps) * w, in torch's order
  * (the row scaled by the reciprocal, then by the weight); only the order of the sum of squares
  * differs from torch's. */

@@ -32,10 +32,10 @@ import torch
 from tinyloop.model.hostmem import huge_page_bytes
 
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
-           "decode_attention_int4", "rms_norm", "quantize_int4_rows", "write_rows", "pack_panels", "pack_panels_all",
-           "pack_panels_int4", "panel_matmul", "panel_matmul_int4", "serves_rows", "PANEL", "PANEL_ROWS",
-           "PANEL_MAX_THREADS", "PANEL_SMALL_WORK", "set_threads", "threads", "task_counts", "loaded", "covers_torch",
-           "rows_of"]
+           "decode_attention_int4", "rms_norm", "rope", "quantize_int4_rows", "write_rows", "pack_panels",
+           "pack_panels_all", "pack_panels_int4", "panel_matmul", "panel_matmul_int4", "serves_rows", "PANEL",
+           "PANEL_ROWS", "PANEL_MAX_THREADS", "PANEL_SMALL_WORK", "set_threads", "threads", "task_counts", "loaded",
+           "covers_torch", "rows_of"]
 
 log = logging.getLogger("tinyloop.cpu")
 
@@ -48,6 +48,7 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_decode_attention", ctypes.c_int, [_P, _I] + [_P] * 5 + [_I] * 6 + [_F]),
     ("tl_decode_attention_int4", ctypes.c_int, [_P, _I] + [_P] * 7 + [_I] * 7 + [_F]),
     ("tl_rms_norm", None, [_P] * 3 + [_I] * 2 + [_F]),
+    ("tl_rope", None, [_P, _I, _P, _P, _I, _P] + [_I] * 4 + [ctypes.c_int]),
     ("tl_quantize_int4_rows", None, [_P] * 2 + [_I] + [_P] * 2 + [_I] * 2),
     ("tl_write_rows", ctypes.c_int, [_P, _I, _P, _I, _P] + [_I] * 2),
     ("tl_pack_panels", None, [_P] + [_I] * 3 + [_P]),
@@ -240,6 +241,20 @@ def decode_attention_int4(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor],
                                            v_meta.data_ptr(), rows.data_ptr(), n_keys.data_ptr(), out.data_ptr(),
                                            r, hq, k_codes.shape[1], d, rows.shape[1], t, group, d ** -0.5)
     return _allocated(code, out)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: bool) -> torch.Tensor:
+    """``x * cos + rotate(x) * sin`` for float32 x ``[R, H, T, D]`` (each row read in place where
+    contiguous: ``rows_of``) and cos, sin ``[R or 1, T, D]`` (or ``[R or 1, 1, T, D]``) float32
+    contiguous on the CPU (the
+    caller checks); ``half``: rotate = cat(-x2, x1), else interleaved pairs. Torch's result to the
+    bit, as one call instead of five ops. Returns a new ``[R, H, T, D]``."""
+    r, h, t, d = x.shape
+    out = torch.empty((r, h, t, d), dtype=torch.float32, device=x.device)
+    x, ldx = rows_of(x)  # (cos and sin may be [R or 1, 1, T, D]: the same memory)
+    load().tl_rope(x.data_ptr(), ldx, cos.data_ptr(), sin.data_ptr(), cos.shape[0], out.data_ptr(), r, h, t, d,
+                   int(half))
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
