@@ -107,3 +107,23 @@ def test_the_thread_count_is_checked(threads: None) -> None:
         kernels.set_threads(0)
     assert kernels.set_threads(3) == 3 and kernels.threads() == 3
     assert kernels.set_threads(1) == 1 and kernels.threads() == 1
+
+
+def test_a_forked_child_computes_on_one_thread(threads: None) -> None:
+    """The helpers do not survive a fork: the child's kernels run on its one thread, whole."""
+    import os
+
+    kernels.set_threads(2)
+    weight = torch.randn(640, 256)
+    panels, x = kernels.pack_panels(weight), torch.randn(16, 256)
+    want = kernels.panel_matmul(x, panels, 640, None)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the product is right and ran on one thread
+        ok = kernels.threads() == 1 and torch.equal(kernels.panel_matmul(x, panels, 640, None), want)
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0

@@ -46,8 +46,8 @@
  * publishing, and where a core is free it takes part. A helper spins for the next job for
  * HELPER_SPIN_NS (a decode step's products come a few tens of microseconds apart), yielding its
  * core to any other runnable thread, then sleeps until woken. One job at a time: a second
- * caller (another engine's thread) runs its tasks alone. After a fork the child has no helpers;
- * its calls simply run every task themselves. */
+ * caller (another engine's thread) runs its tasks alone. A forked child starts with no helpers
+ * (`pool_after_fork`). */
 #define MAX_HELPERS 63
 #define HELPER_SPIN_NS 200000
 typedef void (*task_fn)(const void *job, int64_t task);
@@ -120,12 +120,25 @@ static void *helper(void *arg) {
     return NULL;
 }
 
+/* A forked child has none of the helpers (only the forking thread lives on), and one of them may
+ * have held the lock at the fork: the child starts over with none, on one thread. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.started = 0;
+    atomic_store(&pool.wanted, 0);
+    atomic_store(&pool.sleeping, 0);
+    atomic_flag_clear(&pool.busy);
+}
+
 /* Use `threads` threads in all (the caller and threads - 1 helpers, made on first need); 1 runs
  * every kernel on its caller's thread alone. Returns the number now in use. */
 int tl_set_threads(int threads) {
+    static int fork_handled;
     int helpers = threads < 1 ? 0 : threads - 1;
     helpers = helpers > MAX_HELPERS ? MAX_HELPERS : helpers;
     pthread_mutex_lock(&pool.lock);
+    if (!fork_handled && helpers > 0) fork_handled = pthread_atfork(NULL, NULL, pool_after_fork) == 0;
     while (pool.started < helpers) {
         pthread_t thread;
         pthread_attr_t attr;

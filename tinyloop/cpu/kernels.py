@@ -177,6 +177,7 @@ def threads() -> int:
 
 
 _threads = [1]
+os.register_at_fork(after_in_child=lambda: _threads.__setitem__(0, 1))  # a forked child has no helpers
 
 
 def task_counts() -> tuple[int, int]:
