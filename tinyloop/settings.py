@@ -207,8 +207,7 @@ class Settings:
         an engine steps) split among the CPU engines, at least 1."""
         if self.threads is not None:
             return self.threads
-        cpu_engines = max(1, sum(1 for d in self.engine_devices if d == "cpu"))
-        return max(1, (usable_cores() - 1) // cpu_engines)
+        return max(1, (usable_cores() - 1) // self._cpu_engines)
 
     @property
     def cpu_kernel_threads(self) -> int:
@@ -218,8 +217,12 @@ class Settings:
         busy event loop delays no product (``cpu.kernels.set_threads``)."""
         if self.kernel_threads is not None:
             return self.kernel_threads
-        cpu_engines = max(1, sum(1 for d in self.engine_devices if d == "cpu"))
-        return max(1, usable_cores() // cpu_engines)
+        return max(1, usable_cores() // self._cpu_engines)
+
+    @property
+    def _cpu_engines(self) -> int:
+        """The engines on the CPU (at least 1: what the CPU's threads are split among)."""
+        return max(1, sum(1 for d in self.engine_devices if d == "cpu"))
 
     @property
     def kv_mode(self) -> KVMode:

@@ -83,10 +83,9 @@ class CpuBackend(TorchBackend):
                     and f.data.is_contiguous() for f in fields.values())
         if plain and rows.dtype == torch.long:
             rows = rows.contiguous()  # (a batch's rows are a strided column of its context's table)
-            for name, f in fields.items():  # (no op where the values are contiguous: the step's op count)
+            for name, f in fields.items():  # (each value read in place: no op added to the step)
                 assert isinstance(f, PlainBuffer)
-                x = values[name]
-                kernels.write_rows(x, rows, f.data)
+                kernels.write_rows(values[name], rows, f.data)
             return None
         return super().kv_write(store, rows, **values)
 

@@ -558,6 +558,19 @@ typedef struct {
 #define PARALLEL_WORK (1 << 19)
 #define TASKS_PER_THREAD 4
 
+/* Panels a task of an M x N x K product covers: all of them (one task) where the product stays on
+ * its caller's thread, else about TASKS_PER_THREAD tasks a thread. */
+static int64_t panels_per_task(int64_t M, int64_t N, int64_t K) {
+    const int64_t n_panels = (N + PANEL - 1) / PANEL, threads = tl_threads();
+    if (threads < 2 || M < PARALLEL_ROWS || M * N * K < PARALLEL_WORK) return n_panels;
+    return (n_panels + threads * TASKS_PER_THREAD - 1) / (threads * TASKS_PER_THREAD);
+}
+
+/* The rows the next call of a panel's row kernels takes: 16, 8, 4, 2 or 1 of the `left`. */
+static inline int64_t row_step(int64_t left) {
+    return left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
+
 /* The rows of one panel in blocks of 16, 8, 4, 2, 1, and the matrix product over every panel. */
 #define PANEL_MATMUL(NAME, TYPE, LOAD)                                                                 \
     PANEL_ROWS(NAME, TYPE, LOAD, 1, 4)                                                                 \
@@ -582,7 +595,7 @@ typedef struct {
                     for (int64_t r = 0; r < rows;) {                                                   \
                         const float *xr = xb + r;                                                      \
                         float *yr = job->y + (m0 + r) * N + n0;                                        \
-                        const int64_t left = rows - r, step = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1; \
+                        const int64_t step = row_step(rows - r);                                       \
                         switch (step) {                                                                \
                         case 16: NAME##_16(xr, rows, panel, K, s, b, yr, N, cols); break;              \
                         case 8: NAME##_8(xr, rows, panel, K, s, b, yr, N, cols); break;                \
@@ -608,12 +621,8 @@ typedef struct {
         const int64_t n_panels = (N + PANEL - 1) / PANEL;                                              \
         int64_t chunk = PANEL_CHUNK_BYTES / (K * PANEL * (int64_t)sizeof(TYPE));                       \
         chunk = chunk < 1 ? 1 : chunk;                                                                 \
-        int64_t per_task = n_panels;                                                                   \
-        const int threads = tl_threads();                                                              \
-        if (threads > 1 && M >= PARALLEL_ROWS && M * N * K >= PARALLEL_WORK) {                         \
-            per_task = (n_panels + threads * TASKS_PER_THREAD - 1) / (threads * TASKS_PER_THREAD);     \
-            per_task = per_task > chunk ? per_task - per_task % chunk : per_task; /* whole L2 chunks */ \
-        }                                                                                              \
+        int64_t per_task = panels_per_task(M, N, K);                                                   \
+        if (per_task < n_panels && per_task > chunk) per_task -= per_task % chunk; /* whole L2 chunks */ \
         const panel_job job = {xt, M, K, N, per_task, (chunk < per_task ? chunk : per_task) * PANEL, panels, scales, bias, y}; \
         run_tasks(NAME##_task, &job, (n_panels + per_task - 1) / per_task);                            \
         free(xt);                                                                                      \
@@ -775,7 +784,7 @@ static void int4_task(const void *job_, int64_t task) {
             for (int64_t r = 0; r < rows;) {
                 const float *xr = xt + r, *sr = xsum + r;
                 float *yr = job->y + (m0 + r) * N + n0;
-                const int64_t left = rows - r, step = left >= 16 ? 16 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                const int64_t step = row_step(rows - r);
                 switch (step) {
                 case 16: matmul_i4_16(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
                 case 8: matmul_i4_8(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
@@ -808,10 +817,7 @@ int tl_panel_matmul_int4(const float *x, int64_t M, int64_t K, const uint8_t *pa
                 xsum[g * rows + r] = total;
             }
     }
-    const int threads = tl_threads();
-    int64_t per_task = n_panels;
-    if (threads > 1 && M >= PARALLEL_ROWS && M * N * K >= PARALLEL_WORK)
-        per_task = (n_panels + threads * TASKS_PER_THREAD - 1) / (threads * TASKS_PER_THREAD);
+    const int64_t per_task = panels_per_task(M, N, K);
     const int4_job job = {xt, M, K, N, group, per_task, panels, params, bias, y};
     run_tasks(int4_task, &job, (n_panels + per_task - 1) / per_task);
     free(xt);

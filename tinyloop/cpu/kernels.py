@@ -247,9 +247,9 @@ def decode_attention_int4(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor],
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: bool) -> torch.Tensor:
     """``x * cos + rotate(x) * sin`` for float32 x ``[R, H, T, D]`` (each row read in place where
     contiguous: ``rows_of``) and cos, sin ``[R or 1, T, D]`` (or ``[R or 1, 1, T, D]``) float32
-    contiguous on the CPU (the
-    caller checks); ``half``: rotate = cat(-x2, x1), else interleaved pairs. Torch's result to the
-    bit, as one call instead of five ops. Returns a new ``[R, H, T, D]``."""
+    contiguous on the CPU (the caller checks); ``half``: rotate = cat(-x2, x1), else interleaved
+    pairs. Torch's result to the bit, as one call instead of five ops. Returns a new
+    ``[R, H, T, D]``."""
     r, h, t, d = x.shape
     out = torch.empty((r, h, t, d), dtype=torch.float32, device=x.device)
     x, ldx = rows_of(x)  # (cos and sin may be [R or 1, 1, T, D]: the same memory)
@@ -290,9 +290,10 @@ def quantize_int4_rows(x: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor,
 
 
 PANEL = 16  # output columns a panel of ``pack_panels`` holds (kernels.c's PANEL)
-# Products of at most PANEL_ROWS rows run on the panels (where a weight has them) while torch
-# runs at most PANEL_MAX_THREADS intra-op threads (the kernel runs on one), or at any thread
-# count when they are at most PANEL_SMALL_WORK multiply-adds. Measured on two cores: in isolation
+# Products of at most PANEL_ROWS rows run on the panels (where a weight has them) while the
+# kernels run on at least torch's threads (``covers_torch``), or torch runs at most
+# PANEL_MAX_THREADS intra-op threads, or at any thread count when they are at most
+# PANEL_SMALL_WORK multiply-adds. Measured on two cores, the kernels on one thread: in isolation
 # (bench/panel_matmul.py --threads 2) torch's two-thread float32 products of the ~100M preset's
 # weights run 1.1-2x faster than the one-thread kernel, but inside a decode step (engines on two
 # threads, the threshold switched in one process, RESULTS 2026-12-01 00:45) the kernel beats
@@ -307,9 +308,9 @@ PANEL_SMALL_WORK = 1 << 24
 
 def serves_rows(rows: int, n: int, k: int, dtype: str, any_rows: bool = False) -> bool:
     """Whether a product of ``rows`` rows by an ``[n, k]`` weight of ``dtype`` (``float32``,
-    ``int8``, ``int4``) with panels runs on the panel kernel, at torch's present thread count;
-    ``any_rows``: past PANEL_ROWS too, where torch runs one thread (a weight that has no other
-    fast copy: ``cpu_linear.PackedWeight`` without its blocked one)."""
+    ``int8``, ``int4``) with panels runs on the panel kernel, at torch's and the kernels' present
+    thread counts; ``any_rows``: past PANEL_ROWS too, where the kernels cover torch's threads (a
+    weight that has no other fast copy: ``cpu_linear.PackedWeight`` without its blocked one)."""
     if rows <= 0:
         return False
     if rows > PANEL_ROWS:
