@@ -47,3 +47,55 @@ def test_engine_on_the_cuda_backend_generates_the_cpu_tokens() -> None:
     reqs = [req(list(range(20, 20 + n)), max_tokens=8, loops=loops, sampling=greedy)
             for n, loops in ((10, 1), (3, 3), (17, 2))]
     assert [r.tokens for r in gpu.generate_many(reqs)] == [r.tokens for r in cpu.generate_many(reqs)]
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+def test_decode_graphs_replay_the_eager_step(kernels: bool) -> None:
+    """Decode captured as CUDA graphs (``engine/graphs.py``): the CPU's tokens, the eager GPU
+    step's logits, one graph per bucket captured once and replayed."""
+    from tests.engine.test_device import make_engine
+    from tests.engine.test_engine import req
+    from tinyloop.cuda.backend import CudaBackend
+    from tinyloop.engine.engine import Engine
+    from tinyloop.requests import SamplingParams
+
+    cpu = make_engine("full")
+    eager = Engine(make_engine("full").model.to("cuda"), cpu.tokenizer, max_seq_len=128, block_size=8)
+    graphed = Engine(make_engine("full").model.to("cuda"), cpu.tokenizer, max_seq_len=128, block_size=8,
+                     cuda_graphs=True)
+    if kernels:
+        eager.model.use_backend(CudaBackend())
+        graphed.model.use_backend(CudaBackend())
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    reqs = [req(list(range(20, 20 + n)), max_tokens=12, loops=3, sampling=greedy) for n in (10, 3, 17)]
+    reqs.append(req([5, 6, 7], max_tokens=12, loops=3, warm_start=True, sampling=greedy))
+    want = [r.tokens for r in cpu.generate_many(reqs)]
+    assert [r.tokens for r in graphed.generate_many(reqs)] == want
+    assert graphed.graphs is not None and graphed.graphs.replays > 0
+    assert all(g.graph is not None for g in graphed.graphs.graphs.values()) and not graphed.graphs.failed
+    seqs_e, seqs_g = ([e.start(r) for r in reqs[:3]] for e in (eager, graphed))
+    for e, seqs in ((eager, seqs_e), (graphed, seqs_g)):
+        for s in seqs:
+            s.pending = int(e.prefill(s).argmax())
+    for _ in range(5):
+        a, b = eager.decode(seqs_e), graphed.decode(seqs_g)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        for sa, sb, row in zip(seqs_e, seqs_g, a):
+            sa.pending = sb.pending = int(row.argmax())
+
+
+def test_sampling_cuda_logits_equals_the_host() -> None:
+    """``sample_batch`` on CUDA logits (plain greedy rows' argmax on the device, the others' rows
+    copied over) picks what it picks from the same logits on the host."""
+    from tinyloop.engine.sampling import make_generator, sample_batch
+    from tinyloop.requests import SamplingParams
+
+    logits = torch.randn(6, 4096, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0, logprobs=True),
+              SamplingParams(temperature=1.0, top_k=20, seed=2), SamplingParams(temperature=0)]
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        runs = [sample_batch(t, params, [make_generator(p.seed) for p in params], [[1, 2, 3]] * 6, [[4]] * 6)
+                for t in (x, x.cuda())]
+        assert runs[0] == runs[1]

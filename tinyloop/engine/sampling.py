@@ -251,7 +251,8 @@ def sample_batch(
     """One ``SampleResult`` per row of ``logits`` [B, V], each as ``sample_token`` gives alone.
 
     Rows that are greedy with no penalties and no logprobs share one vectorised argmax (the
-    same first-maximum rule as ``sample_token``); every other row is sampled on its own.
+    same first-maximum rule as ``sample_token``), on the logits' device: on a GPU only their
+    token ids and the other rows' logits cross to the host. Every other row is sampled on its own.
     """
     batch = logits.shape[0]
     if not len(params) == len(generators) == len(prompt_tokens) == len(output_tokens) == batch:
@@ -260,15 +261,18 @@ def sample_batch(
             f"{len(params)} params, {len(generators)} generators, {len(prompt_tokens)} prompts, "
             f"{len(output_tokens)} outputs"
         )
-    rows = logits.detach().to(device="cpu", dtype=torch.float32)  # [B, V]
     fast = [i for i, p in enumerate(params) if _is_plain_greedy(p)]
+    others = [i for i, p in enumerate(params) if not _is_plain_greedy(p)]
+    rows = logits.detach()  # [B, V]
+    if rows.is_cpu:
+        rows = rows.float()
     argmax = (rows if len(fast) == batch else rows[fast]).argmax(dim=-1).tolist() if fast else []  # [F]
     results = dict(zip(fast, (SampleResult(int(t)) for t in argmax)))
-    for i in range(batch):
-        if i not in results:
-            results[i] = sample_token(rows[i], params[i], generators[i],
-                                      prompt_tokens=prompt_tokens[i],
-                                      output_tokens=output_tokens[i])
+    # on a GPU the argmax ran there: only the other rows' logits cross to the host
+    host, at = (rows, others) if rows.is_cpu or not others else (rows[others].float().cpu(), range(len(others)))
+    for i, row in zip(others, at):
+        results[i] = sample_token(host[row], params[i], generators[i], prompt_tokens=prompt_tokens[i],
+                                  output_tokens=output_tokens[i])
     return [results[i] for i in range(batch)]
 
 
