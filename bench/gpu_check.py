@@ -14,14 +14,18 @@ as gpu_check.md and gpu_check.json when ``OUT`` is set):
    and bf16 against its torch reference; tolerances ``parity.TOLERANCES``;
 3. engine: a tiny random model on CUDA through ``Engine`` (plain, speculative, beam, an exit
    rule; full and int4 KV) against the same model on the CPU: greedy tokens equal, prefill
-   logits within 1e-3; then the kernels wired through ``CudaBackend`` against torch eager;
-4. serve: the bundled demo model loaded by ``load_engine(Settings(device="cuda"))``, one
-   request through the in-process runtime and one ``POST /v1/completions`` through the HTTP
-   server on 127.0.0.1:0, both against the CPU engine's greedy text;
-5. decode: tokens/s at batch 1 and 32 for the demo model, the ~100M preset and a random
-   bf16 model of Huginn-0125's shape (loops 4 and 32), torch eager and with ``CudaBackend``,
-   with the weight bandwidth it implies (weight bytes read per step x steps/s) against the
-   device's HBM peak where known.
+   logits within 1e-3; the decode step captured as CUDA graphs (torch ops), the kernels wired
+   through ``CudaBackend``, and both together, each against torch eager's tokens;
+4. serve: the bundled demo model loaded by ``load_engine(Settings(device="cuda"))``, torch
+   eager and then with ``cuda_kernels`` and ``cuda_graphs``: one request through the in-process
+   runtime and one ``POST /v1/completions`` through the HTTP server on 127.0.0.1:0, both against
+   the CPU engine's greedy text;
+5. decode: tokens/s at batch 1, 8 and 32 for the demo model (loops 4), the ~100M preset (loops
+   4 and 8) and a random bf16 model of Huginn-0125's shape (loops 4, 8 and 32), three paths side
+   by side: torch eager, the kernels (``CudaBackend``), the kernels with the decode step replayed
+   as CUDA graphs (``engine/graphs.py``); with the weight bandwidth each implies (weight bytes
+   read per step x steps/s) against the device's HBM peak where known, each path's ratio to
+   eager and each batch's to batch 1.
 
 Bounded: sections past ``--budget`` seconds (default 480) are skipped and reported as skipped.
 With ``--dry-run`` every section runs on the CPU with the references standing in for the
@@ -130,7 +134,7 @@ def check_kernels(report: Report, device: torch.device, dry: bool) -> None:
 
 
 # -- 3. engine ------------------------------------------------------------------------------
-def tiny_engine(device: torch.device, kv_mode: str = "full") -> Any:
+def tiny_engine(device: torch.device, kv_mode: str = "full", **options: Any) -> Any:
     from tinyloop.engine.engine import Engine
     from tinyloop.model.presets import init_model
     from tinyloop.tokenizer import default_tokenizer
@@ -140,7 +144,7 @@ def tiny_engine(device: torch.device, kv_mode: str = "full") -> Any:
         gen = torch.Generator().manual_seed(0)
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
-    return Engine(model.to(device), default_tokenizer(), max_seq_len=256, block_size=8, kv_mode=kv_mode)
+    return Engine(model.to(device), default_tokenizer(), max_seq_len=256, block_size=8, kv_mode=kv_mode, **options)
 
 
 def engine_requests() -> list[Any]:
@@ -183,21 +187,29 @@ def check_engine(report: Report, device: torch.device, dry: bool) -> None:
             err = float((logits[0] - logits[1]).abs().max())
             report.add("engine", f"tiny prefill logits {device.type} vs cpu", err <= 1e-3, f"max err {err:.2e}",
                        "tol 1e-3")
+    eager = [r.tokens for r in tiny_engine(device).generate_many(reqs)]
+    graphed = tiny_engine(device, cuda_graphs=not dry)
+    if dry:  # the graphs' static step, run without capture
+        from tinyloop.engine.graphs import DecodeGraphs
+        graphed.graphs = DecodeGraphs(graphed.model, graphed.pool, graphed.max_seq_len, graphed._vocab_limit,
+                                      capture=False)
+    got = [r.tokens for r in graphed.generate_many(reqs)]
+    report.add("engine", "tiny fp32 CUDA graphs (torch ops) tokens = eager", got == eager,
+               f"{graphed.graphs.replays} replays, {len(graphed.graphs.graphs)} graphs",
+               "dry run: the static step, not captured" if dry else f"failed keys {sorted(graphed.graphs.failed)}")
     if dry or not gpu_available():
         report.add("engine", "CudaBackend tokens = torch eager", None, "", "skipped: no kernels")
         return
-    from tinyloop.cuda.backend import CudaBackend
-    eager = [r.tokens for r in tiny_engine(device).generate_many(reqs)]
-    eng = tiny_engine(device)
-    eng.model.use_backend(CudaBackend())
-    got = [r.tokens for r in eng.generate_many(reqs)]
-    report.add("engine", "tiny fp32 CudaBackend (norms, RoPE) tokens = eager", got == eager)
+    for graphs in (False, True):
+        eng = tiny_engine(device, cuda_kernels=True, cuda_graphs=graphs)
+        got = [r.tokens for r in eng.generate_many(reqs)]
+        name = "kernels + CUDA graphs" if graphs else "kernels (norms, RoPE, decode attention)"
+        report.add("engine", f"tiny fp32 {name} tokens = eager", got == eager,
+                   f"{eng.graphs.replays} replays" if graphs else "")
 
 
 # -- 4. serve -------------------------------------------------------------------------------
 def check_serve(report: Report, device: torch.device, dry: bool) -> None:
-    import trio
-
     from tinyloop.requests import GenerationRequest, SamplingParams
     from tinyloop.server import load_engine
     from tinyloop.settings import Settings
@@ -207,8 +219,21 @@ def check_serve(report: Report, device: torch.device, dry: bool) -> None:
     ids = tuple(cpu.tokenizer.encode(prompt))
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     want = cpu.generate(GenerationRequest(ids, max_tokens=16, sampling=greedy))
-    settings = Settings(device=device.type, port=0, host="127.0.0.1")
-    engine = load_engine(settings)
+    paths = [("torch eager", {})]
+    if not dry and gpu_available():
+        paths.append(("kernels + graphs", {"cuda_kernels": True, "cuda_graphs": True}))
+    for label, options in paths:
+        settings = Settings(device=device.type, port=0, host="127.0.0.1", **options)
+        serve_once(report, device, label, settings, load_engine(settings), prompt, ids, want)
+
+
+def serve_once(report: Report, device: torch.device, label: str, settings: Any, engine: Any, prompt: str,
+               ids: tuple[int, ...], want: Any) -> None:
+    import trio
+
+    from tinyloop.requests import GenerationRequest, SamplingParams
+
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
 
     async def main() -> tuple[Any, int, str]:
         import httpx
@@ -234,9 +259,9 @@ def check_serve(report: Report, device: torch.device, dry: bool) -> None:
             return await main()
 
     result, status, text = trio.run(bounded)
-    report.add("serve", f"demo model runtime.submit on {device.type}: text = cpu greedy",
+    report.add("serve", f"demo model runtime.submit on {device.type}, {label}: text = cpu greedy",
                result.tokens == want.tokens, repr(result.text[:30]))
-    report.add("serve", f"POST /v1/completions on {device.type}: 200, text = cpu greedy",
+    report.add("serve", f"POST /v1/completions on {device.type}, {label}: 200, text = cpu greedy",
                status == 200 and text == want.text, f"status {status}", repr(text[:30]))
 
 
@@ -288,7 +313,11 @@ def decode_rate(engine: Any, batch: int, loops: int, tokens: int, prompt_len: in
 
 
 def check_decode(report: Report, device: torch.device, dry: bool, budget: float) -> None:
+    """Three paths side by side on one engine: torch eager, the kernels, the kernels with the
+    decode step replayed as CUDA graphs (the dry run: torch ops, the graphs' static step)."""
     from tinyloop.engine.engine import Engine
+    from tinyloop.engine.graphs import DecodeGraphs
+    from tinyloop.model.backend import TORCH
     from tinyloop.server import load_engine
     from tinyloop.settings import Settings
     from tinyloop.tokenizer import default_tokenizer
@@ -302,34 +331,48 @@ def check_decode(report: Report, device: torch.device, dry: bool, budget: float)
         ("demo", lambda: demo, [4], 64 if not dry else 4)]
     if not dry:
         plans.append(("base100m", lambda: Engine(random_model(PRESETS["base100m"], device, dtype),
-                                                 default_tokenizer(), max_seq_len=256, kv_cache_mb=4096), [4], 32))
+                                                 default_tokenizer(), max_seq_len=256, kv_cache_mb=4096), [4, 8], 32))
         plans.append(("huginn-shape", lambda: Engine(random_model(HUGINN, device, dtype), default_tokenizer(),
-                                                     max_seq_len=128, kv_cache_mb=16384), [4, 32], 8))
+                                                     max_seq_len=128, kv_cache_mb=16384), [4, 8, 32], 8))
+    kernels = None
+    if not dry and gpu_available():
+        from tinyloop.cuda.backend import CudaBackend
+        kernels = CudaBackend()
+    batches = (1, 8, 32) if not dry else (1, 2)
     for label, make, loop_counts, tokens in plans:
         if report.elapsed() > budget:
             report.add("decode", f"{label} (skipped: time budget spent)", None)
             continue
         engine = make()
         config = engine.config
-        backends: list[tuple[str, Any]] = [("eager", None)]
-        if not dry and gpu_available():
-            from tinyloop.cuda.backend import CudaBackend
-            backends.append(("kernels", CudaBackend()))
+        graphs = DecodeGraphs(engine.model, engine.pool, engine.max_seq_len, engine._vocab_limit,
+                              capture=device.type == "cuda")
+        paths: list[tuple[str, Any, Any]] = [("eager", TORCH, None)]
+        if kernels is not None:
+            paths += [("kernels", kernels, None), ("kernels+graphs", kernels, graphs)]
+        else:
+            paths.append(("graphs (torch ops)" if not dry else "static step", TORCH, graphs))
         for loops in loop_counts:
-            for batch in (1, 32) if not dry else (1, 2):
-                for bname, backend in backends:
+            rates: dict[tuple[str, int], float] = {}
+            for batch in batches:
+                for pname, backend, with_graphs in paths:
+                    row = f"{label} {str(engine.dtype)[6:]} loops {loops} batch {batch} {pname}"
                     if report.elapsed() > budget:
-                        report.add("decode", f"{label} loops {loops} batch {batch} {bname}", None, "", "skipped: time")
+                        report.add("decode", row, None, "", "skipped: time")
                         continue
-                    from tinyloop.model.backend import TORCH
-                    engine.model.use_backend(backend or TORCH)
-                    rate = decode_rate(engine, batch, loops, tokens, 16, sync)
+                    engine.model.use_backend(backend)
+                    engine.graphs = with_graphs
+                    rate = rates[(pname, batch)] = decode_rate(engine, batch, loops, tokens, 16, sync)
                     gbs = weight_bytes_per_step(config, loops, engine.dtype) * rate / batch / 1e9
                     note = f"{gbs:.0f} GB/s weights" + (f", {100 * gbs / peak:.0f}% of {peak:.0f}" if peak else "")
-                    report.add("decode", f"{label} {str(engine.dtype)[6:]} loops {loops} batch {batch} {bname}",
-                               None, f"{rate:.1f} tok/s", note)
+                    if pname != "eager" and ("eager", batch) in rates:
+                        note += f"; {rate / rates[('eager', batch)]:.2f}x eager"
+                    if batch != 1 and (pname, 1) in rates:
+                        note += f"; {rate / rates[(pname, 1)]:.1f}x batch 1"
+                    report.add("decode", row, None, f"{rate:.1f} tok/s", note)
         engine.model.use_backend(TORCH)
-        del engine
+        engine.graphs = None
+        del engine, graphs
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -70,7 +70,8 @@ def load_engine(settings: Settings) -> Engine:
                        prefix_caching=settings.prefix_caching, max_draft_nodes=settings.max_draft_nodes,
                        pack_weights=settings.pack_weights, weights=settings.weights,
                        draft_min_prob=settings.draft_min_prob, draft_weights=settings.draft_weights,
-                       cpu_kernels=settings.cpu_kernels)
+                       cpu_kernels=settings.cpu_kernels, cuda_kernels=settings.cuda_kernels,
+                       cuda_graphs=settings.cuda_graphs)
     if engine.context_capped_by_kv:
         log.warning("context %d tokens (the model's is %d): what the KV cache holds for one sequence at "
                     "%d loops; set TINYLOOP_KV_CACHE_MB or TINYLOOP_MAX_SEQ_LEN to change it",

@@ -97,6 +97,12 @@ class Settings:
     cpu_kernels: bool = _opt(True, "TINYLOOP_CPU_KERNELS",
                              "CPU decode attention on a C kernel built with the system C compiler on first use "
                              "(cached); torch ops where there is no compiler, or with 0")
+    cuda_kernels: bool = _opt(False, "TINYLOOP_CUDA_KERNELS",
+                              "on a CUDA device, RMSNorm, RoPE and paged decode attention on the CuPy kernels "
+                              "(tinyloop/cuda; the cuda extra); off: torch ops")
+    cuda_graphs: bool = _opt(False, "TINYLOOP_CUDA_GRAPHS",
+                             "on a CUDA device, decode steps captured as CUDA graphs (per batch bucket, loops "
+                             "and window, on first use) and replayed")
     weights: str = _opt("float", "TINYLOOP_WEIGHTS",
                         "linear weights at load: float (as stored), int8 (per channel) or int4 (groups of 32); "
                         "CPU, float32 activations")
@@ -142,6 +148,8 @@ class Settings:
             indices = self.devices.split(",")
             if not all(i.strip().isdigit() for i in indices) or len(set(indices)) != len(indices):
                 raise ConfigError(f"devices must be distinct CUDA device indices such as 0,1, got {self.devices!r}")
+        if (self.cuda_kernels or self.cuda_graphs) and self.device == "cpu" and self.devices is None:
+            raise ConfigError("cuda_kernels and cuda_graphs need a CUDA device (--device cuda or --devices)")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.keep_alive_timeout <= 0:

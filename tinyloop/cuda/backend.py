@@ -3,23 +3,25 @@
 What is wired today: RMSNorm (both reference orders) and RoPE run on this package's kernels;
 decode attention over a pool that stores K and V in the model's dtype runs on the paged decode
 kernel (``decode_attention``: the pool read in place, through the block tables behind the rows
-the context hands it, ``reference.tables_of``). KV writes, the other reads and prefill's
+the context hands it, ``reference.tables_of``), and through the tables themselves at fixed shapes
+(``paged_attention``: a captured decode step, ``tinyloop/engine/graphs.py``). KV writes, the other reads and prefill's
 attention stay with the torch reference. Any call
 the kernels do not cover (a dtype without a kernel, a tensor off CUDA) falls back to torch.
 
-    model.use_backend(CudaBackend())   # after model.to("cuda")
+    model.use_backend(CudaBackend())   # after model.to("cuda"); or use_cuda_kernels(model)
 """
 
 from __future__ import annotations
 
 import torch
 
-from tinyloop.cuda import kernels
+from tinyloop.cuda import gpu_available, kernels
 from tinyloop.cuda.reference import tables_of
+from tinyloop.errors import ConfigError
 from tinyloop.model.backend import TorchBackend
 from tinyloop.model.kvstore import KVStore, PlainBuffer
 
-__all__ = ["CudaBackend"]
+__all__ = ["CudaBackend", "use_cuda_kernels"]
 
 
 def _covered(x: torch.Tensor) -> bool:
@@ -56,5 +58,29 @@ class CudaBackend(TorchBackend):
             return super().decode_attention(store, q, rows, n_keys, mask)
         r, hq, _, d = q.shape
         out = kernels.paged_decode_attention(q[:, :, 0], k.data, v.data, tables_of(rows, store.block_size), n_keys,
-                                             store.block_size)
+                                             store.block_size, max_len=rows.shape[1])  # bounds n_keys: no host read
         return out.view(r, hq, 1, d)
+
+    def paged_attention(self, store: KVStore, q: torch.Tensor, tables: torch.Tensor, n_keys: torch.Tensor,
+                        max_keys: int) -> torch.Tensor:
+        k, v = store.fields.get("k"), store.fields.get("v")
+        if (not isinstance(k, PlainBuffer) or not isinstance(v, PlainBuffer) or not _covered(q)
+                or k.data.dtype != q.dtype):
+            return super().paged_attention(store, q, tables, n_keys, max_keys)
+        r, hq, _, d = q.shape
+        out = kernels.paged_decode_attention(q[:, :, 0], k.data, v.data, tables, n_keys, store.block_size,
+                                             max_len=max_keys)
+        return out.view(r, hq, 1, d)
+
+
+def use_cuda_kernels(model: torch.nn.Module) -> None:
+    """Run ``model``'s norms, RoPE and decode attention on the kernels (``Engine(cuda_kernels=True)``,
+    ``TINYLOOP_CUDA_KERNELS``); ConfigError, saying what is missing, unless the model is on a
+    CUDA device and CuPy sees one."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ConfigError(f"the CUDA kernels need the model on a CUDA device, not {device}")
+    if not gpu_available():
+        raise ConfigError("the CUDA kernels need CuPy and the NVRTC wheel: pip install -e \".[cuda]\" "
+                          "(\".[cuda12]\" for a CUDA 12 driver)")
+    model.use_backend(CudaBackend())  # type: ignore[operator]

@@ -117,16 +117,22 @@ def swiglu(fc: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, tables: torch.Tensor,
                            seq_lens: torch.Tensor, block_size: int, written: torch.Tensor | None = None,
-                           depth: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                           depth: torch.Tensor | None = None, splits: int | None = None,
+                           max_len: int | None = None) -> torch.Tensor:
     """As ``reference.paged_decode_ref``; ``splits`` (default from ``launch.decode_splits``)
-    > 1 runs flash-decoding with a combine pass."""
+    > 1 runs flash-decoding with a combine pass. ``max_len``: a bound on ``seq_lens`` that
+    sizes the splits (splits past a row's length do nothing); without it ``seq_lens`` is read
+    on the host, a synchronisation. ``tables`` may be a strided view (rows evenly spaced, each
+    row's entries contiguous): a slot's column of a ``[R, S, MB]`` table is read in place."""
     r, hq, d = q.shape
     kvh = k_store.shape[1]
     if q.stride(-1) != 1 or not (k_store.is_contiguous() and v_store.is_contiguous()):
         raise ValueError("q's head_dim and the K/V pool must be contiguous")
-    tables = tables.to(torch.int64).contiguous()
+    if tables.dtype != torch.int64 or tables.stride(-1) != 1:
+        tables = tables.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
-    max_len = int(seq_lens.max())  # the one host read: sizes the splits
+    if max_len is None:
+        max_len = int(seq_lens.max())  # a host read: sizes the splits
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         splits = launch.decode_splits(r, hq, max_len, sms)
@@ -141,7 +147,7 @@ def paged_decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torc
         depth = None if depth is None else depth.to(torch.int32).contiguous()
     args = (_ptr(q), _ptr(k_store), _ptr(v_store), _ptr(tables), _ptr(seq_lens), _ptr(written), _ptr(depth),
             _ptr(out), _ptr(acc), _ptr(ml), _i32(hq), _i32(kvh), _i32(d), _i32(block_size),
-            _i32(tables.shape[1]), _i32(0 if written is None else written.shape[1]), _i64(q.stride(0)),
+            _i32(tables.stride(0)), _i32(0 if written is None else written.shape[1]), _i64(q.stride(0)),
             _i64(q.stride(1)), _i32(per), np.float32(1.0 / math.sqrt(d)))
     _run("paged_attention", "paged_decode", q.dtype, launch.paged_decode_launch(r, hq, d, splits), args, q.device)
     if splits > 1:

@@ -25,8 +25,10 @@ import torch
 from torch import nn
 
 from tinyloop.cpu.backend import use_cpu_kernels
+from tinyloop.cuda.backend import use_cuda_kernels
 from tinyloop.engine import blocking
 from tinyloop.engine.batch import Batch
+from tinyloop.engine.graphs import DecodeGraphs
 from tinyloop.engine.kv_budget import KVAccounting, KVBudget, pool_blocks
 from tinyloop.engine.output import accept_token
 from tinyloop.engine.prefill import advance, prefill_chunks
@@ -67,7 +69,8 @@ class Engine(KVAccounting, PrefixEntries):
                  kv_mode: KVMode | str | None = None, prefix_caching: bool = True,
                  max_draft_nodes: int = DEFAULT_MAX_DRAFT_NODES, pack_weights: bool = True,
                  weights: str = "float", draft_min_prob: float = DEFAULT_DRAFT_MIN_PROB,
-                 draft_weights: str = "same", cpu_kernels: bool = True) -> None:
+                 draft_weights: str = "same", cpu_kernels: bool = True,
+                 cuda_kernels: bool = False, cuda_graphs: bool = False) -> None:
         self.model = model.eval()
         self.draft_model = draft_copy(model, draft_weights if weights == "float" else "same")  # quant.py
         if weights not in WEIGHT_MODES:
@@ -79,6 +82,8 @@ class Engine(KVAccounting, PrefixEntries):
             pack_linears(model)
         for m in {id(m): m for m in (model, self.draft_model)}.values():  # CPU decode attention on
             use_cpu_kernels(m, cpu_kernels)  # type: ignore[arg-type]  # the C kernel where it builds
+            if cuda_kernels:  # norms, RoPE, decode attention on tinyloop/cuda's kernels
+                use_cuda_kernels(m)
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.name = name
@@ -96,6 +101,9 @@ class Engine(KVAccounting, PrefixEntries):
         self._vocab_limit = min(tokenizer.vocab_size, self.config.vocab_size)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        if cuda_graphs and self.device.type != "cuda":
+            raise RequestError(f"cuda_graphs needs the model on a CUDA device, not {self.device}", param="cuda_graphs")
+        self.cuda_graphs = cuda_graphs
         self.kv_mode = KVMode.parse(kv_mode)  # full, int4, h-mode, ... (kvmode.py)
         blocks = pool_blocks(self.config, self.kv_mode, self.dtype, self.max_seq_len, kv_cache_mb, block_size)
         if max_seq_len is None:  # the model's context, down to what one sequence at the default loops fits
@@ -110,6 +118,8 @@ class Engine(KVAccounting, PrefixEntries):
         self.budget = KVBudget(self.config, self.pool, self.max_seq_len)
         self.limits = ModelLimits.from_engine(self)  # the one check of a request (tinyloop.limits)
         self.prefix_cache = PrefixCache(self.pool, self.kv_mode, prefix_caching)
+        self.graphs = (DecodeGraphs(self.model, self.pool, self.max_seq_len, self._vocab_limit)  # graphs.py
+                       if self.cuda_graphs else None)  # decode steps captured per bucket and loops, replayed
         self.batch = Batch(self)
         self.prefilled_tokens = 0  # prompt tokens run through the model (cache hits excluded)
 
@@ -247,8 +257,9 @@ class Engine(KVAccounting, PrefixEntries):
     @torch.inference_mode()
     def decode(self, seqs: Seq[Sequence]) -> torch.Tensor:
         """Feed each sequence its pending token in one batched call; logits ``[B, V]``."""
-        tokens = self.host_tokens([[s.pending] for s in seqs])  # [B, 1]
-        out = self.forward(seqs, tokens, warm=True)
+        out = self.graphs.forward(seqs) if self.graphs is not None else None  # None: not covered
+        if out is None:
+            out = self.forward(seqs, self.host_tokens([[s.pending] for s in seqs]), warm=True)
         for s, used in zip(seqs, out.loops_used):
             s.loops_total += used
             s.pending = None

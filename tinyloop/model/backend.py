@@ -70,6 +70,14 @@ class Backend(Protocol):
         that gathers. ``[R, Hq, T, D]``."""
         ...
 
+    def paged_attention(self, store: KVStore, q: torch.Tensor, tables: torch.Tensor, n_keys: torch.Tensor,
+                        max_keys: int) -> torch.Tensor:
+        """Decode attention through block tables, at fixed shapes and with no host read (what a
+        CUDA graph captures): q ``[R, Hq, 1, D]``; ``tables`` ``[R, MB]`` each row's block ids in
+        the slot it attends (padded with any block); row r over its first ``n_keys[r]`` keys,
+        every one ``<= max_keys <= MB * block_size``. ``[R, Hq, 1, D]``."""
+        ...
+
 
 class TorchBackend:
     """The reference backend: plain torch ops, on whatever device the tensors are."""
@@ -124,6 +132,17 @@ class TorchBackend:
         keys_k = self.kv_read(store, "k", rows, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
         keys_v = self.kv_read(store, "v", rows, q.dtype).transpose(1, 2)
         return self.attention(q, keys_k, keys_v, mask)
+
+    def paged_attention(self, store: KVStore, q: torch.Tensor, tables: torch.Tensor, n_keys: torch.Tensor,
+                        max_keys: int) -> torch.Tensor:
+        """``decode_attention`` over the pool rows of every table entry, the keys past each row's
+        ``n_keys`` masked out (the reference: it reads ``max_keys`` keys a row whatever their count)."""
+        bs = store.block_size
+        offsets = torch.arange(bs, dtype=tables.dtype, device=tables.device)
+        rows = (tables[:, :, None] * bs + offsets).flatten(1)[:, :max_keys]  # [R, L]
+        seen = torch.arange(rows.shape[1], device=rows.device) < n_keys[:, None]  # [R, L]
+        mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+        return self.decode_attention(store, q, rows, n_keys.long(), mask[:, None, None])
 
 
 TORCH: Backend = TorchBackend()

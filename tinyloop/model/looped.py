@@ -194,6 +194,25 @@ class LoopedLM(nn.Module):
                 x = x[torch.arange(x.shape[0], device=x.device), ends if rows is None else ends[rows]][:, None]
         return self.head(x)
 
+    def embed_prelude(self, tokens: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """tokens ``[B, T]`` -> the prelude's output e ``[B, T, H]`` (injected at every loop)."""
+        x: torch.Tensor = self.embed(tokens)  # [B, T, H]
+        if self.config.embed_scale != 1.0:
+            x = x * self.config.embed_scale
+        for i, layer in enumerate(self.prelude):
+            x = layer(x, ctx, self.rope, None, i)
+        return x
+
+    def core_loop(self, state: torch.Tensor, e: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None,
+                  base: torch.Tensor | int) -> torch.Tensor:
+        """One loop of the core block for ``rows`` (None: all) of ``state``, their first core slot
+        ``base`` (one per row, or one for all): the new state of those rows ``[R, T, H]``."""
+        h = self.inject(state if rows is None else state[rows], e if rows is None else e[rows])
+        for i, layer in enumerate(self.core):
+            h = layer(h, ctx, self.rope, rows, base + i)
+        out: torch.Tensor = self.final_norm(h) if self.config.loop_norm == "every_loop" else h
+        return out
+
     # -- forward -------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, ctx: AttentionContext, specs: Sequence[RowSpec],
                 last_only: bool = True) -> ForwardOutput:
@@ -206,12 +225,7 @@ class LoopedLM(nn.Module):
         windows = torch.tensor(wins, dtype=torch.long, device=dev)  # [B]
         # one window for every row (the usual case): a layer's slot is one int, found without index ops
         window = wins[0] if wins.count(wins[0]) == bsz else None
-        x = self.embed(tokens)  # [B, T, H]
-        if c.embed_scale != 1.0:
-            x = x * c.embed_scale
-        for i, layer in enumerate(self.prelude):
-            x = layer(x, ctx, self.rope, None, i)
-        e = x
+        e = self.embed_prelude(tokens, ctx)
         state = self.initial_state(e, specs)
         rules = [s.exit if s.exit is not None else c.exit for s in specs]
         stops = None  # rules that stop a decoded token early run one token per row
@@ -228,13 +242,8 @@ class LoopedLM(nn.Module):
                 break
             rows = None if len(act) == bsz else torch.tensor(act, dtype=torch.long, device=dev)
             win = windows if rows is None else windows[rows]
-            h = self.inject(state if rows is None else state[rows], e if rows is None else e[rows])
             # each row's first core slot this loop
-            base = c.n_prelude + (r % (win if window is None else window)) * c.n_core
-            for i, layer in enumerate(self.core):
-                h = layer(h, ctx, self.rope, rows, base + i)
-            if c.loop_norm == "every_loop":
-                h = self.final_norm(h)
+            h = self.core_loop(state, e, ctx, rows, c.n_prelude + (r % (win if window is None else window)) * c.n_core)
             state = h if rows is None else state.index_copy(0, rows, h)
             self.counters["core_block_calls"] += 1
             self.counters["core_row_loops"] += len(act) * n_tok

@@ -1,0 +1,232 @@
+"""Decode steps captured once and replayed: CUDA graphs per (batch bucket, loops, window).
+
+A looped model's decode step launches hundreds of kernels (every core layer, every loop): at
+batch 1 their launch cost, not the GPU, sets the token rate. ``DecodeGraphs`` runs the step at
+fixed shapes (``model.static_context.StaticContext``: the batch padded up to a bucket, block
+tables padded to the longest context the engine allows) so that it can be captured by
+``torch.cuda.CUDAGraph`` on its first use and replayed after: the host only rewrites the
+context's input buffers (one copy, plus the table rows that changed) and replays.
+
+    engine.decode(seqs)  ->  DecodeGraphs.forward(seqs)    # None: not covered, the eager forward runs
+        reserve KV, fill the bucket's buffers, replay (capture on first use), advance
+
+Covered: one token a row, every row at the same loops and window, no exit rule that stops or
+selects, no KV gaps, K and V stored (not h-mode), at most ``max_rows`` rows. Anything else, or a
+key whose capture failed, runs eagerly. Without ``capture`` (the CPU) the same static step runs
+eagerly: what the tests check the graph's body against.
+
+The step's inputs live in the graph's buffers, its outputs in the graph's memory pool: the
+logits are copied out at once, the state is read by ``prefill.advance`` before the next replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinyloop.engine.prefill import advance
+from tinyloop.engine.sequence import Sequence
+from tinyloop.model.kvcache import KVPool, slot_count
+from tinyloop.model.looped import ForwardOutput, LoopedLM
+from tinyloop.model.static_context import StaticContext, split_inputs
+
+__all__ = ["DecodeGraphs", "GRAPH_ROWS"]
+
+_log = logging.getLogger("tinyloop.engine")
+
+GRAPH_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the batch buckets: a batch runs in the smallest that holds it
+MAX_GRAPHS = 24  # captured graphs kept (the oldest goes first): each holds its buffers and tables
+_WARMUP_RUNS = 2  # eager runs on a side stream before a capture (cuBLAS handles, kernel modules)
+
+
+@dataclass(eq=False)
+class _Graph:
+    """One (bucket, loops, window): its context, host staging, and the captured graph."""
+
+    ctx: StaticContext
+    loops: int
+    window: int
+    staging: torch.Tensor  # [ctx.inputs] int64 on the host (pinned on CUDA)
+    tables: torch.Tensor  # [R, S, MB] int64 on the host: what ctx.tables holds
+    warm: torch.Tensor  # [R] bool: the row starts from its warm state
+    warm_state: torch.Tensor  # [R, H] model dtype
+    noise: torch.Tensor  # [R, H] float32: the randn initial states (state_init "randn")
+    noise_host: torch.Tensor  # [R, H] float32 on the host
+    held: list[list[list[int]] | None] = field(default_factory=list)  # each row's uploaded tables
+    graph: Any = None  # torch.cuda.CUDAGraph once captured
+    out: tuple[torch.Tensor, torch.Tensor] | None = None  # the captured step's logits and state
+
+
+class DecodeGraphs:
+    """The decode graphs of one engine (its model, KV pool and context limit)."""
+
+    def __init__(self, model: LoopedLM, pool: KVPool, max_seq_len: int, vocab_limit: int, *,
+                 capture: bool | None = None, max_rows: int = GRAPH_ROWS[-1]) -> None:
+        self.model, self.pool = model, pool
+        self.device = pool.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the engine on a CUDA device")
+        self.max_blocks = -(-max_seq_len // pool.block_size)
+        self.vocab_limit = vocab_limit
+        self.buckets = tuple(b for b in GRAPH_ROWS if b < max_rows) + (max_rows,)
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.failed: set[tuple[int, int, int]] = set()  # keys whose capture raised: eager from then on
+        self.replays = 0
+        self._mempool: Any = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def __repr__(self) -> str:
+        return (f"<DecodeGraphs {len(self.graphs)} graphs capture={self.capture} replays={self.replays} "
+                f"failed={sorted(self.failed)}>")
+
+    def key(self, seqs: Seq[Sequence]) -> tuple[int, int, int] | None:
+        """The graph that would run ``seqs``, or None when they are not covered (module docstring)."""
+        if not seqs or len(seqs) > self.buckets[-1] or self.pool.mode.h_mode:
+            return None
+        loops, window = seqs[0].loops, min(seqs[0].window, seqs[0].loops)
+        n_slots = slot_count(self.model.config, loops, window)
+        for s in seqs:
+            if (s.loops != loops or min(s.window, s.loops) != window or s.kv.n_slots != n_slots
+                    or s.kv.gaps or s.exit.stops
+                    or s.exit.kind in ("gate_select", "gate_expected") or s.pending is None
+                    or s.kv.length + 1 > self.max_blocks * self.pool.block_size):
+                return None
+        key = (next(b for b in self.buckets if b >= len(seqs)), loops, window)
+        return None if key in self.failed else key
+
+    @torch.inference_mode()
+    def forward(self, seqs: Seq[Sequence]) -> ForwardOutput | None:
+        """Each sequence's pending token through the model (stored, then advanced, as
+        ``Engine.forward`` does); None when ``seqs`` are not covered or the capture failed."""
+        key = self.key(seqs)
+        if key is None:
+            return None
+        for s in seqs:
+            s.kv.reserve(s.kv.length + 1)
+        g = self.graphs.get(key) or self._open(*key)
+        self._fill(g, seqs)
+        try:
+            logits, state = self._run(g)
+        except Exception:  # a step that cannot be captured runs eagerly from now on
+            _log.exception("capturing the decode graph %s failed; it runs eagerly", key)
+            self.failed.add(key)
+            self.graphs.pop(key, None)
+            return None
+        n = len(seqs)
+        out = ForwardOutput(logits=logits[:n].clone(), state=state[:n], loops_used=[g.loops] * n)
+        counters = self.model.counters
+        counters["core_block_calls"] += g.loops
+        counters["core_row_loops"] += g.loops * n
+        self.replays += 1
+        advance(self.model, seqs, out, [1] * n)
+        return out
+
+    # -- buffers -------------------------------------------------------------------------------
+    def _open(self, rows: int, loops: int, window: int) -> _Graph:
+        while len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.pop(next(iter(self.graphs)))
+        config, dev = self.model.config, self.device
+        n_slots = slot_count(config, loops, window)
+        ctx = StaticContext(self.pool, self.model.rope, rows, n_slots, self.max_blocks, self.model.backend)
+        pin = dev.type == "cuda"
+        dtype = next(self.model.parameters()).dtype
+        g = _Graph(ctx=ctx, loops=loops, window=window,
+                   staging=torch.zeros(ctx.inputs.shape, dtype=torch.long, device="cpu", pin_memory=pin),
+                   tables=torch.full(ctx.tables.shape, self.pool.null_block, dtype=torch.long, device="cpu",
+                                     pin_memory=pin),
+                   warm=torch.zeros(rows, dtype=torch.bool, device=dev),
+                   warm_state=torch.zeros(rows, config.hidden, dtype=dtype, device=dev),
+                   noise=torch.zeros(rows, config.hidden, dtype=torch.float32, device=dev),
+                   noise_host=torch.zeros(rows, config.hidden, dtype=torch.float32, device="cpu", pin_memory=pin),
+                   held=[None] * rows)
+        self.graphs[(rows, loops, window)] = g
+        return g
+
+    def _fill(self, g: _Graph, seqs: Seq[Sequence]) -> None:
+        """Write this step's inputs into ``g``'s buffers (host arrays, then copies to the device)."""
+        ctx, n, bs, null = g.ctx, len(seqs), self.pool.block_size, self.pool.null_block
+        tokens, positions, n_keys, write = (t.numpy() for t in split_inputs(g.staging, ctx.rows, ctx.n_slots))
+        pos = np.zeros(ctx.rows, dtype=np.int64)
+        pos[:n] = [s.kv.length for s in seqs]
+        tokens[:n, 0] = [s.pending for s in seqs]
+        tokens[n:] = 0
+        positions[:] = pos
+        n_keys[:] = pos + 1
+        tables = g.tables.numpy()
+        changed = []
+        for b in range(ctx.rows):
+            kv_tables = seqs[b].kv.tables if b < n else None
+            if g.held[b] != kv_tables:  # a new block, a copied shared block, another sequence
+                tables[b].fill(null)
+                if kv_tables is not None:
+                    tables[b, :, :len(kv_tables[0])] = kv_tables
+                g.held[b] = None if kv_tables is None else [list(t) for t in kv_tables]
+                changed.append(b)
+        rows = np.arange(ctx.rows)
+        blocks = tables[rows[:, None], np.arange(ctx.n_slots)[None, :], (pos // bs)[:, None]]  # [R, S]
+        write[:] = (blocks * bs + (pos % bs)[:, None]).T
+        ctx.inputs.copy_(g.staging, non_blocking=True)
+        for b in changed:
+            ctx.tables[b].copy_(g.tables[b], non_blocking=True)
+        warm = [b for b, s in enumerate(seqs) if s.warm_state is not None]
+        g.warm.copy_(torch.tensor([b in warm for b in range(ctx.rows)], device="cpu"), non_blocking=True)
+        for b in warm:
+            g.warm_state[b].copy_(seqs[b].warm_state)  # type: ignore[arg-type]
+        if self.model.config.state_init == "randn":
+            for b, s in enumerate(seqs):
+                g.noise_host[b] = self.model._noise(s.noise_seed, s.kv.length)
+            g.noise_host[n:] = 0.0
+            g.noise.copy_(g.noise_host, non_blocking=True)
+
+    # -- the step --------------------------------------------------------------------------------
+    def _step(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step on ``g``'s buffers: logits ``[R, 1, V]`` and final state ``[R, 1, H]``
+        (``LoopedLM.forward`` for one token a row, every row at ``g.loops`` and ``g.window``)."""
+        model, ctx, c = self.model, g.ctx, self.model.config
+        ctx.begin()
+        e = model.embed_prelude(ctx.tokens, ctx)  # [R, 1, H]
+        if c.state_init == "embed":
+            state = e
+        elif c.state_init == "zeros":
+            state = torch.zeros_like(e)
+        else:
+            state = g.noise.to(e.dtype)[:, None]
+        state = torch.where(g.warm[:, None, None], g.warm_state[:, None], state)  # [R, 1, H]
+        for r in range(g.loops):
+            state = model.core_loop(state, e, ctx, None, c.n_prelude + (r % g.window) * c.n_core)
+        logits = model.tail(state, ctx, g.window, None, True)  # [R, 1, V]
+        if self.vocab_limit < logits.shape[-1]:  # checkpoint padding past the tokenizer: never sampled
+            logits[..., self.vocab_limit:] = float("-inf")
+        return logits, state
+
+    def _run(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.capture:
+            return self._step(g)
+        if g.graph is None:
+            self._capture(g)
+        assert g.out is not None
+        g.graph.replay()
+        return g.out
+
+    def _capture(self, g: _Graph) -> None:
+        """Warm up on a side stream, then capture ``g``'s step into the engine's graph pool."""
+        started = time.perf_counter()
+        with torch.cuda.device(self.device):
+            side, main = torch.cuda.Stream(), torch.cuda.current_stream()  # type: ignore[no-untyped-call]
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for _ in range(_WARMUP_RUNS):
+                    self._step(g)
+            main.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                g.out = self._step(g)
+            g.graph = graph
+        _log.info("captured the decode graph (rows %d, loops %d, window %d) in %.0f ms",
+                  g.ctx.rows, g.loops, g.window, 1000 * (time.perf_counter() - started))
