@@ -9,8 +9,8 @@ The pipeline of ``sample_token``:
 1. penalties (``apply_penalties``): repetition (HF style), presence and frequency (OpenAI style);
 2. greedy (``temperature == 0``): argmax, ties to the lowest id; otherwise
 3. ``softmax(logits / temperature)`` in float32, then top-k, top-p (on the top-k distribution,
-   as HF chains them), min-p, each renormalising, and one ``torch.multinomial`` draw over the
-   tokens left.
+   as HF chains them), min-p, each renormalising, and one inverse-CDF draw (``draw``: one
+   uniform from the request's generator) over the tokens left.
 
 Logprobs are reported from ``log_softmax`` of the raw logits, before penalties, temperature and
 filters, as vLLM does by default, so they describe the model rather than the sampler.
@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyloop.engine import batch_sampling
+from tinyloop.engine.batch_sampling import pick
 from tinyloop.requests import SamplingParams, TokenLogprob
 
 __all__ = [
@@ -207,16 +209,18 @@ def _nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token drawn from ``probs`` [V] (need not be normalised) with ``generator``, among the
-    tokens left non-zero.
+    tokens left non-zero: the first whose cumulative mass exceeds a uniform draw times the total.
 
-    Drawing over the surviving support only makes filtered sampling cheaper, since
-    ``torch.multinomial`` spends one exponential variate per entry.
+    Inverse-CDF sampling takes one random number a draw (``torch.multinomial`` takes one per
+    entry), so ``batch_sampling.sample_rows`` draws a batch on any device exactly as each row
+    here: the same uniform from the same generator, the same float32 arithmetic.
     """
-    support = probs.nonzero().squeeze(-1)  # [S]
-    if support.shape[0] == probs.shape[0]:
-        return int(torch.multinomial(probs, 1, generator=generator))
-    pick = torch.multinomial(probs.index_select(0, support), 1, generator=generator)  # [1]
-    return int(support[int(pick)])
+    cdf = torch.cumsum(probs.float(), dim=-1)  # [V]
+    total = cdf[-1]
+    if not bool(torch.isfinite(total)) or float(total) <= 0.0:
+        raise ValueError("sampling probabilities must have a positive, finite sum")
+    target = torch.rand((), generator=generator, device="cpu") * total  # float32, as the batched draw computes it
+    return int(pick(cdf, probs, target))
 
 
 def _logprob(raw: torch.Tensor, token_id: int, params: SamplingParams) -> TokenLogprob | None:
@@ -251,8 +255,10 @@ def sample_batch(
     """One ``SampleResult`` per row of ``logits`` [B, V], each as ``sample_token`` gives alone.
 
     Rows that are greedy with no penalties and no logprobs share one vectorised argmax (the
-    same first-maximum rule as ``sample_token``), on the logits' device: on a GPU only their
-    token ids and the other rows' logits cross to the host. Every other row is sampled on its own.
+    same first-maximum rule as ``sample_token``). On the CPU every other row is sampled on its
+    own. On a GPU the argmax runs there, the other rows without logprobs are sampled together
+    there (``batch_sampling.sample_rows``: the same picks), and only the ids cross to the host,
+    with the logits of the rows that ask for logprobs (sampled on their own).
     """
     batch = logits.shape[0]
     if not len(params) == len(generators) == len(prompt_tokens) == len(output_tokens) == batch:
@@ -264,16 +270,31 @@ def sample_batch(
     fast = [i for i, p in enumerate(params) if _is_plain_greedy(p)]
     others = [i for i, p in enumerate(params) if not _is_plain_greedy(p)]
     rows = logits.detach()  # [B, V]
+    on_device = _on_device(rows)
     if rows.is_cpu:
         rows = rows.float()
     argmax = (rows if len(fast) == batch else rows[fast]).argmax(dim=-1).tolist() if fast else []  # [F]
     results = dict(zip(fast, (SampleResult(int(t)) for t in argmax)))
-    # on a GPU the argmax ran there: only the other rows' logits cross to the host
+    if on_device:  # the other rows without logprobs sampled together where the logits are
+        together = [i for i in others if not (params[i].logprobs or params[i].top_logprobs)]
+        if together:
+            picked = batch_sampling.sample_rows(
+                rows if len(together) == batch else rows[together], [params[i] for i in together],
+                [generators[i] for i in together], [prompt_tokens[i] for i in together],
+                [output_tokens[i] for i in together]).tolist()
+            results.update(zip(together, (SampleResult(int(t)) for t in picked)))
+        others = [i for i in others if i not in results]
+    # only the rows asking for logprobs (on a device) cross to the host
     host, at = (rows, others) if rows.is_cpu or not others else (rows[others].float().cpu(), range(len(others)))
     for i, row in zip(others, at):
         results[i] = sample_token(host[row], params[i], generators[i], prompt_tokens=prompt_tokens[i],
                                   output_tokens=output_tokens[i])
     return [results[i] for i in range(batch)]
+
+
+def _on_device(logits: torch.Tensor) -> bool:
+    """Whether ``sample_batch`` samples where the logits are (a GPU) rather than row by row."""
+    return not logits.is_cpu
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:

@@ -1,0 +1,84 @@
+"""``batch_sampling.sample_rows``: a batch sampled in tensor ops (what a GPU runs) picks, row by
+row, what ``sampling.sample_token`` picks alone with the same generator, and leaves each
+generator where ``sample_token`` leaves it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tinyloop.engine.batch_sampling import sample_rows
+from tinyloop.engine.sampling import make_generator, sample_batch, sample_token
+from tinyloop.requests import SamplingParams
+
+VOCAB = 512
+
+
+def random_params(rng: random.Random, seed: int) -> SamplingParams:
+    greedy = rng.random() < 0.25
+    return SamplingParams(
+        temperature=0.0 if greedy else rng.choice([0.3, 0.7, 1.0, 1.5]),
+        top_k=rng.choice([0, 0, 1, 5, 40, VOCAB, VOCAB + 3]),
+        top_p=rng.choice([1.0, 1.0, 0.5, 0.9, 0.99]),
+        min_p=rng.choice([0.0, 0.0, 0.05, 0.2]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.3, 0.8]),
+        presence_penalty=rng.choice([0.0, 0.0, 0.5, -0.4]),
+        frequency_penalty=rng.choice([0.0, 0.0, 0.3]),
+        seed=seed)
+
+
+def test_a_batch_picks_what_each_row_picks_alone() -> None:
+    rng = random.Random(0)
+    mismatches = 0
+    for trial in range(40):
+        batch = rng.randint(1, 9)
+        logits = torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(trial)) * rng.choice([1.0, 4.0])
+        params = [random_params(rng, seed=1000 * trial + b) for b in range(batch)]
+        prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 12))] for _ in range(batch)]
+        outputs = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 12))] for _ in range(batch)]
+        alone_gens = [make_generator(p.seed) for p in params]
+        alone = [sample_token(logits[b], params[b], alone_gens[b], prompt_tokens=prompts[b],
+                              output_tokens=outputs[b]).token_id for b in range(batch)]
+        gens = [make_generator(p.seed) for p in params]
+        together = sample_rows(logits, params, gens, prompts, outputs).tolist()
+        mismatches += sum(a != t for a, t in zip(alone, together))
+        for g, h in zip(gens, alone_gens):  # every generator advanced as sample_token advanced it
+            assert torch.equal(g.get_state(), h.get_state())
+    assert mismatches == 0
+
+
+def test_sampled_rows_follow_their_distribution() -> None:
+    """Many draws of one filtered row land on the kept tokens in their proportions."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -8.0]]).expand(4000, 5)
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=s) for s in range(4000)]
+    tokens = sample_rows(logits, params, [make_generator(p.seed) for p in params], [[]] * 4000, [[]] * 4000)
+    counts = torch.bincount(tokens, minlength=5).float() / 4000
+    want = torch.softmax(torch.tensor([2.0, 1.0, 0.0]), dim=0)
+    assert counts[3:].sum() == 0
+    assert torch.allclose(counts[:3], want, atol=0.03)
+
+
+def test_sample_batch_on_a_device_batches_all_but_logprob_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the CPU, ``sample_batch`` hands every row without logprobs to ``sample_rows`` (a
+    logprob row goes to ``sample_token``): the same picks as the host path."""
+    import tinyloop.engine.sampling as sampling
+
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_p=0.9, seed=4),
+              SamplingParams(temperature=0, presence_penalty=0.5),
+              SamplingParams(temperature=0.7, logprobs=True, seed=5),
+              SamplingParams(temperature=1.2, min_p=0.1, seed=6)]
+    history = ([[1, 2]] * 5, [[3, 4]] * 5)
+    want = sample_batch(logits, params, [make_generator(p.seed) for p in params], *history)
+    batched: list[int] = []
+
+    def spy(*args: object) -> torch.Tensor:
+        batched.append(len(args[1]))  # type: ignore[arg-type]
+        return sample_rows(*args)  # type: ignore[arg-type]
+    monkeypatch.setattr(sampling, "_on_device", lambda t: True)
+    monkeypatch.setattr("tinyloop.engine.batch_sampling.sample_rows", spy)
+    got = sample_batch(logits, params, [make_generator(p.seed) for p in params], *history)
+    assert got == want
+    assert batched == [3]  # rows 1, 2 and 4; row 0 is a plain argmax, row 3 asks for logprobs

@@ -1,0 +1,114 @@
+"""A batch's rows sampled together on the logits' device: ``sampling.sample_token``'s pipeline as
+batched tensor ops, so that on a GPU the logits never cross to the host, only the chosen ids.
+
+Per row, as ``sample_token`` does it: penalties (repetition over prompt and output, presence and
+frequency over the output), then the argmax of a greedy row, or temperature, top-k, top-p (on
+the top-k distribution), min-p, each renormalising and keeping ties, and one inverse-CDF draw.
+The uniforms come from each row's own generator, drawn on the host in row order, one per sampled
+row: the generators advance exactly as ``sample_token`` advances them, so a request draws the
+same whether it is sampled here or alone, up to the rounding of another device's reductions.
+Logprobs are not computed here: ``sample_batch`` samples the rows that ask for them one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tinyloop.requests import SamplingParams
+
+__all__ = ["pick", "sample_rows"]
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                prompt_tokens: Sequence[Sequence[int]], output_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The chosen token of every row of ``logits`` ``[B, V]``, ``[B]`` int64 on its device."""
+    x = _penalised(logits.detach().float(), params, prompt_tokens, output_tokens)  # [B, V]
+    tokens = x.argmax(dim=-1)  # [B] greedy rows: the first maximum, as sample_token
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return tokens
+    dev = x.device
+    at = torch.tensor(sampled, dtype=torch.long, device=dev)
+    probs = _filtered(x if len(sampled) == len(params) else x[at], [params[i] for i in sampled])  # [S, V]
+    cdf = probs.cumsum(dim=-1)  # [S, V]
+    uniform = torch.stack([torch.rand((), generator=generators[i], device="cpu") for i in sampled])  # [S] on the host
+    target = uniform.to(dev, non_blocking=True) * cdf[:, -1]  # [S] float32, as sampling.draw
+    return tokens.index_copy(0, at, pick(cdf, probs, target))
+
+
+def pick(cdf: torch.Tensor, probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row of ``cdf`` ``[..., V]`` (of ``probs``) the first token whose cumulative mass
+    exceeds ``target`` ``[...]``; a target rounded up to the total takes the last non-zero token."""
+    index = torch.searchsorted(cdf, target[..., None], right=True)[..., 0]  # [...]
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)  # [...] the last non-zero token
+    return torch.minimum(index, last)
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]  # [R, 1]
+
+
+def _penalised(x: torch.Tensor, params: Sequence[SamplingParams], prompt_tokens: Sequence[Sequence[int]],
+               output_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``x`` [B, V] with each row's penalties (``sampling.apply_penalties``), batched."""
+    dev = x.device
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and (prompt_tokens[i] or output_tokens[i])]
+    if rep:
+        seen = [sorted({*prompt_tokens[i], *output_tokens[i]}) for i in rep]
+        width = max(map(len, seen))  # padded with a row's own first id: scattered again, the same value
+        ids = torch.tensor([s + [s[0]] * (width - len(s)) for s in seen], dtype=torch.long, device=dev)  # [R, U]
+        rows = torch.tensor(rep, dtype=torch.long, device=dev)
+        penalty = _column([params[i].repetition_penalty for i in rep], x)
+        picked = x[rows].gather(1, ids)  # [R, U]
+        x = x.index_copy(0, rows, x[rows].scatter(1, ids, torch.where(picked > 0, picked / penalty, picked * penalty)))
+    out = [i for i, p in enumerate(params) if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+           and output_tokens[i]]
+    if out:
+        width = max(len(output_tokens[i]) for i in out)
+        ids = torch.tensor([[*output_tokens[i], *[0] * (width - len(output_tokens[i]))] for i in out],
+                           dtype=torch.long, device=dev)  # [R, N]
+        ones = torch.tensor([[1.0] * len(output_tokens[i]) + [0.0] * (width - len(output_tokens[i])) for i in out],
+                            dtype=x.dtype, device=dev)  # [R, N] the padding counts nothing
+        rows = torch.tensor(out, dtype=torch.long, device=dev)
+        counts = torch.zeros((len(out), x.shape[-1]), dtype=x.dtype, device=dev).scatter_add_(1, ids, ones)  # [R, V]
+        presence = _column([params[i].presence_penalty for i in out], x)
+        frequency = _column([params[i].frequency_penalty for i in out], x)
+        x = x.index_copy(0, rows, x[rows] - presence * (counts > 0).to(x.dtype) - frequency * counts)
+    return x
+
+
+def _filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Renormalised probabilities ``[R, V]`` after each row's temperature, top-k, top-p and
+    min-p (``sampling._filtered_probs``); a row without a filter is left as that filter found it."""
+    vocab = x.shape[-1]
+    tiny = torch.finfo(torch.float32).tiny
+    scaled = (x - x.max(dim=-1, keepdim=True).values) / _column([max(p.temperature, tiny) for p in params], x)
+    probs = torch.softmax(scaled, dim=-1)  # [R, V]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        ranked = probs.sort(dim=-1, descending=True).values  # [R, V]
+        k = torch.tensor([k or vocab for k in top_k], dtype=torch.long, device=x.device)[:, None]
+        probs = _where(top_k, _keep_at_least(probs, ranked.gather(1, k - 1)), probs)
+    if any(p.top_p < 1.0 for p in params):
+        ranked = probs.sort(dim=-1, descending=True).values  # [R, V]
+        mass_before = ranked.cumsum(dim=-1) - ranked
+        inside = (mass_before < _column([p.top_p for p in params], x)).sum(dim=-1, keepdim=True)  # [R, 1] >= 1
+        probs = _where([p.top_p < 1.0 for p in params], _keep_at_least(probs, ranked.gather(1, inside - 1)), probs)
+    if any(p.min_p > 0.0 for p in params):
+        floor = _column([p.min_p for p in params], x) * probs.max(dim=-1, keepdim=True).values
+        probs = _where([p.min_p > 0.0 for p in params], _keep_at_least(probs, floor), probs)
+    return probs
+
+
+def _keep_at_least(probs: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """``probs`` [R, V] with every probability below its row's ``floor`` [R, 1] zeroed, renormalised."""
+    kept = torch.where(probs >= floor, probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _where(rows: Sequence[object], yes: torch.Tensor, no: torch.Tensor) -> torch.Tensor:
+    """``yes`` in the rows whose entry of ``rows`` is truthy, ``no`` in the others."""
+    mask = torch.tensor([bool(r) for r in rows], dtype=torch.bool, device=yes.device)[:, None]
+    return torch.where(mask, yes, no)
