@@ -197,6 +197,7 @@ def check_engine(report: Report, device: torch.device, dry: bool) -> None:
     report.add("engine", "tiny fp32 CUDA graphs (torch ops) tokens = eager", got == eager,
                f"{graphed.graphs.replays} replays, {len(graphed.graphs.graphs)} graphs",
                "dry run: the static step, not captured" if dry else f"failed keys {sorted(graphed.graphs.failed)}")
+    check_sampling(report, device)
     if dry or not gpu_available():
         report.add("engine", "CudaBackend tokens = torch eager", None, "", "skipped: no kernels")
         return
@@ -206,6 +207,36 @@ def check_engine(report: Report, device: torch.device, dry: bool) -> None:
         name = "kernels + CUDA graphs" if graphs else "kernels (norms, RoPE, decode attention)"
         report.add("engine", f"tiny fp32 {name} tokens = eager", got == eager,
                    f"{eng.graphs.replays} replays" if graphs else "")
+
+
+def check_sampling(report: Report, device: torch.device) -> None:
+    """A batch sampled where its logits are (``batch_sampling.sample_rows``) against each row
+    sampled alone on the host: greedy, penalties, temperature, top-k/p, min-p, seeded draws."""
+    from tinyloop.engine.batch_sampling import sample_rows
+    from tinyloop.engine.sampling import make_generator, sample_token
+    from tinyloop.requests import SamplingParams
+
+    rows, vocab = 32, 65536
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 4
+    params = [SamplingParams(temperature=0.0 if b % 4 == 0 else 0.7 + 0.05 * b, top_k=(0, 50, 0, 1000)[b % 4],
+                             top_p=(1.0, 0.9, 0.95, 1.0)[b % 4], min_p=(0.0, 0.0, 0.05, 0.0)[b % 4],
+                             repetition_penalty=1.2 if b % 3 == 0 else 1.0, presence_penalty=0.4 if b % 5 == 0 else 0.0,
+                             seed=b) for b in range(rows)]
+    history = [list(range(b, b + 20)) for b in range(rows)], [list(range(100 + b, 110 + b)) for b in range(rows)]
+    alone = [sample_token(logits[b], params[b], make_generator(b), prompt_tokens=history[0][b],
+                          output_tokens=history[1][b]).token_id for b in range(rows)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = logits.to(device)
+    got = sample_rows(x, params, [make_generator(b) for b in range(rows)], *history).tolist()
+    sync()
+    t = time.perf_counter()
+    for _ in range(10):
+        sample_rows(x, params, [make_generator(b) for b in range(rows)], *history)
+    sync()
+    same = sum(a == g for a, g in zip(alone, got))
+    report.add("engine", f"{rows} rows x {vocab} sampled on {device.type} = each alone on the host", same >= rows - 1,
+               f"{same}/{rows} equal", f"{1000 * (time.perf_counter() - t) / 10:.2f} ms a batch; tolerance one row "
+               "(another device's reductions round differently)")
 
 
 # -- 4. serve -------------------------------------------------------------------------------

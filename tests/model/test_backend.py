@@ -34,6 +34,10 @@ class Recording:
         self.calls["rms_norm"] += 1
         return TORCH.rms_norm_cast_first(x, weight, eps)
 
+    def swiglu(self, fc: torch.Tensor) -> torch.Tensor:
+        self.calls["swiglu"] += 1
+        return TORCH.swiglu(fc)
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
         self.calls["rope"] += 1
         return TORCH.rope(x, cos, sin, style)
@@ -60,6 +64,11 @@ class Recording:
                          mask: torch.Tensor | None) -> torch.Tensor:
         self.calls["decode_attention"] += 1
         return TORCH.decode_attention(store, q, rows, n_keys, mask)
+
+    def paged_attention(self, store: KVStore, q: torch.Tensor, tables: torch.Tensor, n_keys: torch.Tensor,
+                        max_keys: int) -> torch.Tensor:
+        self.calls["paged_attention"] += 1  # (the decode graphs' static step: not run here)
+        return TORCH.paged_attention(store, q, tables, n_keys, max_keys)
 
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
@@ -91,7 +100,8 @@ def test_a_second_backend_plugs_in_and_gives_identical_logits(kv_mode: str) -> N
     assert torch.equal(logits, reference[0])
     assert tokens == reference[1]
     decode = set() if kv_mode == "h-mode" else {"decode_attention"}  # K and V stored: decode reads them by row
-    assert set(recording.calls) == {"rms_norm", "rope", "kv_write", "kv_read", "kv_copy", "attention", *decode}
+    assert set(recording.calls) == {"rms_norm", "swiglu", "rope", "kv_write", "kv_read", "kv_copy", "attention",
+                                    *decode}
     # every paged attention stores first
     assert recording.calls["kv_write"] == recording.calls["attention"] + recording.calls["decode_attention"]
     engine.model.use_backend(TORCH)

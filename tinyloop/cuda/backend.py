@@ -1,6 +1,6 @@
 """``CudaBackend``: the model's ``Backend`` seam (``tinyloop/model/backend.py``) on the kernels.
 
-What is wired today: RMSNorm (both reference orders) and RoPE run on this package's kernels;
+What is wired today: RMSNorm (both reference orders), SwiGLU and RoPE run on this package's kernels;
 decode attention over a pool that stores K and V in the model's dtype runs on the paged decode
 kernel (``decode_attention``: the pool read in place, through the block tables behind the rows
 the context hands it, ``reference.tables_of``), and through the tables themselves at fixed shapes
@@ -40,6 +40,11 @@ class CudaBackend(TorchBackend):
         if not _covered(x) or weight.dtype != x.dtype:
             return super().rms_norm_cast_first(x, weight, eps)
         return kernels.rms_norm(x, weight, eps, cast_first=True)
+
+    def swiglu(self, fc: torch.Tensor) -> torch.Tensor:
+        if not _covered(fc) or fc.stride(-1) != 1:
+            return super().swiglu(fc)
+        return kernels.swiglu(fc)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
         """x ``[R, H, T, D]`` -> a rotated copy: token-major ``[R*T, H, D]`` for the kernel."""

@@ -2,7 +2,7 @@
 
 The model's weights and control flow (prelude, loops, exit rules, coda) are torch everywhere;
 what a backend replaces is the work that dominates a looped model's serving cost: RMSNorm,
-RoPE, and attention over the paged KV pool (writing the new positions' K and V, or h, into the
+SwiGLU, RoPE, and attention over the paged KV pool (writing the new positions' K and V, or h, into the
 slots of their block tables, reading every key position back, attending under the causal or
 tree-verification mask). ``LoopedLM.use_backend`` routes every call of a model through one
 backend; ``PagedContext`` and ``FullContext`` take theirs from the engine (``Engine.context``).
@@ -33,6 +33,10 @@ class Backend(Protocol):
     def rms_norm_cast_first(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """As ``rms_norm``, the reference order: x normalised in float32, cast to x's dtype, then
         scaled by ``weight``."""
+        ...
+
+    def swiglu(self, fc: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the fused projection ``fc`` = ``[gate; up]`` ``[..., 2I]`` -> ``[..., I]``."""
         ...
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
@@ -95,6 +99,10 @@ class TorchBackend:
         xf = x.float()
         out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         return out * weight.to(x.dtype)
+
+    def swiglu(self, fc: torch.Tensor) -> torch.Tensor:
+        gate, up = fc.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
         if cos.dim() == 3:

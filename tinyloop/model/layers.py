@@ -3,8 +3,8 @@
 Attention does not own a cache: it hands its q, k, v to an ``AttentionContext`` (see
 ``tinyloop.model.context``) which writes K and V where the sequence keeps them and attends. It
 hands over its input h and itself too: a context in h-mode stores h and calls back
-``Attention.kv_from_h`` to recompute the keys' K and V with this layer's projection. RMSNorm
-and RoPE run on the module's kernel backend (``backend.py``; ``LoopedLM.use_backend``).
+``Attention.kv_from_h`` to recompute the keys' K and V with this layer's projection. RMSNorm,
+SwiGLU and RoPE run on the module's kernel backend (``backend.py``; ``LoopedLM.use_backend``).
 """
 
 from __future__ import annotations
@@ -204,7 +204,10 @@ class Attention(HookFree):
 
 
 class MLP(HookFree):
-    """SwiGLU with one fused input projection: ``fc`` = [gate; up], then ``proj``."""
+    """SwiGLU with one fused input projection: ``fc`` = [gate; up], then ``proj``; the activation
+    on the module's kernel backend."""
+
+    backend: Backend = TORCH
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -212,8 +215,7 @@ class MLP(HookFree):
         self.proj = nn.Linear(config.intermediate, config.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        y: torch.Tensor = self.proj(F.silu(gate) * up)
+        y: torch.Tensor = self.proj(self.backend.swiglu(self.fc(x)))
         return y
 
 

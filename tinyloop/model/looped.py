@@ -27,7 +27,7 @@ from tinyloop.model.backend import TORCH, Backend
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.cpu_linear import PackedWeight, unpack_linears
 from tinyloop.model.exits import Selection, StopTracker
-from tinyloop.model.layers import AttentionContext, Block, RMSNorm, rope_for
+from tinyloop.model.layers import MLP, AttentionContext, Block, RMSNorm, rope_for
 from tinyloop.model.quant import QuantWeight
 from tinyloop.vocabulary import ExitRule
 
@@ -97,12 +97,12 @@ class LoopedLM(nn.Module):
         self.packed_head: PackedWeight | QuantWeight | None = None
 
     def use_backend(self, backend: Backend) -> None:
-        """Run this model's norms, RoPE and (through the contexts the engine builds) attention
-        and KV on ``backend`` (``backend.py``); ``TORCH`` is the default."""
+        """Run this model's norms, SwiGLU, RoPE and (through the contexts the engine builds)
+        attention and KV on ``backend`` (``backend.py``); ``TORCH`` is the default."""
         self.backend = backend
         self.rope.backend = backend
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, RMSNorm | MLP):
                 module.backend = backend
 
     def _apply(self, fn: Any, recurse: bool = True) -> LoopedLM:
