@@ -92,14 +92,16 @@ def test_the_static_step_gives_the_eager_logits(config: str, loops: int, window:
 
 def test_generation_through_the_static_step_equals_eager() -> None:
     """Whole requests through ``generate_many``: warm starts, sampling (drawn on the host), a
-    speculative request (its verifies stay eager, its fallback decodes may not), requests of
-    different loops (each step: the rows at one loop count are not one key, so they run eager)."""
+    speculative request (its verifies stay eager, its fallback decodes may not), a beam search
+    (its beams share blocks copy-on-write: a copied block changes a table row in place), requests
+    of different loops (each step: the rows at one loop count are not one key, so they run eager)."""
     requests = [*batch(3),
                 req([7, 8, 9], max_tokens=10, loops=3, warm_start=True, sampling=GREEDY),
                 req([7, 8, 9, 10], max_tokens=10, loops=3, warm_start=True, warm_start_from="normed",
                     sampling=SAMPLED),
                 req(list(range(30, 44)), max_tokens=8, loops=3, mode="speculative", draft_ahead=2,
-                    sampling=GREEDY)]
+                    sampling=GREEDY),
+                req(list(range(50, 61)), max_tokens=9, loops=3, mode="beam", num_beams=3)]  # forks: shared blocks
     eager, static = make_engine(graphs=False), make_engine(graphs=True)
     want = [r.tokens for r in eager.generate_many(requests)]
     assert [r.tokens for r in static.generate_many(requests)] == want

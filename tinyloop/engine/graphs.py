@@ -32,7 +32,7 @@ import torch
 
 from tinyloop.engine.prefill import advance
 from tinyloop.engine.sequence import Sequence
-from tinyloop.model.kvcache import KVPool, slot_count
+from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
 from tinyloop.model.looped import ForwardOutput, LoopedLM
 from tinyloop.model.static_context import StaticContext, split_inputs
 
@@ -58,7 +58,7 @@ class _Graph:
     warm_state: torch.Tensor  # [R, H] model dtype
     noise: torch.Tensor  # [R, H] float32: the randn initial states (state_init "randn")
     noise_host: torch.Tensor  # [R, H] float32 on the host
-    held: list[list[list[int]] | None] = field(default_factory=list)  # each row's uploaded tables
+    held: list[tuple[SeqKV, int] | None] = field(default_factory=list)  # each row's uploaded tables: whose, version
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     out: tuple[torch.Tensor, torch.Tensor] | None = None  # the captured step's logits and state
 
@@ -161,13 +161,16 @@ class DecodeGraphs:
         tables = g.tables.numpy()
         changed = []
         for b in range(ctx.rows):
-            kv_tables = seqs[b].kv.tables if b < n else None
-            if g.held[b] != kv_tables:  # a new block, a copied shared block, another sequence
-                tables[b].fill(null)
-                if kv_tables is not None:
-                    tables[b, :, :len(kv_tables[0])] = kv_tables
-                g.held[b] = None if kv_tables is None else [list(t) for t in kv_tables]
-                changed.append(b)
+            kv = seqs[b].kv if b < n else None
+            held = g.held[b]
+            if kv is None and held is None or kv is not None and held is not None and held[0] is kv \
+                    and held[1] == kv.version:
+                continue
+            tables[b].fill(null)  # a new block, a copied shared block, another sequence, none
+            if kv is not None:
+                tables[b, :, :kv.blocks_per_slot] = kv.tables
+            g.held[b] = None if kv is None else (kv, kv.version)
+            changed.append(b)
         rows = np.arange(ctx.rows)
         blocks = tables[rows[:, None], np.arange(ctx.n_slots)[None, :], (pos // bs)[:, None]]  # [R, S]
         write[:] = (blocks * bs + (pos % bs)[:, None]).T

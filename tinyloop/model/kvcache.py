@@ -198,6 +198,7 @@ class SeqKV:
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.length = 0  # positions written (the same in every slot)
         self.gaps: dict[int, int] = {}
+        self.version = 0  # bumped by every change to ``tables`` (a copy kept elsewhere knows it is stale)
 
     @property
     def blocks_per_slot(self) -> int:
@@ -238,6 +239,7 @@ class SeqKV:
         if total == 0:  # (most decode steps: the token goes into a block of its own)
             return
         fresh = self.pool.allocate(total)
+        self.version += 1
         for s in shared:  # copy-on-write of the partly filled block we are about to write into
             old = self.tables[s][first_write_block]
             new = fresh.pop()
@@ -253,6 +255,7 @@ class SeqKV:
         if new_length > self.length:
             raise ValueError("truncate cannot grow a sequence")
         keep = -(-new_length // self.pool.block_size)
+        self.version += 1
         for table in self.tables:
             self.pool.release(table[keep:])
             del table[keep:]
@@ -277,12 +280,14 @@ class SeqKV:
         """Start an empty sequence on shared full blocks (the caller took their references)."""
         if self.length or self.blocks_per_slot:
             raise ValueError("adopt needs an empty sequence")
+        self.version += 1
         for s, table in enumerate(self.tables):
             table.extend(col[s] for col in columns)
         self.length = len(columns) * self.pool.block_size
 
     def free(self) -> None:
         """Give every block back; the sequence is empty afterwards."""
+        self.version += 1
         for table in self.tables:
             self.pool.release(table)
             table.clear()
