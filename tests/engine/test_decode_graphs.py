@@ -70,10 +70,13 @@ def batch(loops: int = 3, window: int | None = None, **kw: Any) -> list[Generati
                 sampling=GREEDY, **kw) for i, n in enumerate((9, 17, 2))]
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("config,kv_mode", [("tiny", "full"), ("ouro-like", "full"), ("tiny", "int4")])
 @pytest.mark.parametrize("loops,window", [(3, None), (4, 2), (1, None)])
-def test_the_static_step_gives_the_eager_logits(config: str, loops: int, window: int | None) -> None:
-    eager, static = make_engine(config, graphs=False), make_engine(config, graphs=True)
+def test_the_static_step_gives_the_eager_logits(config: str, kv_mode: str, loops: int, window: int | None) -> None:
+    # int4: torch's ops on both paths. The C panels round a 4-row product (the bucket) a few ulps
+    # apart from a 3-row one, and a 4-bit code can flip on that: then the logits differ by ~1e-3.
+    options = {"kv_mode": kv_mode, "cpu_kernels": kv_mode != "int4"}
+    eager, static = make_engine(config, graphs=False, **options), make_engine(config, graphs=True, **options)
     requests = batch(loops, window)
     a, b = prefilled(eager, requests), prefilled(static, requests)
     assert [s.pending for s in a] == [s.pending for s in b]
@@ -146,11 +149,11 @@ class NoHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_the_static_step_reads_nothing_back(config: str) -> None:
+@pytest.mark.parametrize("config,kv_mode", [("tiny", "full"), ("ouro-like", "full"), ("tiny", "int4")])
+def test_the_static_step_reads_nothing_back(config: str, kv_mode: str) -> None:
     """The step a graph captures, on torch's kernels as on a GPU without CuPy: no host read. The
     eager decode does read (its context's sizes), which shows the check catches one."""
-    engine = make_engine(config, graphs=True, cpu_kernels=False, pack_weights=False)
+    engine = make_engine(config, graphs=True, cpu_kernels=False, pack_weights=False, kv_mode=kv_mode)
     graphs = engine.graphs
     assert graphs is not None
     seqs = prefilled(engine, [*batch(3), req([4, 5], max_tokens=3, loops=3, warm_start=True, sampling=GREEDY)])

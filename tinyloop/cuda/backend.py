@@ -1,12 +1,13 @@
 """``CudaBackend``: the model's ``Backend`` seam (``tinyloop/model/backend.py``) on the kernels.
 
-What is wired today: RMSNorm (both reference orders), SwiGLU and RoPE run on this package's kernels;
-decode attention over a pool that stores K and V in the model's dtype runs on the paged decode
-kernel (``decode_attention``: the pool read in place, through the block tables behind the rows
-the context hands it, ``reference.tables_of``), and through the tables themselves at fixed shapes
-(``paged_attention``: a captured decode step, ``tinyloop/engine/graphs.py``). KV writes, the other reads and prefill's
-attention stay with the torch reference. Any call
-the kernels do not cover (a dtype without a kernel, a tensor off CUDA) falls back to torch.
+What is wired today: RMSNorm (both reference orders), SwiGLU and RoPE run on this package's
+kernels; decode attention over a pool that stores K and V in the model's dtype, or in int4 with
+fp16 group parameters (dequantized in the read), runs on the paged decode kernel
+(``decode_attention``: the pool read in place, through the block tables behind the rows the
+context hands it, ``reference.tables_of``; ``paged_attention``: through the tables themselves at
+fixed shapes, the step ``tinyloop/engine/graphs.py`` captures). KV writes, the other reads
+(h-mode, a verify's several tokens) and prefill's attention stay with the torch reference. Any
+call the kernels do not cover (a dtype without a kernel, a tensor off CUDA) falls back to torch.
 
     model.use_backend(CudaBackend())   # after model.to("cuda"); or use_cuda_kernels(model)
 """
@@ -19,7 +20,7 @@ from tinyloop.cuda import gpu_available, kernels
 from tinyloop.cuda.reference import tables_of
 from tinyloop.errors import ConfigError
 from tinyloop.model.backend import TorchBackend
-from tinyloop.model.kvstore import KVStore, PlainBuffer
+from tinyloop.model.kvstore import Int4Buffer, KVStore, PlainBuffer
 
 __all__ = ["CudaBackend", "use_cuda_kernels"]
 
@@ -57,31 +58,41 @@ class CudaBackend(TorchBackend):
 
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:
-        k, v = store.fields.get("k"), store.fields.get("v")
-        if (not isinstance(k, PlainBuffer) or not isinstance(v, PlainBuffer) or not _covered(q)
-                or k.data.dtype != q.dtype or q.shape[2] != 1):  # the kernel: one token a row
+        kv = _pool(store, q)
+        if kv is None or q.shape[2] != 1:  # the kernel: one token a row
             return super().decode_attention(store, q, rows, n_keys, mask)
         r, hq, _, d = q.shape
-        out = kernels.paged_decode_attention(q[:, :, 0], k.data, v.data, tables_of(rows, store.block_size), n_keys,
+        out = kernels.paged_decode_attention(q[:, :, 0], *kv, tables_of(rows, store.block_size), n_keys,
                                              store.block_size, max_len=rows.shape[1])  # bounds n_keys: no host read
         return out.view(r, hq, 1, d)
 
     def paged_attention(self, store: KVStore, q: torch.Tensor, tables: torch.Tensor, n_keys: torch.Tensor,
                         max_keys: int) -> torch.Tensor:
-        k, v = store.fields.get("k"), store.fields.get("v")
-        if (not isinstance(k, PlainBuffer) or not isinstance(v, PlainBuffer) or not _covered(q)
-                or k.data.dtype != q.dtype):
+        kv = _pool(store, q)
+        if kv is None:
             return super().paged_attention(store, q, tables, n_keys, max_keys)
         r, hq, _, d = q.shape
-        out = kernels.paged_decode_attention(q[:, :, 0], k.data, v.data, tables, n_keys, store.block_size,
-                                             max_len=max_keys)
+        out = kernels.paged_decode_attention(q[:, :, 0], *kv, tables, n_keys, store.block_size, max_len=max_keys)
         return out.view(r, hq, 1, d)
 
 
+def _pool(store: KVStore, q: torch.Tensor) -> tuple[kernels.KVStoreArg, kernels.KVStoreArg] | None:
+    """The pool's K and V as the attention kernel reads them (plain in q's dtype, or int4 with
+    fp16 meta), or None where it has no kernel (h-mode, another dtype, q off CUDA)."""
+    k, v = store.fields.get("k"), store.fields.get("v")
+    if not _covered(q):
+        return None
+    if isinstance(k, PlainBuffer) and isinstance(v, PlainBuffer) and k.data.dtype == q.dtype:
+        return k.data, v.data
+    if isinstance(k, Int4Buffer) and isinstance(v, Int4Buffer) and k.meta.dtype == torch.float16:
+        return (k.codes, k.meta), (v.codes, v.meta)
+    return None
+
+
 def use_cuda_kernels(model: torch.nn.Module) -> None:
-    """Run ``model``'s norms, RoPE and decode attention on the kernels (``Engine(cuda_kernels=True)``,
-    ``TINYLOOP_CUDA_KERNELS``); ConfigError, saying what is missing, unless the model is on a
-    CUDA device and CuPy sees one."""
+    """Run ``model``'s norms, SwiGLU, RoPE and decode attention on the kernels
+    (``Engine(cuda_kernels=True)``, ``TINYLOOP_CUDA_KERNELS``); ConfigError, saying what is
+    missing, unless the model is on a CUDA device and CuPy sees one."""
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise ConfigError(f"the CUDA kernels need the model on a CUDA device, not {device}")

@@ -16,7 +16,7 @@ import torch
 from tinyloop.cuda import launch, loader
 from tinyloop.cuda.reference import STYLE_MODES
 
-__all__ = ["SUFFIX", "residual_rmsnorm", "rms_norm", "rope_", "swiglu", "paged_decode_attention"]
+__all__ = ["SUFFIX", "KVStoreArg", "residual_rmsnorm", "rms_norm", "rope_", "swiglu", "paged_decode_attention"]
 
 SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -115,18 +115,37 @@ def swiglu(fc: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def paged_decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, tables: torch.Tensor,
+KVStoreArg = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""A pool field as the attention kernel reads it: K or V ``[pool_rows, Hkv, D]`` in q's dtype, or
+an int4 pool's (codes ``[pool_rows, Hkv, D/2]`` uint8, meta ``[pool_rows, Hkv, D/group, 2]`` fp16)."""
+
+
+def paged_decode_attention(q: torch.Tensor, k_store: KVStoreArg, v_store: KVStoreArg, tables: torch.Tensor,
                            seq_lens: torch.Tensor, block_size: int, written: torch.Tensor | None = None,
                            depth: torch.Tensor | None = None, splits: int | None = None,
                            max_len: int | None = None) -> torch.Tensor:
-    """As ``reference.paged_decode_ref``; ``splits`` (default from ``launch.decode_splits``)
-    > 1 runs flash-decoding with a combine pass. ``max_len``: a bound on ``seq_lens`` that
-    sizes the splits (splits past a row's length do nothing); without it ``seq_lens`` is read
-    on the host, a synchronisation. ``tables`` may be a strided view (rows evenly spaced, each
-    row's entries contiguous): a slot's column of a ``[R, S, MB]`` table is read in place."""
+    """As ``reference.paged_decode_ref`` (an int4 pool dequantized in the read, as
+    ``kvstore.dequantize_int4`` then a cast to q's dtype); ``splits`` (default from
+    ``launch.decode_splits``) > 1 runs flash-decoding with a combine pass. ``max_len``: a bound on
+    ``seq_lens`` that sizes the splits (splits past a row's length do nothing); without it
+    ``seq_lens`` is read on the host, a synchronisation. ``tables`` may be a strided view (rows
+    evenly spaced, each row's entries contiguous): a slot's column of a ``[R, S, MB]`` table is
+    read in place."""
     r, hq, d = q.shape
-    kvh = k_store.shape[1]
-    if q.stride(-1) != 1 or not (k_store.is_contiguous() and v_store.is_contiguous()):
+    stores: tuple[Any, ...]
+    if isinstance(k_store, tuple) and isinstance(v_store, tuple):
+        (k_codes, k_meta), (v_codes, v_meta) = k_store, v_store
+        fields = [k_codes, k_meta, v_codes, v_meta]
+        if k_codes.dtype != torch.uint8 or k_meta.dtype != torch.float16 or k_codes.shape[-1] * 2 != d:
+            raise ValueError("an int4 pool: uint8 codes of D/2 bytes a head and fp16 (scale, minimum) meta")
+        kvh, kernel = k_codes.shape[1], "paged_decode_int4"
+        stores = (_ptr(k_codes), _ptr(k_meta), _ptr(v_codes), _ptr(v_meta), _i32(d // k_meta.shape[2]))
+    elif isinstance(k_store, torch.Tensor) and isinstance(v_store, torch.Tensor):
+        fields = [k_store, v_store]
+        kvh, kernel, stores = k_store.shape[1], "paged_decode", (_ptr(k_store), _ptr(v_store))
+    else:
+        raise TypeError("K and V must both be plain tensors or both int4 (codes, meta) pairs")
+    if q.stride(-1) != 1 or not all(t.is_contiguous() for t in fields):
         raise ValueError("q's head_dim and the K/V pool must be contiguous")
     if tables.dtype != torch.int64 or tables.stride(-1) != 1:
         tables = tables.to(torch.int64).contiguous()
@@ -145,11 +164,11 @@ def paged_decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torc
     if written is not None:
         written = written.to(torch.int32).contiguous()
         depth = None if depth is None else depth.to(torch.int32).contiguous()
-    args = (_ptr(q), _ptr(k_store), _ptr(v_store), _ptr(tables), _ptr(seq_lens), _ptr(written), _ptr(depth),
+    args = (_ptr(q), *stores, _ptr(tables), _ptr(seq_lens), _ptr(written), _ptr(depth),
             _ptr(out), _ptr(acc), _ptr(ml), _i32(hq), _i32(kvh), _i32(d), _i32(block_size),
             _i32(tables.stride(0)), _i32(0 if written is None else written.shape[1]), _i64(q.stride(0)),
             _i64(q.stride(1)), _i32(per), np.float32(1.0 / math.sqrt(d)))
-    _run("paged_attention", "paged_decode", q.dtype, launch.paged_decode_launch(r, hq, d, splits), args, q.device)
+    _run("paged_attention", kernel, q.dtype, launch.paged_decode_launch(r, hq, d, splits), args, q.device)
     if splits > 1:
         _run("paged_attention", "paged_decode_combine", q.dtype, launch.paged_combine_launch(r, hq, d),
              (_ptr(acc), _ptr(ml), _ptr(out), _i32(hq), _i32(d), _i32(splits)), q.device)

@@ -14,11 +14,41 @@
 // (T); splits > 1 writes float partials (acc [rows, q_heads, splits, D], m and l [.., 2]) that
 // paged_decode_combine reduces (flash-decoding). Dynamic shared memory: (D + THREADS) floats +
 // THREADS ints (tinyloop/cuda/launch.py sizes it).
+//
+// The pool's K and V are read through a loader: PlainKV (K and V in T, [pool_rows, kv_heads, D])
+// or Int4KV (an int4 pool, kvstore.Int4Buffer: codes [pool_rows, kv_heads, D/2] uint8, the even
+// index in the low nibble, and meta [pool_rows, kv_heads, D/group, 2] fp16 (scale, minimum)),
+// dequantized in the read as the torch reference dequantizes: code * scale, then + minimum, in
+// float, rounded to T (paged_decode_int4_*).
 #define TL_ATTN_THREADS 128
 #define TL_ATTN_MAX_PER_THREAD 4  // D <= 512
 
 template <typename T>
-__device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_store, const T* __restrict__ v_store,
+struct PlainKV {
+    const T* __restrict__ data;
+    int kv_heads, head_dim;
+    __device__ __forceinline__ float load(int pool_row, int kvh, int d) const {
+        return tl_load(data + ((long long)pool_row * kv_heads + kvh) * head_dim + d);
+    }
+};
+
+template <typename T>
+struct Int4KV {
+    const unsigned char* __restrict__ codes;
+    const __half* __restrict__ meta;
+    int kv_heads, head_dim, group;
+    __device__ __forceinline__ float load(int pool_row, int kvh, int d) const {
+        const long long head = (long long)pool_row * kv_heads + kvh;
+        const unsigned char c = codes[head * (head_dim / 2) + d / 2];
+        const float q = (float)((d & 1) ? (c >> 4) : (c & 15));
+        const __half* m = meta + (head * (head_dim / group) + d / group) * 2;
+        // two roundings, as torch's two ops: no fused multiply-add
+        return tl_round<T>(__fadd_rn(__fmul_rn(q, __half2float(m[0])), __half2float(m[1])));
+    }
+};
+
+template <typename T, typename KV>
+__device__ void paged_decode(const T* __restrict__ q, const KV k_store, const KV v_store,
                              const long long* __restrict__ tables, const int* __restrict__ seq_lens,
                              const int* __restrict__ written, const int* __restrict__ depth, T* __restrict__ out,
                              float* __restrict__ part_acc, float* __restrict__ part_ml, int q_heads, int kv_heads,
@@ -31,7 +61,6 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_st
     __shared__ float scratch[32];
     const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int kvh = h / (q_heads / kv_heads);
-    const long long kv_row_stride = (long long)kv_heads * head_dim;
     const T* qr = q + r * q_row_stride + h * q_head_stride;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = tl_load(qr + d);
     const int len = seq_lens[r];
@@ -48,9 +77,8 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_st
         int pool_row = 0;
         if (key < k1 && (written == nullptr || written[(long long)r * written_stride + key] > depth[r])) {
             pool_row = (int)(table[key / block_size] * block_size + key % block_size);
-            const T* kr = k_store + pool_row * kv_row_stride + (long long)kvh * head_dim;
             float dot = 0.0f;
-            for (int d = 0; d < head_dim; ++d) dot += q_s[d] * tl_load(kr + d);
+            for (int d = 0; d < head_dim; ++d) dot += q_s[d] * k_store.load(pool_row, kvh, d);
             score = dot * scale;
         }
         const float m_new = fmaxf(m, tl_block_max(score, scratch));
@@ -64,7 +92,7 @@ __device__ void paged_decode(const T* __restrict__ q, const T* __restrict__ k_st
         for (int j = 0, d = threadIdx.x; d < head_dim; ++j, d += blockDim.x) {
             float a = acc[j] * alpha;
             for (int i = 0; i < n; ++i)
-                if (p_s[i] != 0.0f) a += p_s[i] * tl_load(v_store + row_s[i] * kv_row_stride + (long long)kvh * head_dim + d);
+                if (p_s[i] != 0.0f) a += p_s[i] * v_store.load(row_s[i], kvh, d);
             acc[j] = a;
         }
         m = m_new;
@@ -107,9 +135,22 @@ __device__ void paged_combine(const float* __restrict__ part_acc, const float* _
         const int* written, const int* depth, T* out, float* part_acc, float* part_ml, int q_heads,    \
         int kv_heads, int head_dim, int block_size, int table_stride, int written_stride,             \
         long long q_row_stride, long long q_head_stride, int keys_per_split, float scale) {           \
-        paged_decode<T>(q, k_store, v_store, tables, seq_lens, written, depth, out, part_acc, part_ml,\
-                        q_heads, kv_heads, head_dim, block_size, table_stride, written_stride,        \
-                        q_row_stride, q_head_stride, keys_per_split, scale);                          \
+        paged_decode<T>(q, PlainKV<T>{k_store, kv_heads, head_dim}, PlainKV<T>{v_store, kv_heads, head_dim},  \
+                        tables, seq_lens, written, depth, out, part_acc, part_ml, q_heads, kv_heads,   \
+                        head_dim, block_size, table_stride, written_stride, q_row_stride,             \
+                        q_head_stride, keys_per_split, scale);                                        \
+    }                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(TL_ATTN_THREADS) paged_decode_int4_##SUFFIX(          \
+        const T* q, const unsigned char* k_codes, const __half* k_meta, const unsigned char* v_codes,  \
+        const __half* v_meta, int group, const long long* tables, const int* seq_lens,                 \
+        const int* written, const int* depth, T* out, float* part_acc, float* part_ml, int q_heads,    \
+        int kv_heads, int head_dim, int block_size, int table_stride, int written_stride,             \
+        long long q_row_stride, long long q_head_stride, int keys_per_split, float scale) {           \
+        paged_decode<T>(q, Int4KV<T>{k_codes, k_meta, kv_heads, head_dim, group},                     \
+                        Int4KV<T>{v_codes, v_meta, kv_heads, head_dim, group}, tables, seq_lens,       \
+                        written, depth, out, part_acc, part_ml, q_heads, kv_heads, head_dim,           \
+                        block_size, table_stride, written_stride, q_row_stride, q_head_stride,         \
+                        keys_per_split, scale);                                                       \
     }                                                                                                 \
     extern "C" __global__ void paged_decode_combine_##SUFFIX(const float* part_acc, const float* part_ml,\
                                                              T* out, int q_heads, int head_dim,        \

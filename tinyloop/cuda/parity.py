@@ -144,9 +144,10 @@ def _paged_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, gaps: bool, sp
     return Case(name, build, lambda: launch.paged_decode_launch(len(lens), hq, d, splits or 1))
 
 
-def _backend_decode_case(lens: tuple[int, ...], hq: int, hkv: int, d: int) -> Case:
+def _backend_decode_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, kv_mode: str = "full") -> Case:
     """``CudaBackend.decode_attention`` as the model calls it (a pool, the pool rows of every key,
-    each row's key count) against the torch backend's gather + SDPA."""
+    each row's key count) against the torch backend's gather + SDPA; ``kv_mode`` int4: the pool
+    quantized as the engine writes it, dequantized in the kernel's read."""
     bs = 16
 
     def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
@@ -160,9 +161,10 @@ def _backend_decode_case(lens: tuple[int, ...], hq: int, hkv: int, d: int) -> Ca
         mb = -(-max_len // bs)
         blocks = r * mb + 3
         config = PRESETS["tiny"].replace(heads=hq, kv_heads=hkv, head_dim=d, hidden=hq * d)
-        store = KVStore(KVMode.parse(None), config, blocks * bs, bs, dtype, device)
-        for field in store.fields.values():
-            field.tensors[0].copy_(_randn(tuple(field.tensors[0].shape), g, device, dtype))
+        store = KVStore(KVMode.parse(kv_mode), config, blocks * bs, bs, dtype, device)
+        every = torch.arange(blocks * bs, device=device)
+        store.write(every, k=_randn((blocks * bs, hkv, d), g, device, dtype),
+                    v=_randn((blocks * bs, hkv, d), g, device, dtype))
         tables = torch.randperm(blocks, generator=g)[:r * mb].view(r, mb)
         pos = torch.arange(max_len)
         rows = (tables[:, pos // bs] * bs + pos % bs).to(device)  # [R, L] as PagedContext lays them out
@@ -174,10 +176,10 @@ def _backend_decode_case(lens: tuple[int, ...], hq: int, hkv: int, d: int) -> Ca
             from tinyloop.cuda.backend import CudaBackend
             return (CudaBackend().decode_attention(store, q, rows, n_keys, mask),), want
         # without the kernel: the reference of the kernel's own form, on the tables behind the rows
-        got = ref.paged_decode_ref(q[:, :, 0], store.tensor("k").flatten(0, 1), store.tensor("v").flatten(0, 1),
+        got = ref.paged_decode_ref(q[:, :, 0], store.read("k", every, dtype), store.read("v", every, dtype),
                                    ref.tables_of(rows, bs), n_keys, bs)
         return (got[:, :, None],), want
-    name = f"backend decode_attention L={','.join(map(str, lens))} H={hq}/{hkv} D={d}"
+    name = f"backend decode_attention {kv_mode} KV L={','.join(map(str, lens))} H={hq}/{hkv} D={d}"
     return Case(name, build, lambda: launch.paged_decode_launch(len(lens), hq, d, 1))
 
 
@@ -185,7 +187,7 @@ def cases() -> list[Case]:
     """Every parity case: the three block styles and post_ln in both norm orders, Huginn's and the
     ~100M preset's widths, RoPE in both styles with and without bias and float32 compute, and
     paged decode attention (GQA and not, gaps, one split and flash-decoding splits), and the
-    backend's decode attention as the model calls it."""
+    backend's decode attention as the model calls it, over full and int4 pools."""
     out = [_rmsnorm_case(style, rows, hidden, cf)
            for style in ("pre_ln", "peri_ln", "sandwich", "post_ln")
            for rows, hidden, cf in ((1, 768, False), (32, 5280, True), (7, 1000, False))]
@@ -201,8 +203,9 @@ def cases() -> list[Case]:
                 ((600, 17, 2048), 8, 2, 128, False, None),
                 ((700, 129, 33), 55, 55, 96, True, 1),
                 ((1500, 300), 8, 2, 64, True, 4))]
-    out += [_backend_decode_case(lens, hq, hkv, d) for lens, hq, hkv, d in (((1, 37, 200), 4, 2, 64),
-                                                                              ((700, 33), 12, 12, 128))]
+    out += [_backend_decode_case(lens, hq, hkv, d, mode) for lens, hq, hkv, d, mode in (
+        ((1, 37, 200), 4, 2, 64, "full"), ((700, 33), 12, 12, 128, "full"),
+        ((1, 37, 200), 4, 2, 64, "int4"), ((700, 33), 12, 12, 128, "int4"))]
     return out
 
 
