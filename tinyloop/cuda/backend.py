@@ -5,8 +5,9 @@ kernels; decode attention over a pool that stores K and V in the model's dtype, 
 fp16 group parameters (dequantized in the read), runs on the paged decode kernel
 (``decode_attention``: the pool read in place, through the block tables behind the rows the
 context hands it, ``reference.tables_of``; ``paged_attention``: through the tables themselves at
-fixed shapes, the step ``tinyloop/engine/graphs.py`` captures). KV writes, the other reads
-(h-mode, a verify's several tokens) and prefill's attention stay with the torch reference. Any
+fixed shapes, the step ``tinyloop/engine/graphs.py`` captures). It serves a speculative chain's
+verify too (a few tokens a row, each over one key more). KV writes, h-mode's reads and prefill's
+attention stay with the torch reference. Any
 call the kernels do not cover (a dtype without a kernel, a tensor off CUDA) falls back to torch.
 
     model.use_backend(CudaBackend())   # after model.to("cuda"); or use_cuda_kernels(model)
@@ -59,12 +60,12 @@ class CudaBackend(TorchBackend):
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:
         kv = _pool(store, q)
-        if kv is None or q.shape[2] != 1:  # the kernel: one token a row
+        if kv is None:
             return super().decode_attention(store, q, rows, n_keys, mask)
-        r, hq, _, d = q.shape
-        out = kernels.paged_decode_attention(q[:, :, 0], *kv, tables_of(rows, store.block_size), n_keys,
-                                             store.block_size, max_len=rows.shape[1])  # bounds n_keys: no host read
-        return out.view(r, hq, 1, d)
+        # token t of row r over its first n_keys[r] + t keys (a chain's verify; decode: t = 0); the
+        # rows' key count bounds them: no host read
+        return kernels.paged_decode_attention(q, *kv, tables_of(rows, store.block_size), n_keys, store.block_size,
+                                              max_len=rows.shape[1])
 
     def paged_attention(self, store: KVStore, q: torch.Tensor, tables: torch.Tensor, n_keys: torch.Tensor,
                         max_keys: int) -> torch.Tensor:

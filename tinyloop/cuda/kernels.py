@@ -125,13 +125,17 @@ def paged_decode_attention(q: torch.Tensor, k_store: KVStoreArg, v_store: KVStor
                            depth: torch.Tensor | None = None, splits: int | None = None,
                            max_len: int | None = None) -> torch.Tensor:
     """As ``reference.paged_decode_ref`` (an int4 pool dequantized in the read, as
-    ``kvstore.dequantize_int4`` then a cast to q's dtype); ``splits`` (default from
+    ``kvstore.dequantize_int4`` then a cast to q's dtype): q ``[R, Hq, D]`` -> ``[R, Hq, D]``, or
+    ``[R, Hq, T, D]`` -> ``[R, Hq, T, D]`` with token t of row r over its first ``seq_lens[r] +
+    t`` keys (a speculative chain's verify). ``splits`` (default from
     ``launch.decode_splits``) > 1 runs flash-decoding with a combine pass. ``max_len``: a bound on
     ``seq_lens`` that sizes the splits (splits past a row's length do nothing); without it
     ``seq_lens`` is read on the host, a synchronisation. ``tables`` may be a strided view (rows
     evenly spaced, each row's entries contiguous): a slot's column of a ``[R, S, MB]`` table is
     read in place."""
-    r, hq, d = q.shape
+    tokens = q.shape[2] if q.dim() == 4 else 1
+    r, hq, d = q.shape[0], q.shape[1], q.shape[-1]
+    token_stride = q.stride(2) if q.dim() == 4 else 0
     stores: tuple[Any, ...]
     if isinstance(k_store, tuple) and isinstance(v_store, tuple):
         (k_codes, k_meta), (v_codes, v_meta) = k_store, v_store
@@ -152,24 +156,25 @@ def paged_decode_attention(q: torch.Tensor, k_store: KVStoreArg, v_store: KVStor
     seq_lens = seq_lens.to(torch.int32).contiguous()
     if max_len is None:
         max_len = int(seq_lens.max())  # a host read: sizes the splits
+    queries = r * tokens  # one block row per (row, token)
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        splits = launch.decode_splits(r, hq, max_len, sms)
+        splits = launch.decode_splits(queries, hq, max_len, sms)
     per = launch.keys_per_split(max_len, splits)
-    out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
+    out = torch.empty((queries, hq, d), dtype=q.dtype, device=q.device)
     acc = ml = None
     if splits > 1:
-        acc = torch.empty((r, hq, splits, d), dtype=torch.float32, device=q.device)
-        ml = torch.empty((r, hq, splits, 2), dtype=torch.float32, device=q.device)
+        acc = torch.empty((queries, hq, splits, d), dtype=torch.float32, device=q.device)
+        ml = torch.empty((queries, hq, splits, 2), dtype=torch.float32, device=q.device)
     if written is not None:
         written = written.to(torch.int32).contiguous()
         depth = None if depth is None else depth.to(torch.int32).contiguous()
     args = (_ptr(q), *stores, _ptr(tables), _ptr(seq_lens), _ptr(written), _ptr(depth),
             _ptr(out), _ptr(acc), _ptr(ml), _i32(hq), _i32(kvh), _i32(d), _i32(block_size),
             _i32(tables.stride(0)), _i32(0 if written is None else written.shape[1]), _i64(q.stride(0)),
-            _i64(q.stride(1)), _i32(per), np.float32(1.0 / math.sqrt(d)))
-    _run("paged_attention", kernel, q.dtype, launch.paged_decode_launch(r, hq, d, splits), args, q.device)
+            _i64(q.stride(1)), _i32(tokens), _i64(token_stride), _i32(per), np.float32(1.0 / math.sqrt(d)))
+    _run("paged_attention", kernel, q.dtype, launch.paged_decode_launch(queries, hq, d, splits), args, q.device)
     if splits > 1:
-        _run("paged_attention", "paged_decode_combine", q.dtype, launch.paged_combine_launch(r, hq, d),
+        _run("paged_attention", "paged_decode_combine", q.dtype, launch.paged_combine_launch(queries, hq, d),
              (_ptr(acc), _ptr(ml), _ptr(out), _i32(hq), _i32(d), _i32(splits)), q.device)
-    return out
+    return out if q.dim() == 3 else out.view(r, tokens, hq, d).transpose(1, 2)

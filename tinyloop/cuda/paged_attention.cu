@@ -1,5 +1,6 @@
-// Decode attention over the paged KV pool (tinyloop/model/kvcache.py, context.py): one query
-// token per row, its keys at positions 0 .. seq_len-1 of the slot the row attends in.
+// Decode attention over the paged KV pool (tinyloop/model/kvcache.py, context.py): n_tokens query
+// tokens per row (decode: one; a speculative chain's verify: a few), token t of row r over the
+// keys at positions 0 .. seq_lens[r] + t - 1 of the slot the row attends in.
 //
 // The pool keeps K and V as [pool_rows, kv_heads, D] (pool row = block * block_size + offset).
 // `tables` is [rows, table_stride] int64: the row's block table *for its slot* (the caller picks
@@ -9,10 +10,10 @@
 // depth[r]: an early-exited token left the loop slots from depth `written` on unwritten.
 // GQA: q head h reads kv head h / (q_heads / kv_heads). Scores are scaled by `scale`.
 //
-// Grid (rows, q_heads, splits), TL_ATTN_THREADS threads; each block walks its split's keys in
-// tiles of TL_ATTN_THREADS with an online softmax. splits == 1 writes `out` [rows, q_heads, D]
-// (T); splits > 1 writes float partials (acc [rows, q_heads, splits, D], m and l [.., 2]) that
-// paged_decode_combine reduces (flash-decoding). Dynamic shared memory: (D + THREADS) floats +
+// Grid (rows * n_tokens, q_heads, splits), TL_ATTN_THREADS threads; each block walks its split's
+// keys in tiles of TL_ATTN_THREADS with an online softmax. splits == 1 writes `out`
+// [rows * n_tokens, q_heads, D] (T); splits > 1 writes float partials (acc [rows * n_tokens,
+// q_heads, splits, D], m and l [.., 2]) that paged_decode_combine reduces (flash-decoding). Dynamic shared memory: (D + THREADS) floats +
 // THREADS ints (tinyloop/cuda/launch.py sizes it).
 //
 // The pool's K and V are read through a loader: PlainKV (K and V in T, [pool_rows, kv_heads, D])
@@ -53,17 +54,19 @@ __device__ void paged_decode(const T* __restrict__ q, const KV k_store, const KV
                              const int* __restrict__ written, const int* __restrict__ depth, T* __restrict__ out,
                              float* __restrict__ part_acc, float* __restrict__ part_ml, int q_heads, int kv_heads,
                              int head_dim, int block_size, int table_stride, int written_stride,
-                             long long q_row_stride, long long q_head_stride, int keys_per_split, float scale) {
+                             long long q_row_stride, long long q_head_stride, int n_tokens, long long q_token_stride,
+                             int keys_per_split, float scale) {
     extern __shared__ float smem[];
     float* q_s = smem;                                // [D]
     float* p_s = smem + head_dim;                     // [THREADS]
     int* row_s = (int*)(p_s + TL_ATTN_THREADS);       // [THREADS]
     __shared__ float scratch[32];
-    const int r = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int rt = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int r = rt / n_tokens, t = rt - r * n_tokens;
     const int kvh = h / (q_heads / kv_heads);
-    const T* qr = q + r * q_row_stride + h * q_head_stride;
+    const T* qr = q + r * q_row_stride + t * q_token_stride + h * q_head_stride;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = tl_load(qr + d);
-    const int len = seq_lens[r];
+    const int len = seq_lens[r] + t;
     const int k0 = split * keys_per_split;
     const int k1 = min(len, k0 + keys_per_split);
     const long long* table = tables + (long long)r * table_stride;
@@ -98,7 +101,7 @@ __device__ void paged_decode(const T* __restrict__ q, const KV k_store, const KV
         m = m_new;
         __syncthreads();  // p_s and row_s are rewritten by the next tile
     }
-    const long long rh = (long long)r * q_heads + h;
+    const long long rh = (long long)rt * q_heads + h;
     if (splits == 1) {
         const float inv = l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
         for (int j = 0, d = threadIdx.x; d < head_dim; ++j, d += blockDim.x)
@@ -134,23 +137,25 @@ __device__ void paged_combine(const float* __restrict__ part_acc, const float* _
         const T* q, const T* k_store, const T* v_store, const long long* tables, const int* seq_lens,  \
         const int* written, const int* depth, T* out, float* part_acc, float* part_ml, int q_heads,    \
         int kv_heads, int head_dim, int block_size, int table_stride, int written_stride,             \
-        long long q_row_stride, long long q_head_stride, int keys_per_split, float scale) {           \
+        long long q_row_stride, long long q_head_stride, int n_tokens, long long q_token_stride,       \
+        int keys_per_split, float scale) {                                                            \
         paged_decode<T>(q, PlainKV<T>{k_store, kv_heads, head_dim}, PlainKV<T>{v_store, kv_heads, head_dim},  \
                         tables, seq_lens, written, depth, out, part_acc, part_ml, q_heads, kv_heads,   \
                         head_dim, block_size, table_stride, written_stride, q_row_stride,             \
-                        q_head_stride, keys_per_split, scale);                                        \
+                        q_head_stride, n_tokens, q_token_stride, keys_per_split, scale);              \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(TL_ATTN_THREADS) paged_decode_int4_##SUFFIX(          \
         const T* q, const unsigned char* k_codes, const __half* k_meta, const unsigned char* v_codes,  \
         const __half* v_meta, int group, const long long* tables, const int* seq_lens,                 \
         const int* written, const int* depth, T* out, float* part_acc, float* part_ml, int q_heads,    \
         int kv_heads, int head_dim, int block_size, int table_stride, int written_stride,             \
-        long long q_row_stride, long long q_head_stride, int keys_per_split, float scale) {           \
+        long long q_row_stride, long long q_head_stride, int n_tokens, long long q_token_stride,       \
+        int keys_per_split, float scale) {                                                            \
         paged_decode<T>(q, Int4KV<T>{k_codes, k_meta, kv_heads, head_dim, group},                     \
                         Int4KV<T>{v_codes, v_meta, kv_heads, head_dim, group}, tables, seq_lens,       \
                         written, depth, out, part_acc, part_ml, q_heads, kv_heads, head_dim,           \
                         block_size, table_stride, written_stride, q_row_stride, q_head_stride,         \
-                        keys_per_split, scale);                                                       \
+                        n_tokens, q_token_stride, keys_per_split, scale);                             \
     }                                                                                                 \
     extern "C" __global__ void paged_decode_combine_##SUFFIX(const float* part_acc, const float* part_ml,\
                                                              T* out, int q_heads, int head_dim,        \

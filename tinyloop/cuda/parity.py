@@ -144,10 +144,12 @@ def _paged_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, gaps: bool, sp
     return Case(name, build, lambda: launch.paged_decode_launch(len(lens), hq, d, splits or 1))
 
 
-def _backend_decode_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, kv_mode: str = "full") -> Case:
+def _backend_decode_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, kv_mode: str = "full",
+                         tokens: int = 1) -> Case:
     """``CudaBackend.decode_attention`` as the model calls it (a pool, the pool rows of every key,
     each row's key count) against the torch backend's gather + SDPA; ``kv_mode`` int4: the pool
-    quantized as the engine writes it, dequantized in the kernel's read."""
+    quantized as the engine writes it, dequantized in the kernel's read; ``tokens`` > 1: a
+    chain's verify, token t of a row over one key more than token t - 1."""
     bs = 16
 
     def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
@@ -157,7 +159,7 @@ def _backend_decode_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, kv_mo
         from tinyloop.vocabulary import KVMode
 
         g = _gen(device, sum(lens) + hq)
-        r, max_len = len(lens), max(lens)
+        r, max_len = len(lens), max(lens) + tokens - 1 + tokens - 1
         mb = -(-max_len // bs)
         blocks = r * mb + 3
         config = PRESETS["tiny"].replace(heads=hq, kv_heads=hkv, head_dim=d, hidden=hq * d)
@@ -169,25 +171,28 @@ def _backend_decode_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, kv_mo
         pos = torch.arange(max_len)
         rows = (tables[:, pos // bs] * bs + pos % bs).to(device)  # [R, L] as PagedContext lays them out
         n_keys = torch.tensor(lens).to(device)
-        mask = (pos[None, :].to(device) < n_keys[:, None])[:, None, None, :]
-        q = _randn((r, hq, 1, d), g, device, dtype)
+        seen = n_keys[:, None] + torch.arange(tokens, device=device)  # [R, T] keys each token sees
+        mask = (pos.to(device) < seen[:, :, None])[:, None]  # [R, 1, T, L]
+        q = _randn((r, hq, tokens, d), g, device, dtype)
         want = (TORCH.decode_attention(store, q, rows, n_keys, mask),)
         if kernel:
             from tinyloop.cuda.backend import CudaBackend
             return (CudaBackend().decode_attention(store, q, rows, n_keys, mask),), want
         # without the kernel: the reference of the kernel's own form, on the tables behind the rows
-        got = ref.paged_decode_ref(q[:, :, 0], store.read("k", every, dtype), store.read("v", every, dtype),
-                                   ref.tables_of(rows, bs), n_keys, bs)
-        return (got[:, :, None],), want
-    name = f"backend decode_attention {kv_mode} KV L={','.join(map(str, lens))} H={hq}/{hkv} D={d}"
-    return Case(name, build, lambda: launch.paged_decode_launch(len(lens), hq, d, 1))
+        k_all, v_all = store.read("k", every, dtype), store.read("v", every, dtype)
+        got = torch.stack([ref.paged_decode_ref(q[:, :, t], k_all, v_all, ref.tables_of(rows, bs), n_keys + t, bs)
+                           for t in range(tokens)], dim=2)  # [R, Hq, T, D]
+        return (got,), want
+    name = f"backend decode_attention {kv_mode} KV L={','.join(map(str, lens))} H={hq}/{hkv} D={d} T={tokens}"
+    return Case(name, build, lambda: launch.paged_decode_launch(len(lens) * tokens, hq, d, 1))
 
 
 def cases() -> list[Case]:
     """Every parity case: the three block styles and post_ln in both norm orders, Huginn's and the
     ~100M preset's widths, RoPE in both styles with and without bias and float32 compute, and
     paged decode attention (GQA and not, gaps, one split and flash-decoding splits), and the
-    backend's decode attention as the model calls it, over full and int4 pools."""
+    backend's decode attention as the model calls it, over full and int4 pools, one token a row
+    and a chain's verify."""
     out = [_rmsnorm_case(style, rows, hidden, cf)
            for style in ("pre_ln", "peri_ln", "sandwich", "post_ln")
            for rows, hidden, cf in ((1, 768, False), (32, 5280, True), (7, 1000, False))]
@@ -206,6 +211,8 @@ def cases() -> list[Case]:
     out += [_backend_decode_case(lens, hq, hkv, d, mode) for lens, hq, hkv, d, mode in (
         ((1, 37, 200), 4, 2, 64, "full"), ((700, 33), 12, 12, 128, "full"),
         ((1, 37, 200), 4, 2, 64, "int4"), ((700, 33), 12, 12, 128, "int4"))]
+    out += [_backend_decode_case(lens, hq, hkv, d, mode, tokens) for lens, hq, hkv, d, mode, tokens in (
+        ((1, 37, 200), 4, 2, 64, "full", 5), ((300, 9), 12, 12, 128, "int4", 3))]
     return out
 
 
