@@ -60,6 +60,7 @@ class _Graph:
     noise_host: torch.Tensor  # [R, H] float32 on the host
     held: list[tuple[SeqKV, int] | None] = field(default_factory=list)  # each row's uploaded tables: whose, version
     graph: Any = None  # torch.cuda.CUDAGraph once captured
+    copied: Any = None  # torch.cuda.Event after the last replay (capture only)
     out: tuple[torch.Tensor, torch.Tensor] | None = None  # the captured step's logits and state
 
 
@@ -111,13 +112,15 @@ class DecodeGraphs:
             s.kv.reserve(s.kv.length + 1)
         g = self.graphs.get(key) or self._open(*key)
         self._fill(g, seqs)
-        try:
-            logits, state = self._run(g)
-        except Exception:  # a step that cannot be captured runs eagerly from now on
-            _log.exception("capturing the decode graph %s failed; it runs eagerly", key)
-            self.failed.add(key)
-            self.graphs.pop(key, None)
-            return None
+        if self.capture and g.graph is None:
+            try:
+                self._capture(g)
+            except Exception:  # a step that cannot be captured runs eagerly from now on
+                _log.exception("capturing the decode graph %s failed; it runs eagerly", key)
+                self.failed.add(key)
+                self.graphs.pop(key, None)
+                return None
+        logits, state = self._run(g)
         n = len(seqs)
         out = ForwardOutput(logits=logits[:n].clone(), state=state[:n], loops_used=[g.loops] * n)
         counters = self.model.counters
@@ -151,6 +154,8 @@ class DecodeGraphs:
     def _fill(self, g: _Graph, seqs: Seq[Sequence]) -> None:
         """Write this step's inputs into ``g``'s buffers (host arrays, then copies to the device)."""
         ctx, n, bs, null = g.ctx, len(seqs), self.pool.block_size, self.pool.null_block
+        if g.copied is not None:
+            g.copied.synchronize()  # the last replay's copies out of the staging are done
         tokens, positions, n_keys, write = (t.numpy() for t in split_inputs(g.staging, ctx.rows, ctx.n_slots))
         pos = np.zeros(ctx.rows, dtype=np.int64)
         pos[:n] = [s.kv.length for s in seqs]
@@ -211,10 +216,10 @@ class DecodeGraphs:
     def _run(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.capture:
             return self._step(g)
-        if g.graph is None:
-            self._capture(g)
         assert g.out is not None
-        g.graph.replay()
+        with torch.cuda.device(self.device):  # the engine's device may not be the thread's current one
+            g.graph.replay()
+            g.copied.record()  # once the step has read its inputs, the host may rewrite the staging
         return g.out
 
     def _capture(self, g: _Graph) -> None:
@@ -231,5 +236,6 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
                 g.out = self._step(g)
             g.graph = graph
+            g.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
         _log.info("captured the decode graph (rows %d, loops %d, window %d) in %.0f ms",
                   g.ctx.rows, g.loops, g.window, 1000 * (time.perf_counter() - started))
