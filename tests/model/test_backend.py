@@ -34,6 +34,12 @@ class Recording:
         self.calls["rms_norm"] += 1
         return TORCH.rms_norm_cast_first(x, weight, eps)
 
+    def residual_norm(self, x: torch.Tensor, a: torch.Tensor, w_in: torch.Tensor | None,
+                      w_out: torch.Tensor | None, style: str, eps: float,
+                      cast_first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.calls["residual_norm"] += 1
+        return TORCH.residual_norm(x, a, w_in, w_out, style, eps, cast_first)
+
     def swiglu(self, fc: torch.Tensor) -> torch.Tensor:
         self.calls["swiglu"] += 1
         return TORCH.swiglu(fc)
@@ -100,8 +106,8 @@ def test_a_second_backend_plugs_in_and_gives_identical_logits(kv_mode: str) -> N
     assert torch.equal(logits, reference[0])
     assert tokens == reference[1]
     decode = set() if kv_mode == "h-mode" else {"decode_attention"}  # K and V stored: decode reads them by row
-    assert set(recording.calls) == {"rms_norm", "swiglu", "rope", "kv_write", "kv_read", "kv_copy", "attention",
-                                    *decode}
+    assert set(recording.calls) == {"rms_norm", "residual_norm", "swiglu", "rope", "kv_write", "kv_read", "kv_copy",
+                                    "attention", *decode}
     # every paged attention stores first
     assert recording.calls["kv_write"] == recording.calls["attention"] + recording.calls["decode_attention"]
     engine.model.use_backend(TORCH)

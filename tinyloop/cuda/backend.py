@@ -1,14 +1,15 @@
 """``CudaBackend``: the model's ``Backend`` seam (``tinyloop/model/backend.py``) on the kernels.
 
-What is wired today: RMSNorm (both reference orders), SwiGLU and RoPE run on this package's
-kernels; decode attention over a pool that stores K and V in the model's dtype, or in int4 with
-fp16 group parameters (dequantized in the read), runs on the paged decode kernel
-(``decode_attention``: the pool read in place, through the block tables behind the rows the
-context hands it, ``reference.tables_of``; ``paged_attention``: through the tables themselves at
-fixed shapes, the step ``tinyloop/engine/graphs.py`` captures). It serves a speculative chain's
-verify too (a few tokens a row, each over one key more). KV writes, h-mode's reads and prefill's
-attention stay with the torch reference. Any
-call the kernels do not cover (a dtype without a kernel, a tensor off CUDA) falls back to torch.
+What is wired today: RMSNorm (both reference orders; alone, and fused with each block's residual
+add and the norms around it), SwiGLU and RoPE run on this package's kernels. Decode attention
+over a pool that stores K and V in the model's dtype, or in int4 with fp16 group parameters
+(dequantized in the read), runs on the paged decode kernel: ``decode_attention`` reads the pool
+in place through the block tables behind the rows the context hands it (``reference.tables_of``),
+one token a row or a few (a speculative chain's verify: each over one key more);
+``paged_attention`` reads through the tables themselves at fixed shapes (the step
+``tinyloop/engine/graphs.py`` captures). KV writes, h-mode's reads, a tree's verify and prefill's
+attention stay with the torch reference, as does any call the kernels do not cover (a dtype
+without a kernel, a tensor off CUDA).
 
     model.use_backend(CudaBackend())   # after model.to("cuda"); or use_cuda_kernels(model)
 """
@@ -42,6 +43,13 @@ class CudaBackend(TorchBackend):
         if not _covered(x) or weight.dtype != x.dtype:
             return super().rms_norm_cast_first(x, weight, eps)
         return kernels.rms_norm(x, weight, eps, cast_first=True)
+
+    def residual_norm(self, x: torch.Tensor, a: torch.Tensor, w_in: torch.Tensor | None, w_out: torch.Tensor | None,
+                      style: str, eps: float, cast_first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weights = [w for w in (w_in, w_out) if w is not None]
+        if not _covered(x) or a.dtype != x.dtype or any(w.dtype != x.dtype for w in weights):
+            return super().residual_norm(x, a, w_in, w_out, style, eps, cast_first)
+        return kernels.residual_rmsnorm(x.contiguous(), a.contiguous(), w_in, w_out, style, eps, cast_first)
 
     def swiglu(self, fc: torch.Tensor) -> torch.Tensor:
         if not _covered(fc) or fc.stride(-1) != 1:

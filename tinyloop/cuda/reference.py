@@ -32,18 +32,11 @@ def residual_rmsnorm_ref(x: torch.Tensor, a: torch.Tensor, w_in: torch.Tensor | 
                          style: str, eps: float, cast_first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The residual ``r`` after a sublayer's output ``a`` joins ``x``, and the next norm of it
     ``y = N(r, w_out)`` (None when ``w_out`` is None: post_ln has no pre-norm), per ``Block``:
-    pre_ln ``r = x + a``; peri_ln and post_ln ``r = x + N(a, w_in)``; sandwich ``r = N(x + a, w_in)``."""
-    if style == "pre_ln":
-        r = x + a
-    elif style in ("peri_ln", "post_ln"):
-        assert w_in is not None
-        r = x + rms_norm_ref(a, w_in, eps, cast_first)
-    elif style == "sandwich":
-        assert w_in is not None
-        r = rms_norm_ref(x + a, w_in, eps, cast_first)
-    else:
+    pre_ln ``r = x + a``; peri_ln and post_ln ``r = x + N(a, w_in)``; sandwich ``r = N(x + a, w_in)``
+    (``Backend.residual_norm``, as the torch backend computes it)."""
+    if style not in STYLE_MODES:
         raise ValueError(f"unknown block style {style!r}")
-    return r, None if w_out is None else rms_norm_ref(r, w_out, eps, cast_first)
+    return TORCH.residual_norm(x, a, w_in, w_out, style, eps, cast_first)
 
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str,

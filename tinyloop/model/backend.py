@@ -1,12 +1,13 @@
 """The kernel seam of the model forward: what the torch reference and a GPU backend both provide.
 
 The model's weights and control flow (prelude, loops, exit rules, coda) are torch everywhere;
-what a backend replaces is the work that dominates a looped model's serving cost: RMSNorm,
-SwiGLU, RoPE, and attention over the paged KV pool (writing the new positions' K and V, or h, into the
-slots of their block tables, reading every key position back, attending under the causal or
-tree-verification mask). ``LoopedLM.use_backend`` routes every call of a model through one
-backend; ``PagedContext`` and ``FullContext`` take theirs from the engine (``Engine.context``).
-``TorchBackend`` is the reference every other backend is tested against.
+what a backend replaces is the work that dominates a looped model's serving cost: RMSNorm
+(alone, and fused with a block's residual add), SwiGLU, RoPE, and attention over the paged KV
+pool (writing the new positions' K and V, or h, into the slots of their block tables, reading
+every key position back, attending under the causal or tree-verification mask).
+``LoopedLM.use_backend`` routes every call of a model through one backend; ``PagedContext`` and
+``FullContext`` take theirs from the engine (``Engine.context``). ``TorchBackend`` is the
+reference every other backend is tested against.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ class Backend(Protocol):
     def rms_norm_cast_first(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """As ``rms_norm``, the reference order: x normalised in float32, cast to x's dtype, then
         scaled by ``weight``."""
+        ...
+
+    def residual_norm(self, x: torch.Tensor, a: torch.Tensor, w_in: torch.Tensor | None, w_out: torch.Tensor | None,
+                      style: str, eps: float, cast_first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A sublayer's output ``a`` joining the residual ``x`` (``[..., H]`` each) per block style:
+        ``pre_ln`` r = x + a; ``peri_ln`` and ``post_ln`` r = x + N(a, w_in); ``sandwich``
+        r = N(x + a, w_in); and the next norm y = N(r, w_out) (None without ``w_out``). N is
+        ``rms_norm``, or ``rms_norm_cast_first`` with ``cast_first``."""
         ...
 
     def swiglu(self, fc: torch.Tensor) -> torch.Tensor:
@@ -99,6 +108,17 @@ class TorchBackend:
         xf = x.float()
         out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         return out * weight.to(x.dtype)
+
+    def residual_norm(self, x: torch.Tensor, a: torch.Tensor, w_in: torch.Tensor | None, w_out: torch.Tensor | None,
+                      style: str, eps: float, cast_first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        norm = self.rms_norm_cast_first if cast_first else self.rms_norm
+        if style == "pre_ln":
+            r = x + a
+        elif style == "sandwich":
+            r = norm(x + a, w_in, eps)  # type: ignore[arg-type]
+        else:  # peri_ln, post_ln
+            r = x + norm(a, w_in, eps)  # type: ignore[arg-type]
+        return r, None if w_out is None else norm(r, w_out, eps)
 
     def swiglu(self, fc: torch.Tensor) -> torch.Tensor:
         gate, up = fc.chunk(2, dim=-1)

@@ -226,13 +226,18 @@ class Block(HookFree):
     ``peri_ln``:  x = x + n2(attn(n1(x)));  x = x + n4(mlp(n3(x)))   (Ouro)
     ``sandwich``: x = n2(x + attn(n1(x)));  x = n4(x + mlp(n3(x)))   (Huginn)
     ``post_ln``:  x = x + n2(attn(x));      x = x + n4(mlp(x))       (OLMo-2; no n1, n3)
+
+    Each residual add runs with its norms in one backend call (``Backend.residual_norm``: the
+    sublayer's own norm n2 or n4, and after the attention the MLP's input norm n3).
     """
+
+    backend: Backend = TORCH
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.style = config.block_style
-        eps = config.norm_eps
-        cast_first = config.norm_order == "cast_then_weight"
+        self.eps = eps = config.norm_eps
+        self.cast_first = cast_first = config.norm_order == "cast_then_weight"
         if self.style != "post_ln":
             self.attn_norm = RMSNorm(config.hidden, eps, cast_first)
             self.mlp_norm = RMSNorm(config.hidden, eps, cast_first)
@@ -244,19 +249,17 @@ class Block(HookFree):
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
                 rows: torch.Tensor | None, slots: torch.Tensor | int) -> torch.Tensor:
-        y: torch.Tensor
-        if self.style == "post_ln":
-            x = x + self.attn_post_norm(self.attn(x, ctx, rope, rows, slots))
-            y = x + self.mlp_post_norm(self.mlp(x))
-            return y
-        a = self.attn(self.attn_norm(x), ctx, rope, rows, slots)
-        if self.style == "pre_ln":
-            x = x + a
-            y = x + self.mlp(self.mlp_norm(x))
-        elif self.style == "peri_ln":
-            x = x + self.attn_post_norm(a)
-            y = x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
+        join, style, eps, cast_first = self.backend.residual_norm, self.style, self.eps, self.cast_first
+        post = style != "pre_ln"
+        h: torch.Tensor | None
+        if style == "post_ln":
+            x, _ = join(x, self.attn(x, ctx, rope, rows, slots), self.attn_post_norm.weight, None, style, eps,
+                        cast_first)
+            h = x
         else:
-            x = self.attn_post_norm(x + a)
-            y = self.mlp_post_norm(x + self.mlp(self.mlp_norm(x)))
+            a = self.attn(self.attn_norm(x), ctx, rope, rows, slots)
+            x, h = join(x, a, self.attn_post_norm.weight if post else None, self.mlp_norm.weight, style, eps,
+                        cast_first)
+        assert h is not None  # (the next norm is asked for: it comes back)
+        y, _ = join(x, self.mlp(h), self.mlp_post_norm.weight if post else None, None, style, eps, cast_first)
         return y

@@ -102,7 +102,7 @@ class LoopedLM(nn.Module):
         self.backend = backend
         self.rope.backend = backend
         for module in self.modules():
-            if isinstance(module, RMSNorm | MLP):
+            if isinstance(module, RMSNorm | MLP | Block):
                 module.backend = backend
 
     def _apply(self, fn: Any, recurse: bool = True) -> LoopedLM:
