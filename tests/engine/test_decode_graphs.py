@@ -192,3 +192,23 @@ def test_cuda_graphs_and_kernels_need_a_cuda_engine() -> None:
     engine = make_engine(graphs=False)
     with pytest.raises(ValueError, match="CUDA device"):
         DecodeGraphs(engine.model, engine.pool, engine.max_seq_len, engine._vocab_limit, capture=True)
+
+
+def test_graphs_made_ahead_touch_only_the_null_block() -> None:
+    """``capture_ahead`` runs each bucket's step on a batch of padding only (at startup, before
+    any request): every bucket up to the batch limit gets its graph, and the K and V of every
+    real block stay as they were."""
+    engine = make_engine(graphs=True)
+    graphs, pool = engine.graphs, engine.pool
+    assert graphs is not None
+    before = [t.clone() for t in pool.store.fields["k"].tensors]
+    assert graphs.capture_ahead(3, rows=3) == 3  # buckets 1, 2 and 4 (three rows run in 4)
+    assert sorted(graphs.graphs) == [(1, 3, 3), (2, 3, 3), (4, 3, 3)]
+    after = pool.store.fields["k"].tensors
+    real = pool.null_block * pool.block_size  # the pool's rows before the null block
+    assert all(torch.equal(a[:real], b[:real]) for a, b in zip(after, before))
+    assert not all(torch.equal(a[real:], b[real:]) for a, b in zip(after, before))  # the padding wrote there
+    seqs = prefilled(engine, batch(3))
+    replays = graphs.replays
+    engine.decode(seqs)
+    assert graphs.replays == replays + 1 and len(graphs.graphs) == 3  # the graph made ahead served

@@ -130,6 +130,33 @@ class DecodeGraphs:
         advance(self.model, seqs, out, [1] * n)
         return out
 
+    @torch.inference_mode()
+    def capture_ahead(self, loops: int, window: int | None = None, rows: int | None = None) -> int:
+        """Capture the graphs of ``loops`` (and ``window``, default all) for every bucket up to
+        ``rows`` rows before any request needs them (at startup: a first request does not wait
+        for its capture). The batch is all padding, so the warm-up runs write only the pool's
+        null block. Returns how many graphs are ready."""
+        window = min(window or loops, loops)
+        top = self.buckets[-1] if rows is None else min(rows, self.buckets[-1])
+        ready = 0
+        for bucket in [b for b in self.buckets if b < top] + [next(b for b in self.buckets if b >= top)]:
+            key = (bucket, loops, window)
+            if key in self.failed:
+                continue
+            g = self.graphs.get(key) or self._open(*key)
+            self._fill(g, [])
+            try:
+                if self.capture and g.graph is None:
+                    self._capture(g)
+                elif not self.capture:
+                    self._step(g)
+                ready += 1
+            except Exception:
+                _log.exception("capturing the decode graph %s failed; it runs eagerly", key)
+                self.failed.add(key)
+                self.graphs.pop(key, None)
+        return ready
+
     # -- buffers -------------------------------------------------------------------------------
     def _open(self, rows: int, loops: int, window: int) -> _Graph:
         while len(self.graphs) >= MAX_GRAPHS:
