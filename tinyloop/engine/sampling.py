@@ -21,6 +21,7 @@ become one.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from tinyloop.engine import batch_sampling
-from tinyloop.engine.batch_sampling import pick
 from tinyloop.requests import SamplingParams, TokenLogprob
 
 __all__ = [
@@ -213,14 +213,19 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
     Inverse-CDF sampling takes one random number a draw (``torch.multinomial`` takes one per
     entry), so ``batch_sampling.sample_rows`` draws a batch on any device exactly as each row
-    here: the same uniform from the same generator, the same float32 arithmetic.
+    here: the same uniform from the same generator, the same float32 arithmetic. The sums run
+    over the tokens left only: adding a zero changes no running sum, so the pick is the one the
+    whole vocabulary's sums give.
     """
-    cdf = torch.cumsum(probs.float(), dim=-1)  # [V]
+    support = probs.nonzero().squeeze(-1)  # [S]
+    kept = probs if support.shape[0] == probs.shape[0] else probs.index_select(0, support)
+    cdf = torch.cumsum(kept if kept.dtype == torch.float32 else kept.float(), dim=-1)  # [S]
     total = cdf[-1]
-    if not bool(torch.isfinite(total)) or float(total) <= 0.0:
+    if not 0.0 < float(total) < math.inf:
         raise ValueError("sampling probabilities must have a positive, finite sum")
     target = torch.rand((), generator=generator, device="cpu") * total  # float32, as the batched draw computes it
-    return int(pick(cdf, probs, target))
+    index = min(int(torch.searchsorted(cdf, target.reshape(1), right=True)), kept.shape[0] - 1)
+    return index if kept is probs else int(support[index])
 
 
 def _logprob(raw: torch.Tensor, token_id: int, params: SamplingParams) -> TokenLogprob | None:
