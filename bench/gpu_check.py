@@ -15,7 +15,10 @@ as gpu_check.md and gpu_check.json when ``OUT`` is set):
 3. engine: a tiny random model on CUDA through ``Engine`` (plain, speculative, beam, an exit
    rule; full and int4 KV) against the same model on the CPU: greedy tokens equal, prefill
    logits within 1e-3; the decode step captured as CUDA graphs (torch ops), the kernels wired
-   through ``CudaBackend``, and both together, each against torch eager's tokens;
+   through ``CudaBackend``, and both together, each against torch eager's tokens; a batch
+   sampled on the device against each row alone on the host; the ~100M preset (float32) on
+   each of those paths against torch eager on the GPU: decode logits teacher-forced on eager's
+   greedy tokens, within 1e-3 of the largest logit, top-1 agreement at least 0.9;
 4. serve: the bundled demo model loaded by ``load_engine(Settings(device="cuda"))``, torch
    eager and then with ``cuda_kernels`` and ``cuda_graphs``: one request through the in-process
    runtime and one ``POST /v1/completions`` through the HTTP server on 127.0.0.1:0, both against
@@ -198,6 +201,7 @@ def check_engine(report: Report, device: torch.device, dry: bool) -> None:
                f"{graphed.graphs.replays} replays, {len(graphed.graphs.graphs)} graphs",
                "dry run: the static step, not captured" if dry else f"failed keys {sorted(graphed.graphs.failed)}")
     check_sampling(report, device)
+    check_engine_100m(report, device, dry)
     if dry or not gpu_available():
         report.add("engine", "CudaBackend tokens = torch eager", None, "", "skipped: no kernels")
         return
@@ -207,6 +211,67 @@ def check_engine(report: Report, device: torch.device, dry: bool) -> None:
         name = "kernels + CUDA graphs" if graphs else "kernels (norms, RoPE, decode attention)"
         report.add("engine", f"tiny fp32 {name} tokens = eager", got == eager,
                    f"{eng.graphs.replays} replays" if graphs else "")
+
+
+def forced_logits(engine: Any, prompt: list[int], forced: list[int], loops: int, rows: int) -> torch.Tensor:
+    """``rows`` sequences of ``prompt`` decoding the ``forced`` tokens: each step's logits
+    ``[steps, rows, V]`` on the host (teacher-forced, so every path sees the same inputs)."""
+    from tinyloop.requests import GenerationRequest, SamplingParams
+
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    seqs = [engine.start(GenerationRequest(tuple(prompt), max_tokens=len(forced) + 2, loops=loops, sampling=greedy))
+            for _ in range(rows)]
+    for s in seqs:
+        engine.prefill(s)
+    steps = []
+    for token in forced:
+        for s in seqs:
+            s.pending = token
+        steps.append(engine.decode(seqs).float().cpu())
+    for s in seqs:
+        engine.free(s)
+    return torch.stack(steps)
+
+
+def check_engine_100m(report: Report, device: torch.device, dry: bool) -> None:
+    """The ~100M preset (float32, random weights) on the GPU: its decode logits with the kernels,
+    with CUDA graphs, and with both, against torch eager's on the same device (4 rows, 8 steps
+    teacher-forced on eager's greedy tokens; the dry run: the tiny preset, the static step)."""
+    from tinyloop.engine.engine import Engine
+    from tinyloop.engine.graphs import DecodeGraphs
+    from tinyloop.model.backend import TORCH
+    from tinyloop.tokenizer import default_tokenizer
+
+    name = "tiny" if dry else "base100m"
+    engine = Engine(random_model(PRESETS[name], device, torch.float32), default_tokenizer(), max_seq_len=256,
+                    kv_cache_mb=512)
+    prompt, loops = list(range(10, 40)), 4
+    eager = forced_logits(engine, prompt, [0] * 8, loops, 1)
+    forced = [int(t) for t in eager[:, 0].argmax(-1)]  # eager's own greedy continuation
+    eager = forced_logits(engine, prompt, forced, loops, 4)
+    kernels = None
+    if not dry and gpu_available():
+        from tinyloop.cuda.backend import CudaBackend
+        kernels = CudaBackend()
+    graphs = DecodeGraphs(engine.model, engine.pool, engine.max_seq_len, engine._vocab_limit,
+                          capture=device.type == "cuda")
+    paths = [("graphs (torch ops)", TORCH, graphs)]
+    if kernels is not None:
+        paths += [("kernels", kernels, None), ("kernels + graphs", kernels,
+                                               DecodeGraphs(engine.model, engine.pool, engine.max_seq_len,
+                                                            engine._vocab_limit, capture=True))]
+    scale = float(eager.abs().max())
+    for label, backend, with_graphs in paths:
+        engine.model.use_backend(backend)
+        engine.graphs = with_graphs
+        got = forced_logits(engine, prompt, forced, loops, 4)
+        err = float((got - eager).abs().max())
+        top1 = float((got.argmax(-1) == eager.argmax(-1)).float().mean())
+        report.add("engine", f"{name} fp32 decode logits, {label} vs eager on {device.type}",
+                   err <= 1e-3 * max(scale, 1.0) and top1 >= 0.9, f"max err {err:.2e}",
+                   f"top-1 agreement {top1:.3f} (>= 0.9); |logits| <= {scale:.2f}; tol 1e-3 x max(|logits|, 1)")
+    engine.model.use_backend(TORCH)
+    engine.graphs = None
 
 
 def check_sampling(report: Report, device: torch.device) -> None:
