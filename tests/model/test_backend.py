@@ -44,6 +44,12 @@ class Recording:
         self.calls["swiglu"] += 1
         return TORCH.swiglu(fc)
 
+    def rope_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str,
+                q_bias: torch.Tensor | None, k_bias: torch.Tensor | None,
+                compute_float32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls["rope_qk"] += 1
+        return TORCH.rope_qk(q, k, cos, sin, style, q_bias, k_bias, compute_float32)
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
         self.calls["rope"] += 1
         return TORCH.rope(x, cos, sin, style)

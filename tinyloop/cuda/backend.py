@@ -1,7 +1,8 @@
 """``CudaBackend``: the model's ``Backend`` seam (``tinyloop/model/backend.py``) on the kernels.
 
 What is wired today: RMSNorm (both reference orders; alone, and fused with each block's residual
-add and the norms around it), SwiGLU and RoPE run on this package's kernels. Decode attention
+add and the norms around it), SwiGLU and RoPE (q and k together, in place, biases added) run on
+this package's kernels. Decode attention
 over a pool that stores K and V in the model's dtype, or in int4 with fp16 group parameters
 (dequantized in the read), runs on the paged decode kernel: ``decode_attention`` reads the pool
 in place through the block tables behind the rows the context hands it (``reference.tables_of``),
@@ -65,6 +66,21 @@ class CudaBackend(TorchBackend):
         kernels.rope_(y.view(r * t, h, d), None, cos.reshape(r * t, d), sin.reshape(r * t, d), style)
         return y.transpose(1, 2)
 
+    def rope_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str,
+                q_bias: torch.Tensor | None, k_bias: torch.Tensor | None,
+                compute_float32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both rotated in place, biases added, by one kernel: q and k are views into the fused
+        projection's output, read at their own strides (no copy, no cast)."""
+        r, t = q.shape[:2]
+        biases = [b for b in (q_bias, k_bias) if b is not None]
+        if (not _covered(q) or k.dtype != q.dtype or any(b.dtype != q.dtype or not b.is_contiguous() for b in biases)
+                or not all(_tokens_flat(x) for x in (q, k)) or cos.numel() != r * t * q.shape[-1]):
+            return super().rope_qk(q, k, cos, sin, style, q_bias, k_bias, compute_float32)
+        d = q.shape[-1]
+        kernels.rope_(q.view(r * t, q.shape[2], d), k.view(r * t, k.shape[2], d), cos.reshape(r * t, d),
+                      sin.reshape(r * t, d), style, q_bias, k_bias, compute_float32)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:
         kv = _pool(store, q)
@@ -83,6 +99,11 @@ class CudaBackend(TorchBackend):
         r, hq, _, d = q.shape
         out = kernels.paged_decode_attention(q[:, :, 0], *kv, tables, n_keys, store.block_size, max_len=max_keys)
         return out.view(r, hq, 1, d)
+
+
+def _tokens_flat(x: torch.Tensor) -> bool:
+    """Whether ``[R, T, H, D]`` views as ``[R*T, H, D]`` in place (rows spaced by whole tokens), D contiguous."""
+    return x.stride(-1) == 1 and (x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1))
 
 
 def _pool(store: KVStore, q: torch.Tensor) -> tuple[kernels.KVStoreArg, kernels.KVStoreArg] | None:

@@ -102,6 +102,30 @@ def _rope_case(style: str, tokens: int, hq: int, hkv: int, d: int, bias: bool, f
     return Case(name, build, lambda: launch.rope_launch(tokens, hq, hkv, d))
 
 
+def _backend_rope_case(style: str, f32: bool) -> Case:
+    """``CudaBackend.rope_qk`` as ``Attention`` calls it (q and k views of the fused projection,
+    ``[R, T, H, D]``, biases, the context's cos/sin ``[R, 1, T, D]``) against the torch backend."""
+    r, t, hq, hkv, d = 3, 2, 6, 2, 32
+
+    def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
+        from tinyloop.model.backend import TORCH
+
+        g = _gen(device, 7 + int(f32))
+        qkv = _randn((r, t, (hq + 2 * hkv) * d), g, device, dtype)
+        q = qkv[..., :hq * d].view(r, t, hq, d)  # strided views, as Attention.project makes them
+        k = qkv[..., hq * d:(hq + hkv) * d].view(r, t, hkv, d)
+        angles = torch.rand((r, 1, t, d), generator=g) * 6.0
+        cos, sin = angles.cos().to(device), angles.sin().to(device)
+        qb, kb = _randn((hq, d), g, device, dtype, 0.1), _randn((hkv, d), g, device, dtype, 0.1)
+        want = TORCH.rope_qk(q.clone(), k.clone(), cos, sin, style, qb, kb, f32)
+        if kernel:
+            from tinyloop.cuda.backend import CudaBackend
+            return CudaBackend().rope_qk(q, k, cos, sin, style, qb, kb, f32), want
+        return TORCH.rope_qk(q, k, cos, sin, style, qb, kb, f32), want
+    return Case(f"backend rope_qk {style}{' f32' if f32 else ''} R={r} T={t} H={hq}/{hkv} D={d}", build,
+                lambda: launch.rope_launch(r * t, hq, hkv, d))
+
+
 def _swiglu_case(rows: int, inter: int) -> Case:
     def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
         fc = _randn((rows, 2 * inter), _gen(device, rows + inter), device, dtype, 3.0)
@@ -202,6 +226,7 @@ def cases() -> list[Case]:
             for tokens, hq, hkv, d, bias, f32 in ((1, 12, 12, 64, False, False), (33, 55, 55, 96, True, True),
                                                   (5, 8, 2, 128, True, False))]
     out += [_swiglu_case(rows, inter) for rows, inter in ((1, 3072), (33, 17920), (3, 100))]
+    out += [_backend_rope_case(style, f32) for style in ("half", "interleaved") for f32 in (False, True)]
     out += [_paged_case(lens, hq, hkv, d, gaps, splits)
             for lens, hq, hkv, d, gaps, splits in (
                 ((1, 37, 200), 12, 12, 64, False, 1),

@@ -53,6 +53,14 @@ class Backend(Protocol):
         broadcast over the heads); ``style`` ``half`` or ``interleaved``."""
         ...
 
+    def rope_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str,
+                q_bias: torch.Tensor | None, k_bias: torch.Tensor | None,
+                compute_float32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[R, T, Hq, D]`` and k ``[R, T, Hkv, D]`` straight from the projection: each bias
+        (``[H, D]``) added, then rotated as ``rope`` (in float32 when ``compute_float32``, the
+        result cast back); returned as ``[R, H, T, D]``. May rotate q and k in place."""
+        ...
+
     def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
         """Store ``values`` (``k`` and ``v`` ``[N, Hkv, D]``, or ``h`` ``[N, H]``) at pool rows ``[N]``."""
         ...
@@ -137,6 +145,16 @@ class TorchBackend:
             rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
         out: torch.Tensor = x * cos + rotated * sin
         return out
+
+    def rope_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str,
+                q_bias: torch.Tensor | None, k_bias: torch.Tensor | None,
+                compute_float32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        def one(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            x = (x if bias is None else x + bias).transpose(1, 2)  # [R, H, T, D]
+            if compute_float32 and x.dtype != torch.float32:
+                return self.rope(x.float(), cos, sin, style).to(x.dtype)
+            return self.rope(x, cos, sin, style)
+        return one(q, q_bias), one(k, k_bias)
 
     def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
         store.write(rows, **values)

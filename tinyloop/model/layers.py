@@ -95,6 +95,12 @@ class Rope:
             return self.backend.rope(x.float(), cos, sin, self.style).to(x.dtype)
         return self.backend.rope(x, cos, sin, self.style)
 
+    def apply_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 q_bias: torch.Tensor | None, k_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[R, T, Hq, D]`` and k ``[R, T, Hkv, D]`` from the projection, their biases added,
+        rotated: ``[R, H, T, D]`` each (``Backend.rope_qk``: one kernel for both on a GPU)."""
+        return self.backend.rope_qk(q, k, cos, sin, self.style, q_bias, k_bias, self.compute_float32)
+
 
 def llama3_frequencies(inv: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
                        original_max_position: int) -> torch.Tensor:
@@ -143,8 +149,9 @@ class Attention(HookFree):
         # q and k straight from the fused projection: RoPE rotates both in one call
         self.rope_qk_together = config.fused_qkv and not config.qk_norm and not config.qk_bias
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[R, T, H]`` -> q ``[R, T, Hq, D]``, k and v ``[R, T, Hkv, D]`` (before RoPE)."""
+    def project(self, x: torch.Tensor, bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[R, T, H]`` -> q ``[R, T, Hq, D]``, k and v ``[R, T, Hkv, D]`` (before RoPE; with
+        ``bias=False`` q and k without their biases, which ``Rope.apply_qk`` adds)."""
         c = self.config
         if c.fused_qkv:
             q, k, v = self.qkv(x).split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
@@ -155,7 +162,7 @@ class Attention(HookFree):
         q = q.unflatten(-1, (c.heads, c.head_dim))
         k = k.unflatten(-1, (c.kv_heads, c.head_dim))
         v = v.unflatten(-1, (c.kv_heads, c.head_dim))
-        if c.qk_bias:
+        if c.qk_bias and bias:
             q = q + self.q_bias
             k = k + self.k_bias
         return q, k, v
@@ -194,10 +201,10 @@ class Attention(HookFree):
             qk = rope.apply(qkv[:, :heads], cos, sin)  # [R, Hq+Hkv, T, D]
             q, k, v = qk[:, :c.heads], qk[:, c.heads:], qkv[:, heads:]
         else:
-            q, k, v = self.project(x)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, H, T, D]
-            q = rope.apply(q, cos, sin)
-            k = rope.apply(k, cos, sin)
+            q, k, v = self.project(x, bias=False)
+            biased = self.config.qk_bias
+            q, k = rope.apply_qk(q, k, cos, sin, self.q_bias if biased else None, self.k_bias if biased else None)
+            v = v.transpose(1, 2)  # [R, Hkv, T, D], as q and k
         out = ctx.attend(q, k, v, rows, slots, x, self)  # [R, Hq, T, D]
         y: torch.Tensor = self.o(out.transpose(1, 2).flatten(-2))  # [R, T, H]
         return y
