@@ -16,9 +16,10 @@ as gpu_check.md and gpu_check.json when ``OUT`` is set):
    rule; full and int4 KV) against the same model on the CPU: greedy tokens equal, prefill
    logits within 1e-3; the decode step captured as CUDA graphs (torch ops), the kernels wired
    through ``CudaBackend``, and both together, each against torch eager's tokens; a batch
-   sampled on the device against each row alone on the host; the ~100M preset (float32) on
-   each of those paths against torch eager on the GPU: decode logits teacher-forced on eager's
-   greedy tokens, within 1e-3 of the largest logit, top-1 agreement at least 0.9;
+   sampled on the device against each row alone on the host; the ~100M preset and a small
+   model of Huginn's layout (float32) on each of those paths against torch eager on the GPU:
+   decode logits teacher-forced on eager's greedy tokens, within 1e-3 of the largest logit,
+   top-1 agreement at least 0.9;
 4. serve: the bundled demo model loaded by ``load_engine(Settings(device="cuda"))``, torch
    eager and then with ``cuda_kernels`` and ``cuda_graphs``: one request through the in-process
    runtime and one ``POST /v1/completions`` through the HTTP server on 127.0.0.1:0, both against
@@ -234,44 +235,54 @@ def forced_logits(engine: Any, prompt: list[int], forced: list[int], loops: int,
 
 
 def check_engine_100m(report: Report, device: torch.device, dry: bool) -> None:
-    """The ~100M preset (float32, random weights) on the GPU: its decode logits with the kernels,
-    with CUDA graphs, and with both, against torch eager's on the same device (4 rows, 8 steps
-    teacher-forced on eager's greedy tokens; the dry run: the tiny preset, the static step)."""
+    """The ~100M preset and a small model of Huginn's layout (q/k bias, interleaved RoPE in
+    float32, sandwich norms in the reference order; float32, random weights) on the GPU: decode
+    logits with the kernels, with CUDA graphs, and with both, against torch eager's on the same
+    device (4 rows, 8 steps teacher-forced on eager's greedy tokens; the dry run: tiny sizes,
+    the static step)."""
     from tinyloop.engine.engine import Engine
     from tinyloop.engine.graphs import DecodeGraphs
     from tinyloop.model.backend import TORCH
     from tinyloop.tokenizer import default_tokenizer
 
-    name = "tiny" if dry else "base100m"
-    engine = Engine(random_model(PRESETS[name], device, torch.float32), default_tokenizer(), max_seq_len=256,
-                    kv_cache_mb=512)
-    prompt, loops = list(range(10, 40)), 4
-    eager = forced_logits(engine, prompt, [0] * 8, loops, 1)
-    forced = [int(t) for t in eager[:, 0].argmax(-1)]  # eager's own greedy continuation
-    eager = forced_logits(engine, prompt, forced, loops, 4)
+    huginn_like = PRESETS["tiny"].replace(qk_bias=True, rope_style="interleaved", rope_compute="float32",
+                                          rope_tables="float32", norm_order="cast_then_weight", embed_scale=8.0)
     kernels = None
     if not dry and gpu_available():
         from tinyloop.cuda.backend import CudaBackend
         kernels = CudaBackend()
-    graphs = DecodeGraphs(engine.model, engine.pool, engine.max_seq_len, engine._vocab_limit,
-                          capture=device.type == "cuda")
-    paths = [("graphs (torch ops)", TORCH, graphs)]
-    if kernels is not None:
-        paths += [("kernels", kernels, None), ("kernels + graphs", kernels,
-                                               DecodeGraphs(engine.model, engine.pool, engine.max_seq_len,
-                                                            engine._vocab_limit, capture=True))]
-    scale = float(eager.abs().max())
-    for label, backend, with_graphs in paths:
-        engine.model.use_backend(backend)
-        engine.graphs = with_graphs
-        got = forced_logits(engine, prompt, forced, loops, 4)
-        err = float((got - eager).abs().max())
-        top1 = float((got.argmax(-1) == eager.argmax(-1)).float().mean())
-        report.add("engine", f"{name} fp32 decode logits, {label} vs eager on {device.type}",
-                   err <= 1e-3 * max(scale, 1.0) and top1 >= 0.9, f"max err {err:.2e}",
-                   f"top-1 agreement {top1:.3f} (>= 0.9); |logits| <= {scale:.2f}; tol 1e-3 x max(|logits|, 1)")
-    engine.model.use_backend(TORCH)
-    engine.graphs = None
+    for name, config in (("tiny" if dry else "base100m", PRESETS["tiny" if dry else "base100m"]),
+                         ("huginn-layout tiny", huginn_like)):
+        model = random_model(config, device, torch.float32)
+        if config.qk_bias:  # random biases: zero ones would leave the bias add unchecked
+            with torch.no_grad():
+                g = torch.Generator(device=device).manual_seed(1)
+                for pname, p in model.named_parameters():
+                    if pname.endswith(("q_bias", "k_bias")):
+                        p.normal_(0.0, 0.5, generator=g)
+        engine = Engine(model, default_tokenizer(), max_seq_len=256, kv_cache_mb=512)
+        prompt, loops = list(range(10, 40)), 4
+        first = forced_logits(engine, prompt, [0] * 8, loops, 1)
+        forced = [int(t) for t in first[:, 0].argmax(-1)]  # eager's own greedy continuation
+        eager = forced_logits(engine, prompt, forced, loops, 4)
+        paths = [("graphs (torch ops)", TORCH, DecodeGraphs(engine.model, engine.pool, engine.max_seq_len,
+                                                              engine._vocab_limit, capture=device.type == "cuda"))]
+        if kernels is not None:
+            paths += [("kernels", kernels, None),
+                      ("kernels + graphs", kernels, DecodeGraphs(engine.model, engine.pool, engine.max_seq_len,
+                                                                 engine._vocab_limit, capture=True))]
+        scale = float(eager.abs().max())
+        for label, backend, with_graphs in paths:
+            engine.model.use_backend(backend)
+            engine.graphs = with_graphs
+            got = forced_logits(engine, prompt, forced, loops, 4)
+            err = float((got - eager).abs().max())
+            top1 = float((got.argmax(-1) == eager.argmax(-1)).float().mean())
+            report.add("engine", f"{name} fp32 decode logits, {label} vs eager on {device.type}",
+                       err <= 1e-3 * max(scale, 1.0) and top1 >= 0.9, f"max err {err:.2e}",
+                       f"top-1 agreement {top1:.3f} (>= 0.9); |logits| <= {scale:.2f}; tol 1e-3 x max(|logits|, 1)")
+        engine.model.use_backend(TORCH)
+        engine.graphs = None
 
 
 def check_sampling(report: Report, device: torch.device) -> None:
