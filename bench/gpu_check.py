@@ -12,8 +12,8 @@ as gpu_check.md and gpu_check.json when ``OUT`` is set):
    every block style and norm order, RMSNorm alone, RoPE half/interleaved with bias and float32
    compute, SwiGLU, paged decode attention with GQA, gaps and flash-decoding splits) in fp32
    and bf16 against its torch reference; tolerances ``parity.TOLERANCES``;
-3. engine: a tiny random model on CUDA through ``Engine`` (plain, speculative, beam, an exit
-   rule; full and int4 KV) against the same model on the CPU: greedy tokens equal, prefill
+3. engine: a tiny random model on CUDA through ``Engine`` (plain, a window, chain and tree
+   speculation, beam, an exit rule; full and int4 KV) against the same model on the CPU: greedy tokens equal, prefill
    logits within 1e-3; the decode step captured as CUDA graphs (torch ops), the kernels wired
    through ``CudaBackend``, and both together, each against torch eager's tokens; a batch
    sampled on the device against each row alone on the host; the ~100M preset and a small
@@ -160,6 +160,8 @@ def engine_requests() -> list[Any]:
     return [GenerationRequest(prompt, max_tokens=12, loops=4, sampling=greedy),
             GenerationRequest(prompt, max_tokens=12, loops=4, cache_window=2, sampling=greedy),
             GenerationRequest(prompt, max_tokens=12, mode="speculative", loops=4, sampling=greedy),
+            GenerationRequest(prompt, max_tokens=12, mode="tree", loops=4, draft_ahead=2, k_branches=2,
+                              sampling=greedy),
             GenerationRequest(prompt, max_tokens=8, mode="beam", num_beams=3, loops=2),
             GenerationRequest(prompt, max_tokens=8, loops=6, sampling=greedy,
                               exit=ExitRule.of("kl", 1e9, min_loops=2, exited_kv="skip"))]
@@ -175,7 +177,7 @@ def check_engine(report: Report, device: torch.device, dry: bool) -> None:
         cpu, dev = tiny_engine(torch.device("cpu"), mode), tiny_engine(device, mode)
         want = [r.tokens for r in cpu.generate_many(reqs)]
         got = [r.tokens for r in dev.generate_many(reqs)]
-        report.add("engine", f"tiny {mode} KV: greedy tokens {device.type} = cpu (5 modes)", got == want,
+        report.add("engine", f"tiny {mode} KV: greedy tokens {device.type} = cpu (6 modes)", got == want,
                    f"{sum(map(len, got))} tokens")
         if mode == "full":
             logits = []

@@ -73,9 +73,9 @@ class Recording:
         return TORCH.attention(q, k, v, mask)
 
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
-                         mask: torch.Tensor | None) -> torch.Tensor:
+                         mask: torch.Tensor | None, tree: torch.Tensor | None = None) -> torch.Tensor:
         self.calls["decode_attention"] += 1
-        return TORCH.decode_attention(store, q, rows, n_keys, mask)
+        return TORCH.decode_attention(store, q, rows, n_keys, mask, tree)
 
     def paged_attention(self, store: KVStore, q: torch.Tensor, tables: torch.Tensor, n_keys: torch.Tensor,
                         max_keys: int) -> torch.Tensor:
@@ -90,6 +90,7 @@ REQUESTS = [
         sampling=GREEDY),
     req([20, 21], max_tokens=6, loops=4, exit=ExitRule("latent_diff", 10.0, min_loops=2), sampling=GREEDY),
     req([30, 31, 32], max_tokens=5, mode="beam", num_beams=2, sampling=GREEDY),
+    req(list(range(40, 60)), max_tokens=3, loops=2, sampling=GREEDY),  # a 20-token prefill: K and V gathered
 ]
 
 

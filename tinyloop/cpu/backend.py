@@ -90,10 +90,10 @@ class CpuBackend(TorchBackend):
         return super().kv_write(store, rows, **values)
 
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
-                         mask: torch.Tensor | None) -> torch.Tensor:
+                         mask: torch.Tensor | None, tree: torch.Tensor | None = None) -> torch.Tensor:
         k, v = store.fields.get("k"), store.fields.get("v")
-        if q.device.type != "cpu" or q.dtype != torch.float32:
-            return super().decode_attention(store, q, rows, n_keys, mask)
+        if q.device.type != "cpu" or q.dtype != torch.float32 or tree is not None:  # (a tree: torch's, by mask)
+            return super().decode_attention(store, q, rows, n_keys, mask, tree)
         rows, n_keys = rows.contiguous(), n_keys.contiguous()  # (q: read in place, row by row)
         if isinstance(k, PlainBuffer) and isinstance(v, PlainBuffer) and k.data.dtype == torch.float32:
             return kernels.decode_attention(q, k.data, v.data, rows, n_keys)

@@ -6,10 +6,11 @@ this package's kernels. Decode attention
 over a pool that stores K and V in the model's dtype, or in int4 with fp16 group parameters
 (dequantized in the read), runs on the paged decode kernel: ``decode_attention`` reads the pool
 in place through the block tables behind the rows the context hands it (``reference.tables_of``),
-one token a row or a few (a speculative chain's verify: each over one key more);
+one token a row or a few (a speculative verify: each over one key more, a tree's nodes over
+their ancestors only);
 ``paged_attention`` reads through the tables themselves at fixed shapes (the step
-``tinyloop/engine/graphs.py`` captures). KV writes, h-mode's reads, a tree's verify and prefill's
-attention stay with the torch reference, as does any call the kernels do not cover (a dtype
+``tinyloop/engine/graphs.py`` captures). KV writes, h-mode's reads and prefill's attention stay
+with the torch reference, as does any call the kernels do not cover (a dtype
 without a kernel, a tensor off CUDA).
 
     model.use_backend(CudaBackend())   # after model.to("cuda"); or use_cuda_kernels(model)
@@ -82,14 +83,14 @@ class CudaBackend(TorchBackend):
         return q.transpose(1, 2), k.transpose(1, 2)
 
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
-                         mask: torch.Tensor | None) -> torch.Tensor:
+                         mask: torch.Tensor | None, tree: torch.Tensor | None = None) -> torch.Tensor:
         kv = _pool(store, q)
         if kv is None:
-            return super().decode_attention(store, q, rows, n_keys, mask)
-        # token t of row r over its first n_keys[r] + t keys (a chain's verify; decode: t = 0); the
-        # rows' key count bounds them: no host read
+            return super().decode_attention(store, q, rows, n_keys, mask, tree)
+        # token t of row r over its first n_keys[r] + t keys (a verify; decode: t = 0), a tree's
+        # nodes over their ancestors only; the rows' key count bounds them: no host read
         return kernels.paged_decode_attention(q, *kv, tables_of(rows, store.block_size), n_keys, store.block_size,
-                                              max_len=rows.shape[1])
+                                              max_len=rows.shape[1], tree=tree)
 
     def paged_attention(self, store: KVStore, q: torch.Tensor, tables: torch.Tensor, n_keys: torch.Tensor,
                         max_keys: int) -> torch.Tensor:

@@ -123,11 +123,12 @@ an int4 pool's (codes ``[pool_rows, Hkv, D/2]`` uint8, meta ``[pool_rows, Hkv, D
 def paged_decode_attention(q: torch.Tensor, k_store: KVStoreArg, v_store: KVStoreArg, tables: torch.Tensor,
                            seq_lens: torch.Tensor, block_size: int, written: torch.Tensor | None = None,
                            depth: torch.Tensor | None = None, splits: int | None = None,
-                           max_len: int | None = None) -> torch.Tensor:
+                           max_len: int | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
     """As ``reference.paged_decode_ref`` (an int4 pool dequantized in the read, as
     ``kvstore.dequantize_int4`` then a cast to q's dtype): q ``[R, Hq, D]`` -> ``[R, Hq, D]``, or
     ``[R, Hq, T, D]`` -> ``[R, Hq, T, D]`` with token t of row r over its first ``seq_lens[r] +
-    t`` keys (a speculative chain's verify). ``splits`` (default from
+    t`` keys (a speculative chain's verify); ``tree`` ``[R, T, T]`` bool (a tree's verify): token t
+    sees the row's new token j (key ``seq_lens[r] - 1 + j``) only where ``tree[r, t, j]``. ``splits`` (default from
     ``launch.decode_splits``) > 1 runs flash-decoding with a combine pass. ``max_len``: a bound on
     ``seq_lens`` that sizes the splits (splits past a row's length do nothing); without it
     ``seq_lens`` is read on the host, a synchronisation. ``tables`` may be a strided view (rows
@@ -166,10 +167,14 @@ def paged_decode_attention(q: torch.Tensor, k_store: KVStoreArg, v_store: KVStor
     if splits > 1:
         acc = torch.empty((queries, hq, splits, d), dtype=torch.float32, device=q.device)
         ml = torch.empty((queries, hq, splits, 2), dtype=torch.float32, device=q.device)
+    if tree is not None:
+        if tree.shape != (r, tokens, tokens):
+            raise ValueError(f"a tree mask is [rows, tokens, tokens] = {(r, tokens, tokens)}, got {tuple(tree.shape)}")
+        tree = tree.to(torch.uint8).contiguous()
     if written is not None:
         written = written.to(torch.int32).contiguous()
         depth = None if depth is None else depth.to(torch.int32).contiguous()
-    args = (_ptr(q), *stores, _ptr(tables), _ptr(seq_lens), _ptr(written), _ptr(depth),
+    args = (_ptr(q), *stores, _ptr(tables), _ptr(seq_lens), _ptr(written), _ptr(depth), _ptr(tree),
             _ptr(out), _ptr(acc), _ptr(ml), _i32(hq), _i32(kvh), _i32(d), _i32(block_size),
             _i32(tables.stride(0)), _i32(0 if written is None else written.shape[1]), _i64(q.stride(0)),
             _i64(q.stride(1)), _i32(tokens), _i64(token_stride), _i32(per), np.float32(1.0 / math.sqrt(d)))

@@ -6,8 +6,11 @@
 // `tables` is [rows, table_stride] int64: the row's block table *for its slot* (the caller picks
 // tables[b, slot_b], so loop slots and cache_window sharing are the caller's index math, as in
 // PagedContext._flat_index). Key l of row r lives at pool row tables[r, l / bs] * bs + l % bs.
-// A key is attended when l < seq_lens[r] and, with a gap mask (SeqKV.gaps), written[r, l] >
-// depth[r]: an early-exited token left the loop slots from depth `written` on unwritten.
+// A key is attended when l < seq_lens[r] + t and, with a gap mask (SeqKV.gaps), written[r, l] >
+// depth[r]: an early-exited token left the loop slots from depth `written` on unwritten. With a
+// tree (a tree's verify: `tree` [rows, n_tokens, n_tokens] uint8, node t may see node j), the
+// row's new tokens sit at keys seq_lens[r] - 1 + j, and token t sees key seq_lens[r] - 1 + j only
+// where tree[r, t, j] (nodes are numbered parents first, so j <= t).
 // GQA: q head h reads kv head h / (q_heads / kv_heads). Scores are scaled by `scale`.
 //
 // Grid (rows * n_tokens, q_heads, splits), TL_ATTN_THREADS threads; each block walks its split's
@@ -51,7 +54,8 @@ struct Int4KV {
 template <typename T, typename KV>
 __device__ void paged_decode(const T* __restrict__ q, const KV k_store, const KV v_store,
                              const long long* __restrict__ tables, const int* __restrict__ seq_lens,
-                             const int* __restrict__ written, const int* __restrict__ depth, T* __restrict__ out,
+                             const int* __restrict__ written, const int* __restrict__ depth,
+                             const unsigned char* __restrict__ tree, T* __restrict__ out,
                              float* __restrict__ part_acc, float* __restrict__ part_ml, int q_heads, int kv_heads,
                              int head_dim, int block_size, int table_stride, int written_stride,
                              long long q_row_stride, long long q_head_stride, int n_tokens, long long q_token_stride,
@@ -67,6 +71,8 @@ __device__ void paged_decode(const T* __restrict__ q, const KV k_store, const KV
     const T* qr = q + r * q_row_stride + t * q_token_stride + h * q_head_stride;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = tl_load(qr + d);
     const int len = seq_lens[r] + t;
+    const int first_new = seq_lens[r] - 1;  // the row's first new token's key (a tree's root)
+    const unsigned char* tree_row = tree ? tree + ((long long)r * n_tokens + t) * n_tokens : nullptr;
     const int k0 = split * keys_per_split;
     const int k1 = min(len, k0 + keys_per_split);
     const long long* table = tables + (long long)r * table_stride;
@@ -78,7 +84,8 @@ __device__ void paged_decode(const T* __restrict__ q, const KV k_store, const KV
         const int key = t0 + threadIdx.x;
         float score = TL_NEG_INF;
         int pool_row = 0;
-        if (key < k1 && (written == nullptr || written[(long long)r * written_stride + key] > depth[r])) {
+        if (key < k1 && (written == nullptr || written[(long long)r * written_stride + key] > depth[r])
+            && (tree_row == nullptr || key < first_new || tree_row[key - first_new])) {
             pool_row = (int)(table[key / block_size] * block_size + key % block_size);
             float dot = 0.0f;
             for (int d = 0; d < head_dim; ++d) dot += q_s[d] * k_store.load(pool_row, kvh, d);
@@ -135,25 +142,27 @@ __device__ void paged_combine(const float* __restrict__ part_acc, const float* _
 #define TL_PAGED(T, SUFFIX)                                                                            \
     extern "C" __global__ void __launch_bounds__(TL_ATTN_THREADS) paged_decode_##SUFFIX(               \
         const T* q, const T* k_store, const T* v_store, const long long* tables, const int* seq_lens,  \
-        const int* written, const int* depth, T* out, float* part_acc, float* part_ml, int q_heads,    \
-        int kv_heads, int head_dim, int block_size, int table_stride, int written_stride,             \
+        const int* written, const int* depth, const unsigned char* tree, T* out, float* part_acc,      \
+        float* part_ml, int q_heads, int kv_heads, int head_dim, int block_size, int table_stride,     \
+        int written_stride,                                                                           \
         long long q_row_stride, long long q_head_stride, int n_tokens, long long q_token_stride,       \
         int keys_per_split, float scale) {                                                            \
         paged_decode<T>(q, PlainKV<T>{k_store, kv_heads, head_dim}, PlainKV<T>{v_store, kv_heads, head_dim},  \
-                        tables, seq_lens, written, depth, out, part_acc, part_ml, q_heads, kv_heads,   \
-                        head_dim, block_size, table_stride, written_stride, q_row_stride,             \
+                        tables, seq_lens, written, depth, tree, out, part_acc, part_ml, q_heads,       \
+                        kv_heads, head_dim, block_size, table_stride, written_stride, q_row_stride,   \
                         q_head_stride, n_tokens, q_token_stride, keys_per_split, scale);              \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(TL_ATTN_THREADS) paged_decode_int4_##SUFFIX(          \
         const T* q, const unsigned char* k_codes, const __half* k_meta, const unsigned char* v_codes,  \
         const __half* v_meta, int group, const long long* tables, const int* seq_lens,                 \
-        const int* written, const int* depth, T* out, float* part_acc, float* part_ml, int q_heads,    \
-        int kv_heads, int head_dim, int block_size, int table_stride, int written_stride,             \
+        const int* written, const int* depth, const unsigned char* tree, T* out, float* part_acc,      \
+        float* part_ml, int q_heads, int kv_heads, int head_dim, int block_size, int table_stride,     \
+        int written_stride,                                                                           \
         long long q_row_stride, long long q_head_stride, int n_tokens, long long q_token_stride,       \
         int keys_per_split, float scale) {                                                            \
         paged_decode<T>(q, Int4KV<T>{k_codes, k_meta, kv_heads, head_dim, group},                     \
                         Int4KV<T>{v_codes, v_meta, kv_heads, head_dim, group}, tables, seq_lens,       \
-                        written, depth, out, part_acc, part_ml, q_heads, kv_heads, head_dim,           \
+                        written, depth, tree, out, part_acc, part_ml, q_heads, kv_heads, head_dim,     \
                         block_size, table_stride, written_stride, q_row_stride, q_head_stride,         \
                         n_tokens, q_token_stride, keys_per_split, scale);                             \
     }                                                                                                 \

@@ -169,11 +169,12 @@ def _paged_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, gaps: bool, sp
 
 
 def _backend_decode_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, kv_mode: str = "full",
-                         tokens: int = 1) -> Case:
+                         tokens: int = 1, tree: bool = False) -> Case:
     """``CudaBackend.decode_attention`` as the model calls it (a pool, the pool rows of every key,
     each row's key count) against the torch backend's gather + SDPA; ``kv_mode`` int4: the pool
     quantized as the engine writes it, dequantized in the kernel's read; ``tokens`` > 1: a
-    chain's verify, token t of a row over one key more than token t - 1."""
+    chain's verify, token t of a row over one key more than token t - 1; ``tree``: a tree's
+    verify, each new token over the row's past keys and its ancestors among the new ones."""
     bs = 16
 
     def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
@@ -183,7 +184,7 @@ def _backend_decode_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, kv_mo
         from tinyloop.vocabulary import KVMode
 
         g = _gen(device, sum(lens) + hq)
-        r, max_len = len(lens), max(lens) + tokens - 1 + tokens - 1
+        r, max_len = len(lens), max(lens) + tokens - 1
         mb = -(-max_len // bs)
         blocks = r * mb + 3
         config = PRESETS["tiny"].replace(heads=hq, kv_heads=hkv, head_dim=d, hidden=hq * d)
@@ -197,17 +198,40 @@ def _backend_decode_case(lens: tuple[int, ...], hq: int, hkv: int, d: int, kv_mo
         n_keys = torch.tensor(lens).to(device)
         seen = n_keys[:, None] + torch.arange(tokens, device=device)  # [R, T] keys each token sees
         mask = (pos.to(device) < seen[:, :, None])[:, None]  # [R, 1, T, L]
+        nodes = None
+        if tree:  # random trees: node j's parent is an earlier node; each node sees itself and its ancestors
+            nodes = torch.zeros((r, tokens, tokens), dtype=torch.bool)
+            for b in range(r):
+                for j in range(tokens):
+                    nodes[b, j, j] = True
+                    if j:
+                        nodes[b, j] |= nodes[b, int(torch.randint(0, j, (1,), generator=g))]
+            nodes = nodes.to(device)
+            first = (n_keys - 1)[:, None, None]  # [R, 1, 1] the first new token's key
+            new = pos.to(device)[None, None, :] - first  # [R, 1, L] which new token a key is
+            ancestor = nodes.gather(2, new.clamp(0, tokens - 1).expand(r, tokens, max_len))  # [R, T, L]
+            mask = mask & ((new < 0) | ancestor)[:, None]
         q = _randn((r, hq, tokens, d), g, device, dtype)
-        want = (TORCH.decode_attention(store, q, rows, n_keys, mask),)
+        want = (TORCH.decode_attention(store, q, rows, n_keys, mask, nodes),)
         if kernel:
             from tinyloop.cuda.backend import CudaBackend
-            return (CudaBackend().decode_attention(store, q, rows, n_keys, mask),), want
+            return (CudaBackend().decode_attention(store, q, rows, n_keys, mask, nodes),), want
+        if tree:  # without the kernel: each token's own keys gathered and attended, one by one
+            k_all, v_all = store.read("k", every, dtype), store.read("v", every, dtype)
+            out = torch.empty_like(q)
+            for b in range(r):
+                for t in range(tokens):
+                    keys = rows[b][mask[b, 0, t]]  # [K] the pool rows this token sees
+                    out[b, :, t] = TORCH.attention(q[b:b + 1, :, t:t + 1], k_all[keys].transpose(0, 1)[None],
+                                                   v_all[keys].transpose(0, 1)[None], None)[0, :, 0]
+            return (out,), want
         # without the kernel: the reference of the kernel's own form, on the tables behind the rows
         k_all, v_all = store.read("k", every, dtype), store.read("v", every, dtype)
         got = torch.stack([ref.paged_decode_ref(q[:, :, t], k_all, v_all, ref.tables_of(rows, bs), n_keys + t, bs)
                            for t in range(tokens)], dim=2)  # [R, Hq, T, D]
         return (got,), want
-    name = f"backend decode_attention {kv_mode} KV L={','.join(map(str, lens))} H={hq}/{hkv} D={d} T={tokens}"
+    name = (f"backend decode_attention {kv_mode} KV L={','.join(map(str, lens))} H={hq}/{hkv} D={d} T={tokens}"
+            f"{' tree' if tree else ''}")
     return Case(name, build, lambda: launch.paged_decode_launch(len(lens) * tokens, hq, d, 1))
 
 
@@ -238,6 +262,8 @@ def cases() -> list[Case]:
         ((1, 37, 200), 4, 2, 64, "int4"), ((700, 33), 12, 12, 128, "int4"))]
     out += [_backend_decode_case(lens, hq, hkv, d, mode, tokens) for lens, hq, hkv, d, mode, tokens in (
         ((1, 37, 200), 4, 2, 64, "full", 5), ((300, 9), 12, 12, 128, "int4", 3))]
+    out += [_backend_decode_case(lens, hq, hkv, d, mode, tokens, tree=True) for lens, hq, hkv, d, mode, tokens in (
+        ((1, 37, 200), 4, 2, 64, "full", 6), ((300, 9), 12, 12, 128, "int4", 4))]
     return out
 
 

@@ -82,13 +82,14 @@ class Backend(Protocol):
         ...
 
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
-                         mask: torch.Tensor | None) -> torch.Tensor:
-        """Attention of a few new tokens a row (decode: one; a speculative chain's verify: a few)
+                         mask: torch.Tensor | None, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of a few new tokens a row (decode: one; a speculative verify: a few)
         over a pool that stores K and V (full or int4 mode, not h-mode): q ``[R, Hq, T, D]`` over
         the K and V ``store`` keeps at pool rows ``rows`` ``[R, L]``, row r's token t over its first
         ``n_keys[r] + t`` (``n_keys`` ``[R]`` int64, on the pool's device); ``mask``
         ``[R, 1, T, L]`` says the same (None: every key, or causal when T == L), for a backend
-        that gathers. ``[R, Hq, T, D]``."""
+        that gathers. ``tree`` ``[R, T, T]`` bool (a tree's verify, on the pool's device): token t
+        sees the row's new token j only where ``tree[r, t, j]``, as ``mask`` says too. ``[R, Hq, T, D]``."""
         ...
 
     def paged_attention(self, store: KVStore, q: torch.Tensor, tables: torch.Tensor, n_keys: torch.Tensor,
@@ -174,7 +175,7 @@ class TorchBackend:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
-                         mask: torch.Tensor | None) -> torch.Tensor:
+                         mask: torch.Tensor | None, tree: torch.Tensor | None = None) -> torch.Tensor:
         keys_k = self.kv_read(store, "k", rows, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
         keys_v = self.kv_read(store, "v", rows, q.dtype).transpose(1, 2)
         return self.attention(q, keys_k, keys_v, mask)

@@ -97,10 +97,12 @@ class PagedContext:
         # tokens (no key before them, no tree): causal attention over T == L needs no mask.
         self._unmasked = (n_new == 1 and bool(mask.all())) or (
             n_new > 1 and extra_mask is None and key_len == n_new and not any(starts))
-        # A few new tokens, no tree mask (decode, a chain's verify): row b's token t attends to its
-        # first start_b + t + 1 keys, what Backend.decode_attention reads in place.
-        few = n_new <= _IN_PLACE_TOKENS and extra_mask is None
+        # A few new tokens (decode, a speculative verify): row b's token t attends to its first
+        # start_b + t + 1 keys, what Backend.decode_attention reads in place; a tree's node only to
+        # the new tokens of its ancestors (``_tree``, which self.mask says too).
+        few = n_new <= _IN_PLACE_TOKENS
         self._n_keys = (start + 1).to(dev) if few else None  # [B]
+        self._tree = extra_mask.to(dev, non_blocking=True) if few and extra_mask is not None else None  # [B, T, T]
         rope_pos = (slots_pos if positions is None else positions).to(dev)  # tree tokens share depths
         self.cos, self.sin = rope.tables(rope_pos)  # [B, T, D]
         self._cos_sin = self.cos[:, None], self.sin[:, None]  # [B, 1, T, D]: broadcast over heads
@@ -198,7 +200,8 @@ class PagedContext:
             kernels.kv_write(store, write, k=new_k, v=new_v)
             if self._n_keys is not None and self._gaps is None:
                 return kernels.decode_attention(store, q, keys, _take(self._n_keys, rows),
-                                                self._mask(rows, slots, q.dtype))
+                                                self._mask(rows, slots, q.dtype),
+                                                None if self._tree is None else _take(self._tree, rows))
             keys_k = kernels.kv_read(store, "k", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
             keys_v = kernels.kv_read(store, "v", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
         return kernels.attention(q, keys_k, keys_v, self._mask(rows, slots, q.dtype))
