@@ -197,8 +197,7 @@ def check_engine(report: Report, device: torch.device, dry: bool) -> None:
     graphed = tiny_engine(device, cuda_graphs=not dry)
     if dry:  # the graphs' static step, run without capture
         from tinyloop.engine.graphs import DecodeGraphs
-        graphed.graphs = DecodeGraphs(graphed.model, graphed.pool, graphed.max_seq_len, graphed._vocab_limit,
-                                      capture=False)
+        graphed.graphs = DecodeGraphs.of(graphed, capture=False)
     got = [r.tokens for r in graphed.generate_many(reqs)]
     report.add("engine", "tiny fp32 CUDA graphs (torch ops) tokens = eager", got == eager,
                f"{graphed.graphs.replays} replays, {len(graphed.graphs.graphs)} graphs",
@@ -267,12 +266,10 @@ def check_engine_100m(report: Report, device: torch.device, dry: bool) -> None:
         first = forced_logits(engine, prompt, [0] * 8, loops, 1)
         forced = [int(t) for t in first[:, 0].argmax(-1)]  # eager's own greedy continuation
         eager = forced_logits(engine, prompt, forced, loops, 4)
-        paths = [("graphs (torch ops)", TORCH, DecodeGraphs(engine.model, engine.pool, engine.max_seq_len,
-                                                              engine._vocab_limit, capture=device.type == "cuda"))]
+        paths = [("graphs (torch ops)", TORCH, DecodeGraphs.of(engine, capture=device.type == "cuda"))]
         if kernels is not None:
             paths += [("kernels", kernels, None),
-                      ("kernels + graphs", kernels, DecodeGraphs(engine.model, engine.pool, engine.max_seq_len,
-                                                                 engine._vocab_limit, capture=True))]
+                      ("kernels + graphs", kernels, DecodeGraphs.of(engine, capture=True))]
         scale = float(eager.abs().max())
         for label, backend, with_graphs in paths:
             engine.model.use_backend(backend)
@@ -454,8 +451,7 @@ def check_decode(report: Report, device: torch.device, dry: bool, budget: float)
             continue
         engine = make()
         config = engine.config
-        graphs = DecodeGraphs(engine.model, engine.pool, engine.max_seq_len, engine._vocab_limit,
-                              capture=device.type == "cuda")
+        graphs = DecodeGraphs.of(engine, capture=device.type == "cuda")
         paths: list[tuple[str, Any, Any]] = [("eager", TORCH, None)]
         if kernels is not None:
             paths += [("kernels", kernels, None), ("kernels+graphs", kernels, graphs)]

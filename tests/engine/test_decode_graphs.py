@@ -50,8 +50,7 @@ def make_engine(config: str = "tiny", *, graphs: bool, **options: Any) -> Engine
             p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
     engine = Engine(model, default_tokenizer(), max_seq_len=96, block_size=8, **options)
     if graphs:  # the graphs' step without capturing (the CPU): what a replay computes
-        engine.graphs = DecodeGraphs(engine.model, engine.pool, engine.max_seq_len, engine._vocab_limit,
-                                     capture=False, max_rows=8)
+        engine.graphs = DecodeGraphs.of(engine, capture=False, max_rows=8)
     return engine
 
 
@@ -173,8 +172,7 @@ def test_the_static_path_makes_no_tensor_off_the_model_device() -> None:
     engine = make_engine(graphs=True)
     requests = [*batch(3), req([7, 8, 9], max_tokens=6, loops=3, warm_start=True, sampling=GREEDY)]
     want = [r.tokens for r in engine.generate_many(requests)]
-    engine.graphs = DecodeGraphs(engine.model, engine.pool, engine.max_seq_len, engine._vocab_limit,
-                                 capture=False, max_rows=8)  # new buffers, opened under meta
+    engine.graphs = DecodeGraphs.of(engine, capture=False, max_rows=8)  # new buffers, opened under meta
     with default_device_meta():
         assert [r.tokens for r in engine.generate_many(requests)] == want
     assert engine.graphs.replays > 0
@@ -191,7 +189,7 @@ def test_cuda_graphs_and_kernels_need_a_cuda_engine() -> None:
         Settings(**{flag: True, "device": "cuda"})  # checked when the engine loads (server.check_device)
     engine = make_engine(graphs=False)
     with pytest.raises(ValueError, match="CUDA device"):
-        DecodeGraphs(engine.model, engine.pool, engine.max_seq_len, engine._vocab_limit, capture=True)
+        DecodeGraphs.of(engine, capture=True)
 
 
 def test_graphs_made_ahead_touch_only_the_null_block() -> None:

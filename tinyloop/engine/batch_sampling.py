@@ -18,7 +18,7 @@ import torch
 
 from tinyloop.requests import SamplingParams
 
-__all__ = ["pick", "sample_rows"]
+__all__ = ["sample_rows"]
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
@@ -35,10 +35,10 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generato
     cdf = probs.cumsum(dim=-1)  # [S, V]
     uniform = torch.stack([torch.rand((), generator=generators[i], device="cpu") for i in sampled])  # [S] on the host
     target = uniform.to(dev, non_blocking=True) * cdf[:, -1]  # [S] float32, as sampling.draw
-    return tokens.index_copy(0, at, pick(cdf, probs, target))
+    return tokens.index_copy(0, at, _pick(cdf, probs, target))
 
 
-def pick(cdf: torch.Tensor, probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _pick(cdf: torch.Tensor, probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per row of ``cdf`` ``[..., V]`` (of ``probs``) the first token whose cumulative mass
     exceeds ``target`` ``[...]``; a target rounded up to the total takes the last non-zero token."""
     index = torch.searchsorted(cdf, target[..., None], right=True)[..., 0]  # [...]

@@ -98,7 +98,7 @@ class Engine(KVAccounting, PrefixEntries):
         self.prefill_chunk = prefill_chunk
         # speculative drafts: tokens per step (all sequences), the probability a chain stops under
         self.max_draft_nodes, self.draft_min_prob = check_drafting(max_draft_nodes, draft_min_prob)
-        self._vocab_limit = min(tokenizer.vocab_size, self.config.vocab_size)
+        self.vocab_limit = min(tokenizer.vocab_size, self.config.vocab_size)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         if cuda_graphs and self.device.type != "cuda":
@@ -118,8 +118,8 @@ class Engine(KVAccounting, PrefixEntries):
         self.budget = KVBudget(self.config, self.pool, self.max_seq_len)
         self.limits = ModelLimits.from_engine(self)  # the one check of a request (tinyloop.limits)
         self.prefix_cache = PrefixCache(self.pool, self.kv_mode, prefix_caching)
-        self.graphs = (DecodeGraphs(self.model, self.pool, self.max_seq_len, self._vocab_limit)  # graphs.py
-                       if self.cuda_graphs else None)  # decode steps captured per bucket and loops, replayed
+        # decode steps captured per bucket and loops, replayed (graphs.py)
+        self.graphs = DecodeGraphs.of(self) if self.cuda_graphs else None
         self.batch = Batch(self)
         self.prefilled_tokens = 0  # prompt tokens run through the model (cache hits excluded)
 
@@ -216,8 +216,8 @@ class Engine(KVAccounting, PrefixEntries):
         """One forward of ``model`` (the engine's, or its ``draft_model``); rows of the embedding past the
         tokenizer's vocabulary (checkpoint padding) get -inf logits: sampling can never pick them."""
         out: ForwardOutput = (model or self.model)(tokens, ctx, specs, last_only=last_only)
-        if self._vocab_limit < out.logits.shape[-1]:
-            out.logits[..., self._vocab_limit:] = float("-inf")
+        if self.vocab_limit < out.logits.shape[-1]:
+            out.logits[..., self.vocab_limit:] = float("-inf")
         return out
 
     def forward(self, seqs: Seq[Sequence], tokens: torch.Tensor, warm: bool,

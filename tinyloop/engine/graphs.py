@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -64,6 +64,15 @@ class _Graph:
     out: tuple[torch.Tensor, torch.Tensor] | None = None  # the captured step's logits and state
 
 
+class _Owner(Protocol):
+    """What ``DecodeGraphs.of`` reads of an engine."""
+
+    model: LoopedLM
+    pool: KVPool
+    max_seq_len: int
+    vocab_limit: int
+
+
 class DecodeGraphs:
     """The decode graphs of one engine (its model, KV pool and context limit)."""
 
@@ -81,6 +90,12 @@ class DecodeGraphs:
         self.failed: set[tuple[int, int, int]] = set()  # keys whose capture raised: eager from then on
         self.replays = 0
         self._mempool: Any = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @classmethod
+    def of(cls, engine: _Owner, *, capture: bool | None = None, max_rows: int = GRAPH_ROWS[-1]) -> DecodeGraphs:
+        """The graphs of ``engine`` (an ``Engine``: its model, pool, context and vocabulary limit)."""
+        return cls(engine.model, engine.pool, engine.max_seq_len, engine.vocab_limit, capture=capture,
+                   max_rows=max_rows)
 
     def __repr__(self) -> str:
         return (f"<DecodeGraphs {len(self.graphs)} graphs capture={self.capture} replays={self.replays} "
@@ -112,14 +127,8 @@ class DecodeGraphs:
             s.kv.reserve(s.kv.length + 1)
         g = self.graphs.get(key) or self._open(*key)
         self._fill(g, seqs)
-        if self.capture and g.graph is None:
-            try:
-                self._capture(g)
-            except Exception:  # a step that cannot be captured runs eagerly from now on
-                _log.exception("capturing the decode graph %s failed; it runs eagerly", key)
-                self.failed.add(key)
-                self.graphs.pop(key, None)
-                return None
+        if self.capture and g.graph is None and not self._captured(key, g):
+            return None
         logits, state = self._run(g)
         n = len(seqs)
         out = ForwardOutput(logits=logits[:n].clone(), state=state[:n], loops_used=[g.loops] * n)
@@ -145,16 +154,9 @@ class DecodeGraphs:
                 continue
             g = self.graphs.get(key) or self._open(*key)
             self._fill(g, [])
-            try:
-                if self.capture and g.graph is None:
-                    self._capture(g)
-                elif not self.capture:
-                    self._step(g)
-                ready += 1
-            except Exception:
-                _log.exception("capturing the decode graph %s failed; it runs eagerly", key)
-                self.failed.add(key)
-                self.graphs.pop(key, None)
+            if not self.capture:
+                self._step(g)
+            ready += g.graph is not None or not self.capture or self._captured(key, g)
         return ready
 
     # -- buffers -------------------------------------------------------------------------------
@@ -194,14 +196,13 @@ class DecodeGraphs:
         changed = []
         for b in range(ctx.rows):
             kv = seqs[b].kv if b < n else None
-            held = g.held[b]
-            if kv is None and held is None or kv is not None and held is not None and held[0] is kv \
-                    and held[1] == kv.version:
+            now = None if kv is None else (kv, kv.version)
+            if g.held[b] == now:  # (SeqKV compares by identity)
                 continue
             tables[b].fill(null)  # a new block, a copied shared block, another sequence, none
             if kv is not None:
                 tables[b, :, :kv.blocks_per_slot] = kv.tables
-            g.held[b] = None if kv is None else (kv, kv.version)
+            g.held[b] = now
             changed.append(b)
         rows = np.arange(ctx.rows)
         blocks = tables[rows[:, None], np.arange(ctx.n_slots)[None, :], (pos // bs)[:, None]]  # [R, S]
@@ -248,6 +249,17 @@ class DecodeGraphs:
             g.graph.replay()
             g.copied.record()  # once the step has read its inputs, the host may rewrite the staging
         return g.out
+
+    def _captured(self, key: tuple[int, int, int], g: _Graph) -> bool:
+        """Capture ``g``; a step that cannot be captured runs eagerly from now on (False)."""
+        try:
+            self._capture(g)
+        except Exception:
+            _log.exception("capturing the decode graph %s failed; it runs eagerly", key)
+            self.failed.add(key)
+            self.graphs.pop(key, None)
+            return False
+        return True
 
     def _capture(self, g: _Graph) -> None:
         """Warm up on a side stream, then capture ``g``'s step into the engine's graph pool."""
