@@ -11,7 +11,8 @@
 
 Around it: token acceptance (``output.py``), KV accounting and preemption (``kv_budget.py``),
 prefix cache and prefix-pool entries (``prefix_cache.py``), blocking ``generate*`` (``blocking.py``).
-Every method blocks on the caller's thread; one engine is driven by one thread at a time.
+Every method blocks on the caller's thread; one engine is driven by one thread at a time. On a
+GPU its model work runs on a CUDA stream of its own (``device_stream.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tinyloop.cpu.backend import use_cpu_kernels
 from tinyloop.cuda.backend import use_cuda_kernels
 from tinyloop.engine import blocking
 from tinyloop.engine.batch import Batch
+from tinyloop.engine.device_stream import new_stream, on_stream
 from tinyloop.engine.graphs import DecodeGraphs
 from tinyloop.engine.kv_budget import KVAccounting, KVBudget, pool_blocks
 from tinyloop.engine.output import accept_token
@@ -85,7 +87,8 @@ class Engine(KVAccounting, PrefixEntries):
             if cuda_kernels:  # norms, RoPE, decode attention on tinyloop/cuda's kernels
                 use_cuda_kernels(m)
         self.config: ModelConfig = model.config
-        self.tokenizer = tokenizer
+        self.tokenizer, self.eos_ids = tokenizer, tokenizer.eos_ids
+        self.default_loops = self.config.default_loops
         self.name = name
         self.chat_template = chat_template or tokenizer.chat_template
         self.max_seq_len = max_seq_len or self.config.max_position
@@ -118,6 +121,7 @@ class Engine(KVAccounting, PrefixEntries):
         self.budget = KVBudget(self.config, self.pool, self.max_seq_len)
         self.limits = ModelLimits.from_engine(self)  # the one check of a request (tinyloop.limits)
         self.prefix_cache = PrefixCache(self.pool, self.kv_mode, prefix_caching)
+        self.stream = new_stream(self.device)  # this engine's CUDA stream (device_stream.py); None on the CPU
         # decode steps captured per bucket and loops, replayed (graphs.py)
         self.graphs = DecodeGraphs.of(self) if self.cuda_graphs else None
         self.batch = Batch(self)
@@ -143,16 +147,7 @@ class Engine(KVAccounting, PrefixEntries):
     def __repr__(self) -> str:
         return f"<Engine {self.name} max_seq_len={self.max_seq_len} {self.pool!r}>"
 
-    # -- introspection (kv_*, preempt, resume: kv_budget.KVAccounting) ------------------------
-    @property
-    def default_loops(self) -> int:
-        return self.config.default_loops
-
-    @property
-    def eos_ids(self) -> frozenset[int]:
-        return self.tokenizer.eos_ids
-
-    # -- lifecycle of a sequence ---------------------------------------------------------------
+    # -- lifecycle of a sequence (kv_*, preempt, resume: kv_budget.KVAccounting) ---------------
     def validate(self, req: GenerationRequest) -> tuple[int, int]:
         """Check a request against this model (``self.limits``); returns its (loops, window)."""
         resolved = self.limits.check(req)
@@ -241,6 +236,7 @@ class Engine(KVAccounting, PrefixEntries):
         """Token ids ``[B, T]`` on the host, pinned when the model is on CUDA (a non-blocking copy)."""
         return torch.tensor(rows, dtype=torch.long, device="cpu", pin_memory=self.device.type == "cuda")
 
+    @on_stream
     @torch.inference_mode()
     def prefill_step(self, seq: Sequence) -> torch.Tensor | None:
         """Run the next ``prefill_chunk`` context tokens; the last logits ``[V]`` once done (None
@@ -254,6 +250,7 @@ class Engine(KVAccounting, PrefixEntries):
             if logits is not None:
                 return logits
 
+    @on_stream
     @torch.inference_mode()
     def decode(self, seqs: Seq[Sequence]) -> torch.Tensor:
         """Feed each sequence its pending token in one batched call; logits ``[B, V]``."""
@@ -265,6 +262,7 @@ class Engine(KVAccounting, PrefixEntries):
             s.pending = None
         return out.logits[:, -1]
 
+    @on_stream
     @torch.inference_mode()
     def verify(self, seqs: Seq[Sequence], tokens: Seq[Seq[int]], *, mask: torch.Tensor | None = None,
                positions: Seq[Seq[int]] | None = None) -> torch.Tensor:
@@ -284,6 +282,7 @@ class Engine(KVAccounting, PrefixEntries):
         return out.logits.float().cpu()  # [B, T, V]
 
     # -- one iteration (batch.py), token acceptance (output.py), blocking API (blocking.py) ----
+    @on_stream
     def step(self, seqs: Seq[Sequence]) -> list[TokenEvent]:
         """One iteration over ``seqs`` (``Batch.step``): failures stay with their sequence."""
         return self.batch.step(seqs)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from tinyloop.engine.device_stream import on_stream
 from tinyloop.engine.prefill import advance
 from tinyloop.engine.sequence import Sequence
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
@@ -71,14 +72,15 @@ class _Owner(Protocol):
     pool: KVPool
     max_seq_len: int
     vocab_limit: int
+    stream: Any  # the engine's CUDA stream (device_stream.py): captures at startup run on it
 
 
 class DecodeGraphs:
     """The decode graphs of one engine (its model, KV pool and context limit)."""
 
     def __init__(self, model: LoopedLM, pool: KVPool, max_seq_len: int, vocab_limit: int, *,
-                 capture: bool | None = None, max_rows: int = GRAPH_ROWS[-1]) -> None:
-        self.model, self.pool = model, pool
+                 capture: bool | None = None, max_rows: int = GRAPH_ROWS[-1], stream: Any = None) -> None:
+        self.model, self.pool, self.stream = model, pool, stream
         self.device = pool.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
@@ -95,7 +97,7 @@ class DecodeGraphs:
     def of(cls, engine: _Owner, *, capture: bool | None = None, max_rows: int = GRAPH_ROWS[-1]) -> DecodeGraphs:
         """The graphs of ``engine`` (an ``Engine``: its model, pool, context and vocabulary limit)."""
         return cls(engine.model, engine.pool, engine.max_seq_len, engine.vocab_limit, capture=capture,
-                   max_rows=max_rows)
+                   max_rows=max_rows, stream=engine.stream)
 
     def __repr__(self) -> str:
         return (f"<DecodeGraphs {len(self.graphs)} graphs capture={self.capture} replays={self.replays} "
@@ -139,6 +141,7 @@ class DecodeGraphs:
         advance(self.model, seqs, out, [1] * n)
         return out
 
+    @on_stream
     @torch.inference_mode()
     def capture_ahead(self, loops: int, window: int | None = None, rows: int | None = None) -> int:
         """Capture the graphs of ``loops`` (and ``window``, default all) for every bucket up to
