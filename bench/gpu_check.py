@@ -13,9 +13,10 @@ as gpu_check.md and gpu_check.json when ``OUT`` is set):
    compute, SwiGLU, paged decode attention with GQA, gaps and flash-decoding splits) in fp32
    and bf16 against its torch reference; tolerances ``parity.TOLERANCES``;
 3. engine: a tiny random model on CUDA through ``Engine`` (plain, a window, chain and tree
-   speculation, beam, an exit rule; full and int4 KV) against the same model on the CPU: greedy tokens equal, prefill
-   logits within 1e-3; the decode step captured as CUDA graphs (torch ops), the kernels wired
-   through ``CudaBackend``, and both together, each against torch eager's tokens; a batch
+   speculation, beam, an exit rule; full and int4 KV) against the same model on the CPU:
+   greedy tokens equal, prefill logits within 1e-3; two replicas stepping at once in two
+   threads, each on its own stream; the decode step captured as CUDA graphs (torch ops), the
+   kernels wired through ``CudaBackend``, and both together, each against torch eager's tokens; a batch
    sampled on the device against each row alone on the host; the ~100M preset and a small
    model of Huginn's layout (float32) on each of those paths against torch eager on the GPU:
    decode logits teacher-forced on eager's greedy tokens, within 1e-3 of the largest logit,
@@ -39,6 +40,7 @@ kernels (tiny sizes, no timings worth reading): it proves the script, not the GP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -46,6 +48,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -202,6 +205,13 @@ def check_engine(report: Report, device: torch.device, dry: bool) -> None:
     report.add("engine", "tiny fp32 CUDA graphs (torch ops) tokens = eager", got == eager,
                f"{graphed.graphs.replays} replays, {len(graphed.graphs.graphs)} graphs",
                "dry run: the static step, not captured" if dry else f"failed keys {sorted(graphed.graphs.failed)}")
+    first = tiny_engine(device)
+    twin = first.replica()  # its own KV pool, batch and (on CUDA) stream, on the same weights
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda e: [r.tokens for r in e.generate_many(reqs)], (first, twin)))
+    own = dry or (first.stream is not None and twin.stream is not None and first.stream != twin.stream)
+    report.add("engine", "two replicas stepping in two threads: tokens = eager", both == [eager, eager] and own,
+               "streams " + ("none (cpu)" if first.stream is None else "distinct" if own else "SHARED"))
     check_sampling(report, device)
     check_engine_100m(report, device, dry)
     if dry or not gpu_available():
@@ -288,7 +298,7 @@ def check_sampling(report: Report, device: torch.device) -> None:
     """A batch sampled where its logits are (``batch_sampling.sample_rows``) against each row
     sampled alone on the host: greedy, penalties, temperature, top-k/p, min-p, seeded draws."""
     from tinyloop.engine.batch_sampling import sample_rows
-    from tinyloop.engine.sampling import make_generator, sample_token
+    from tinyloop.engine.sampling import make_generator, sample_batch, sample_token
     from tinyloop.requests import SamplingParams
 
     rows, vocab = 32, 65536
@@ -312,6 +322,18 @@ def check_sampling(report: Report, device: torch.device) -> None:
     report.add("engine", f"{rows} rows x {vocab} sampled on {device.type} = each alone on the host", same >= rows - 1,
                f"{same}/{rows} equal", f"{1000 * (time.perf_counter() - t) / 10:.2f} ms a batch; tolerance one row "
                "(another device's reductions round differently)")
+    asked = [dataclasses.replace(p, top_logprobs=5) for p in params[:8]]  # sampled and scored on the device
+    host = sample_batch(logits[:8], asked, [make_generator(b) for b in range(8)], history[0][:8], history[1][:8])
+    dev = sample_batch(x[:8], asked, [make_generator(b) for b in range(8)], history[0][:8], history[1][:8])
+    same, err = 0, 0.0
+    for h, d in zip(host, dev):
+        if h.logprob is None or d.logprob is None or h.token_id != d.token_id:
+            continue
+        same += [i for i, _ in h.logprob.top] == [i for i, _ in d.logprob.top]
+        err = max(err, abs(h.logprob.logprob - d.logprob.logprob),
+                  *(abs(u - v) for (_, u), (_, v) in zip(h.logprob.top, d.logprob.top)))
+    report.add("engine", f"8 logprob rows (top 5) sampled on {device.type} = the host", same >= 7 and err <= 1e-4,
+               f"{same}/8 same token and top ids, max logprob err {err:.1e}", "tol 1e-4; one row may differ (rounding)")
 
 
 # -- 4. serve -------------------------------------------------------------------------------

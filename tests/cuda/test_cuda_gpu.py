@@ -32,6 +32,41 @@ def test_engine_on_cuda_generates_the_cpu_tokens() -> None:
     assert [r.tokens for r in gpu.generate_many(reqs)] == [r.tokens for r in cpu.generate_many(reqs)]
 
 
+def test_replicas_step_on_streams_of_their_own_in_parallel_threads() -> None:
+    """Two engines on one GPU, each in its own thread on its own stream (``device_stream.py``):
+    every forward runs on its engine's stream, and both give the CPU's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.engine.test_device import make_engine
+    from tests.engine.test_engine import req
+    from tinyloop.engine.engine import Engine
+    from tinyloop.requests import SamplingParams
+
+    cpu = make_engine("full")
+    first = Engine(make_engine("full").model.to("cuda"), cpu.tokenizer, max_seq_len=128, block_size=8)
+    twin = first.replica()
+    default = torch.cuda.default_stream()
+    assert first.stream is not None and twin.stream is not None
+    assert len({first.stream, twin.stream, default}) == 3
+    seen: list[int] = []
+    inner = first.model.forward
+
+    def forward(*args: object, **kwargs: object) -> object:
+        seen.append(torch.cuda.current_stream().cuda_stream)
+        return inner(*args, **kwargs)
+
+    first.model.forward = forward  # type: ignore[method-assign]  # the replicas share the model
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    reqs = [req(list(range(20, 30 + n)), max_tokens=12, loops=3, sampling=greedy) for n in range(3)]
+    want = [r.tokens for r in cpu.generate_many(reqs)]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda e: [r.tokens for r in e.generate_many(reqs)], [first, twin]))
+    assert got == [want, want]
+    assert set(seen) == {first.stream.cuda_stream, twin.stream.cuda_stream}
+    logits = first.prefill(first.start(reqs[0]))  # returned to the caller's stream: readable at once
+    assert torch.cuda.current_stream() == default and torch.isfinite(logits).all()
+
+
 def test_engine_on_the_cuda_backend_generates_the_cpu_tokens() -> None:
     """The kernels wired into the model (RMSNorm, RoPE, paged decode attention) in a whole engine."""
     from tests.engine.test_device import make_engine
@@ -85,18 +120,26 @@ def test_decode_graphs_replay_the_eager_step(kernels: bool) -> None:
 
 
 def test_sampling_cuda_logits_equals_the_host() -> None:
-    """``sample_batch`` on CUDA logits (plain greedy rows' argmax and the other rows without
-    logprobs sampled on the device, a logprob row on the host) picks what it picks from the same
-    logits on the host (up to the rounding of the device's reductions: none at these margins)."""
+    """``sample_batch`` on CUDA logits (plain greedy rows' argmax, every other row sampled on the
+    device with its logprobs) picks what it picks from the same logits on the host (up to the
+    rounding of the device's reductions: none at these margins), with the same logprobs to 1e-4."""
     from tinyloop.engine.sampling import make_generator, sample_batch
     from tinyloop.requests import SamplingParams
 
-    logits = torch.randn(6, 4096, generator=torch.Generator().manual_seed(0)) * 3
+    logits = torch.randn(7, 4096, generator=torch.Generator().manual_seed(0)) * 3
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
               SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0, logprobs=True),
-              SamplingParams(temperature=1.0, top_k=20, seed=2), SamplingParams(temperature=0)]
+              SamplingParams(temperature=1.0, top_k=20, seed=2), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.9, seed=3, top_logprobs=5)]
     for dtype in (torch.float32, torch.bfloat16):
         x = logits.to(dtype)
-        runs = [sample_batch(t, params, [make_generator(p.seed) for p in params], [[1, 2, 3]] * 6, [[4]] * 6)
-                for t in (x, x.cuda())]
-        assert runs[0] == runs[1]
+        host, dev = (sample_batch(t, params, [make_generator(p.seed) for p in params], [[1, 2, 3]] * 7, [[4]] * 7)
+                     for t in (x, x.cuda()))
+        assert [r.token_id for r in dev] == [r.token_id for r in host]
+        for h, d in zip(host, dev):
+            assert (h.logprob is None) == (d.logprob is None)
+            if h.logprob is not None and d.logprob is not None:
+                assert d.logprob.logprob == pytest.approx(h.logprob.logprob, abs=1e-4)
+                assert [i for i, _ in d.logprob.top] == [i for i, _ in h.logprob.top]
+                assert [v for _, v in d.logprob.top] == pytest.approx([v for _, v in h.logprob.top], abs=1e-4)
+        assert len(dev[6].logprob.top) == 5  # type: ignore[union-attr]

@@ -60,17 +60,19 @@ def test_sampled_rows_follow_their_distribution() -> None:
     assert torch.allclose(counts[:3], want, atol=0.03)
 
 
-def test_sample_batch_on_a_device_batches_all_but_logprob_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off the CPU, ``sample_batch`` hands every row without logprobs to ``sample_rows`` (a
-    logprob row goes to ``sample_token``): the same picks as the host path."""
+def test_sample_batch_on_a_device_batches_every_row_but_plain_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the CPU, ``sample_batch`` hands every row that is not a plain argmax to ``sample_rows``
+    and its logprobs to ``row_logprobs``: the same picks and logprobs as the host path."""
     import tinyloop.engine.sampling as sampling
 
     logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_p=0.9, seed=4),
               SamplingParams(temperature=0, presence_penalty=0.5),
               SamplingParams(temperature=0.7, logprobs=True, seed=5),
-              SamplingParams(temperature=1.2, min_p=0.1, seed=6)]
-    history = ([[1, 2]] * 5, [[3, 4]] * 5)
+              SamplingParams(temperature=1.2, min_p=0.1, seed=6),
+              SamplingParams(temperature=0, top_logprobs=3)]
+    logits = torch.cat([logits, logits[:1]])  # [6, V]
+    history = ([[1, 2]] * 6, [[3, 4]] * 6)
     want = sample_batch(logits, params, [make_generator(p.seed) for p in params], *history)
     batched: list[int] = []
 
@@ -80,5 +82,28 @@ def test_sample_batch_on_a_device_batches_all_but_logprob_rows(monkeypatch: pyte
     monkeypatch.setattr(sampling, "_on_device", lambda t: True)
     monkeypatch.setattr("tinyloop.engine.batch_sampling.sample_rows", spy)
     got = sample_batch(logits, params, [make_generator(p.seed) for p in params], *history)
-    assert got == want
-    assert batched == [3]  # rows 1, 2 and 4; row 0 is a plain argmax, row 3 asks for logprobs
+    assert got == want and got[3].logprob is not None and len(got[5].logprob.top) == 3  # type: ignore[union-attr]
+    assert batched == [5]  # all but row 0, a plain argmax
+
+
+def test_row_logprobs_are_sample_tokens_with_ties_to_the_lower_id() -> None:
+    """The chosen token's logprob and the best alternatives, best first, equal values in id
+    order, for each row that asks (``top_logprobs`` 0 to past the vocabulary)."""
+    from tinyloop.engine.batch_sampling import row_logprobs
+
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(2)).round()  # many equal values
+    params = [SamplingParams(temperature=0, logprobs=True), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, top_logprobs=5), SamplingParams(temperature=0, top_logprobs=20),
+              SamplingParams(temperature=0, top_logprobs=3, logprobs=True)]
+    tokens = torch.tensor([3, 7, 0, 11, 5])
+    got = row_logprobs(logits, tokens, params)
+    assert [t for t, _ in got] == tokens.tolist() and got[1][1] is None
+    for b in (0, 2, 3, 4):
+        want = sample_token(logits[b], params[b], make_generator(None), prompt_tokens=[], output_tokens=[]).logprob
+        assert want is not None
+        lp = got[b][1]
+        assert lp is not None and lp.token_id == tokens[b]
+        assert lp.logprob == pytest.approx(float(torch.log_softmax(logits[b], -1)[tokens[b]]), abs=1e-6)
+        assert [i for i, _ in lp.top] == [i for i, _ in want.top]  # the same ids in the same order
+        assert [v for _, v in lp.top] == pytest.approx([v for _, v in want.top], abs=1e-6)
+    assert len(got[3][1].top) == 12 and len(got[4][1].top) == 3  # type: ignore[union-attr]  # 20: all 12

@@ -7,7 +7,8 @@ the top-k distribution), min-p, each renormalising and keeping ties, and one inv
 The uniforms come from each row's own generator, drawn on the host in row order, one per sampled
 row: the generators advance exactly as ``sample_token`` advances them, so a request draws the
 same whether it is sampled here or alone, up to the rounding of another device's reductions.
-Logprobs are not computed here: ``sample_batch`` samples the rows that ask for them one by one.
+``row_logprobs`` gives the rows that ask for logprobs theirs (the chosen token's, and the best
+alternatives, under the raw logits, as ``sampling._logprob``), in one more transfer.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from tinyloop.requests import SamplingParams
+from tinyloop.requests import SamplingParams, TokenLogprob
 
-__all__ = ["sample_rows"]
+__all__ = ["row_logprobs", "sample_rows"]
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
@@ -36,6 +37,32 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generato
     uniform = torch.stack([torch.rand((), generator=generators[i], device="cpu") for i in sampled])  # [S] on the host
     target = uniform.to(dev, non_blocking=True) * cdf[:, -1]  # [S] float32, as sampling.draw
     return tokens.index_copy(0, at, _pick(cdf, probs, target))
+
+
+def row_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                 params: Sequence[SamplingParams]) -> list[tuple[int, TokenLogprob | None]]:
+    """Each row's chosen token (``tokens`` ``[B]``, on the logits' device) and, for the rows that
+    ask, its logprob under the raw ``logits`` ``[B, V]`` with the ``top_logprobs`` best
+    alternatives, best first, ties to the lower id (``sampling._logprob``). Two transfers to
+    the host: the ids, then one float64 table of the logprob rows."""
+    want = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs]
+    if not want:
+        return [(t, None) for t in tokens.tolist()]
+    at = torch.tensor(want, dtype=torch.long, device=logits.device)
+    lp = torch.log_softmax(logits.detach()[at].float(), dim=-1)  # [W, V]
+    columns = [lp.gather(1, tokens[at][:, None])]  # [W, 1] the chosen token's
+    n = min(max(params[i].top_logprobs for i in want), lp.shape[-1])
+    if n:
+        values, ids = lp.sort(dim=-1, descending=True, stable=True)  # equal values keep id order
+        columns += [values[:, :n], ids[:, :n].to(lp.dtype)]  # ids < 2**24: exact in float32
+    table = torch.cat(columns, dim=1).double()  # [W, 1 + 2n]
+    chosen, rows = tokens.tolist(), table.tolist()
+    out: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in chosen]
+    for i, row in zip(want, rows):
+        k = min(params[i].top_logprobs, n)
+        top = tuple(zip((int(v) for v in row[1 + n:1 + n + k]), row[1:1 + k]))
+        out[i] = (chosen[i], TokenLogprob(chosen[i], row[0], top))
+    return out
 
 
 def _pick(cdf: torch.Tensor, probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -261,9 +261,9 @@ def sample_batch(
 
     Rows that are greedy with no penalties and no logprobs share one vectorised argmax (the
     same first-maximum rule as ``sample_token``). On the CPU every other row is sampled on its
-    own. On a GPU the argmax runs there, the other rows without logprobs are sampled together
-    there (``batch_sampling.sample_rows``: the same picks), and only the ids cross to the host,
-    with the logits of the rows that ask for logprobs (sampled on their own).
+    own. On a GPU the argmax runs there, the other rows are sampled together there
+    (``batch_sampling.sample_rows``: the same picks) with their logprobs
+    (``batch_sampling.row_logprobs``), and only ids and logprobs cross to the host, never logits.
     """
     batch = logits.shape[0]
     if not len(params) == len(generators) == len(prompt_tokens) == len(output_tokens) == batch:
@@ -280,19 +280,14 @@ def sample_batch(
         rows = rows.float()
     argmax = (rows if len(fast) == batch else rows[fast]).argmax(dim=-1).tolist() if fast else []  # [F]
     results = dict(zip(fast, (SampleResult(int(t)) for t in argmax)))
-    if on_device:  # the other rows without logprobs sampled together where the logits are
-        together = [i for i in others if not (params[i].logprobs or params[i].top_logprobs)]
-        if together:
-            picked = batch_sampling.sample_rows(
-                rows if len(together) == batch else rows[together], [params[i] for i in together],
-                [generators[i] for i in together], [prompt_tokens[i] for i in together],
-                [output_tokens[i] for i in together]).tolist()
-            results.update(zip(together, (SampleResult(int(t)) for t in picked)))
-        others = [i for i in others if i not in results]
-    # only the rows asking for logprobs (on a device) cross to the host
-    host, at = (rows, others) if rows.is_cpu or not others else (rows[others].float().cpu(), range(len(others)))
-    for i, row in zip(others, at):
-        results[i] = sample_token(host[row], params[i], generators[i], prompt_tokens=prompt_tokens[i],
+    if on_device and others:  # the other rows sampled together where the logits are; ids (and logprobs) cross
+        sub = rows if len(others) == batch else rows[others]
+        chosen = [params[i] for i in others]
+        picked = batch_sampling.sample_rows(sub, chosen, [generators[i] for i in others],
+                                            [prompt_tokens[i] for i in others], [output_tokens[i] for i in others])
+        results.update(zip(others, (SampleResult(t, lp) for t, lp in batch_sampling.row_logprobs(sub, picked, chosen))))
+    for i in (i for i in others if i not in results):  # the CPU: row by row
+        results[i] = sample_token(rows[i], params[i], generators[i], prompt_tokens=prompt_tokens[i],
                                   output_tokens=output_tokens[i])
     return [results[i] for i in range(batch)]
 
