@@ -98,8 +98,9 @@ class Settings:
                              "CPU decode attention on a C kernel built with the system C compiler on first use "
                              "(cached); torch ops where there is no compiler, or with 0")
     cuda_kernels: bool = _opt(False, "TINYLOOP_CUDA_KERNELS",
-                              "on a CUDA device, RMSNorm (fused with the residual adds), SwiGLU, RoPE and paged "
-                              "decode attention on the CuPy kernels (tinyloop/cuda; the cuda extra); off: torch ops")
+                              "on a CUDA device, RMSNorm (fused with the residual adds), SwiGLU, RoPE, the KV "
+                              "write and paged decode attention on the CuPy kernels (tinyloop/cuda; the cuda "
+                              "extra); off: torch ops")
     cuda_graphs: bool = _opt(False, "TINYLOOP_CUDA_GRAPHS",
                              "on a CUDA device, decode steps captured as CUDA graphs (per batch bucket, loops "
                              "and window, on first use) and replayed")

@@ -33,6 +33,10 @@ def test_rmsnorm_rope_swiglu_geometry() -> None:
     assert launch.rope_launch(7, 55, 55, 96) == launch.Launch((7, 110, 1), (64, 1, 1), 0)
     with pytest.raises(ValueError):
         launch.rope_launch(1, 4, 4, 63)
+    # the KV write: a block per (token, head, K or V), a thread per element of the head
+    assert launch.kv_write_launch(3, 55, 96) == launch.Launch((3, 55, 2), (96, 1, 1), 0)
+    with pytest.raises(ValueError):
+        launch.kv_write_launch(0, 4, 64)
     small = launch.swiglu_launch(1, 17920)
     assert small.grid == (70, 1, 1) and small.block == (256, 1, 1)  # 17920 / 256 = 70 blocks
     assert launch.swiglu_launch(10**6, 17920).grid[0] == launch.SWIGLU_MAX_BLOCKS  # grid-stride beyond
@@ -65,8 +69,8 @@ def test_kernel_constants_match_the_sources() -> None:
 
 
 def test_every_kernel_instantiates_each_dtype() -> None:
-    names = {"rmsnorm": ["residual_rmsnorm"], "rope": ["rope_inplace"], "swiglu": ["swiglu"],
-             "paged_attention": ["paged_decode", "paged_decode_combine"]}
+    names = {"rmsnorm": ["residual_rmsnorm"], "rope": ["rope"], "swiglu": ["swiglu"],
+             "paged_attention": ["paged_decode", "paged_decode_combine"], "kv_write": ["kv_write"]}
     assert set(names) == set(loader.KERNELS)
     for source, kernels in names.items():
         text = loader.source_path(source).read_text()

@@ -2,14 +2,15 @@
 
 What is wired today: RMSNorm (both reference orders; alone, and fused with each block's residual
 add and the norms around it), SwiGLU and RoPE (q and k together, in place, biases added) run on
-this package's kernels. Decode attention
+this package's kernels, as do the new tokens' K and V stored in a plain pool (one kernel for
+both). Decode attention
 over a pool that stores K and V in the model's dtype, or in int4 with fp16 group parameters
 (dequantized in the read), runs on the paged decode kernel: ``decode_attention`` reads the pool
 in place through the block tables behind the rows the context hands it (``reference.tables_of``),
 one token a row or a few (a speculative verify: each over one key more, a tree's nodes over
 their ancestors only);
 ``paged_attention`` reads through the tables themselves at fixed shapes (the step
-``tinyloop/engine/graphs.py`` captures). KV writes, h-mode's reads and prefill's attention stay
+``tinyloop/engine/graphs.py`` captures). int4 and h-mode writes, h-mode's reads and prefill's attention stay
 with the torch reference, as does any call the kernels do not cover (a dtype
 without a kernel, a tensor off CUDA).
 
@@ -59,12 +60,16 @@ class CudaBackend(TorchBackend):
         return kernels.swiglu(fc)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-        """x ``[R, H, T, D]`` -> a rotated copy: token-major ``[R*T, H, D]`` for the kernel."""
-        if not _covered(x):
+        """x ``[R, H, T, D]`` -> a rotated copy, token-major (``[R, T, H, D]`` in memory): one
+        kernel reads x where it lies when its tokens are evenly spaced (the heads of the fused
+        projection ``Attention`` rotates together), else a token-major copy is rotated in place."""
+        if not _covered(x) or cos.numel() != x.shape[0] * x.shape[2] * x.shape[3]:
             return super().rope(x, cos, sin, style)
         r, h, t, d = x.shape
-        y = x.transpose(1, 2).contiguous()  # [R, T, H, D]
-        kernels.rope_(y.view(r * t, h, d), None, cos.reshape(r * t, d), sin.reshape(r * t, d), style)
+        y = torch.empty((r, t, h, d), dtype=x.dtype, device=x.device)
+        tokens = x.transpose(1, 2)  # [R, T, H, D]
+        src = tokens.view(r * t, h, d) if _tokens_flat(tokens) else y.copy_(tokens).view(r * t, h, d)
+        kernels.rope_(src, None, cos.reshape(r * t, d), sin.reshape(r * t, d), style, out=(y.view(r * t, h, d), None))
         return y.transpose(1, 2)
 
     def rope_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str,
@@ -81,6 +86,18 @@ class CudaBackend(TorchBackend):
         kernels.rope_(q.view(r * t, q.shape[2], d), k.view(r * t, k.shape[2], d), cos.reshape(r * t, d),
                       sin.reshape(r * t, d), style, q_bias, k_bias, compute_float32)
         return q.transpose(1, 2), k.transpose(1, 2)
+
+    def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
+        """K and V into a plain pool in one kernel (torch: an index_put for each); else torch's."""
+        k, v = store.fields.get("k"), store.fields.get("v")
+        nk, nv = values.get("k"), values.get("v")
+        if (nk is None or nv is None or len(values) != 2 or not isinstance(k, PlainBuffer)
+                or not isinstance(v, PlainBuffer) or not _covered(nk) or rows.dtype != torch.int64 or rows.dim() != 1
+                or not nk.dtype == nv.dtype == k.data.dtype == v.data.dtype or nk.stride(-1) != 1 or nv.stride(-1) != 1
+                or not (k.data.is_contiguous() and v.data.is_contiguous())):
+            return super().kv_write(store, rows, **values)
+        kernels.kv_write(nk, nv, k.data, v.data, rows)
+        return None
 
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,
                          mask: torch.Tensor | None, tree: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 from tinyloop.cuda import launch, loader
 from tinyloop.cuda.reference import STYLE_MODES
 
-__all__ = ["SUFFIX", "KVStoreArg", "residual_rmsnorm", "rms_norm", "rope_", "swiglu", "paged_decode_attention"]
+__all__ = ["SUFFIX", "KVStoreArg", "kv_write", "residual_rmsnorm", "rms_norm", "rope_", "swiglu",
+           "paged_decode_attention"]
 
 SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
@@ -89,20 +90,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool
 
 def rope_(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, style: str,
           q_bias: torch.Tensor | None = None, k_bias: torch.Tensor | None = None,
-          compute_float32: bool = False) -> None:
-    """Rotate q ``[N, Hq, D]`` and k ``[N, Hkv, D]`` (None: q only) in place, their biases added
-    first; cos/sin ``[N, D]`` float32. Token and head strides are free, D must be contiguous."""
+          compute_float32: bool = False, out: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+    """Rotate q ``[N, Hq, D]`` and k ``[N, Hkv, D]`` (None: q only), their biases added first;
+    cos/sin ``[N, D]`` float32. In place, or into ``out`` (q's and k's results, same shapes, any
+    strides). Token and head strides are free, D must be contiguous."""
     n, hq, d = q.shape
-    if q.stride(-1) != 1 or (k is not None and k.stride(-1) != 1):
-        raise ValueError("head_dim must be contiguous")
+    q_out, k_out = (q, k) if out is None else out
+    for x, y in ((q, q_out), (k, k_out)):
+        if x is not None and (y is None or y.shape != x.shape or y.dtype != x.dtype):
+            raise ValueError("each output must have its input's shape and dtype")
+        if x is not None and y is not None and (x.stride(-1) != 1 or y.stride(-1) != 1):
+            raise ValueError("head_dim must be contiguous")
     if q_bias is not None and not q_bias.is_contiguous() or k_bias is not None and not k_bias.is_contiguous():
         raise ValueError("biases must be contiguous [H, D]")
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    kvh, k_strides = (0, (0, 0)) if k is None else (k.shape[1], (k.stride(0), k.stride(1)))
-    args = (_ptr(q), _ptr(k), _ptr(cos), _ptr(sin), _ptr(q_bias), _ptr(k_bias), _i32(hq), _i32(d),
-            _i64(q.stride(0)), _i64(q.stride(1)), _i64(k_strides[0]), _i64(k_strides[1]),
+
+    def strides(x: torch.Tensor | None) -> tuple[np.int64, np.int64]:
+        return (_i64(0), _i64(0)) if x is None else (_i64(x.stride(0)), _i64(x.stride(1)))
+
+    kvh = 0 if k is None else k.shape[1]
+    args = (_ptr(q), _ptr(q_out), _ptr(k), _ptr(k_out), _ptr(cos), _ptr(sin), _ptr(q_bias), _ptr(k_bias), _i32(hq),
+            _i32(d), *strides(q), *strides(k), *strides(q_out), *strides(k_out),
             _i32(0 if style == "half" else 1), _i32(int(compute_float32)))
-    _run("rope", "rope_inplace", q.dtype, launch.rope_launch(n, hq, kvh, d), args, q.device)
+    _run("rope", "rope", q.dtype, launch.rope_launch(n, hq, kvh, d), args, q.device)
 
 
 def swiglu(fc: torch.Tensor) -> torch.Tensor:
@@ -113,6 +123,25 @@ def swiglu(fc: torch.Tensor) -> torch.Tensor:
     args = (_ptr(fc), _ptr(out), _i64(rows), _i32(inter), _i64(stride))
     _run("swiglu", "swiglu", fc.dtype, launch.swiglu_launch(rows, inter), args, fc.device)
     return out
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+             rows: torch.Tensor) -> None:
+    """``k_store[rows] = k`` and ``v_store[rows] = v`` in one launch: k and v ``[N, Hkv, D]``
+    (row and head strides free, D contiguous), the pool ``[pool_rows, Hkv, D]`` contiguous in
+    their dtype, rows ``[N]`` int64 (any stride)."""
+    n, kvh, d = k.shape
+    if v.shape != k.shape or k_store.shape[1:] != k.shape[1:] or v_store.shape != k_store.shape:
+        raise ValueError("k and v [N, Hkv, D] and a pool [rows, Hkv, D] for each")
+    if len({k.dtype, v.dtype, k_store.dtype, v_store.dtype}) != 1:
+        raise TypeError("k, v and the pool must share one dtype")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or not (k_store.is_contiguous() and v_store.is_contiguous()):
+        raise ValueError("head_dim must be contiguous and the pool contiguous")
+    if rows.dtype != torch.int64 or rows.shape != (n,):
+        raise ValueError(f"rows must be [{n}] int64")
+    args = (_ptr(k), _ptr(v), _ptr(k_store), _ptr(v_store), _ptr(rows), _i64(rows.stride(0)), _i32(kvh), _i32(d),
+            _i64(k.stride(0)), _i64(k.stride(1)), _i64(v.stride(0)), _i64(v.stride(1)))
+    _run("kv_write", "kv_write", k.dtype, launch.kv_write_launch(n, kvh, d), args, k.device)
 
 
 KVStoreArg = torch.Tensor | tuple[torch.Tensor, torch.Tensor]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Launch", "ATTN_THREADS", "ATTN_MAX_PER_THREAD", "MAX_THREADS", "SHARED_LIMIT",
-           "rmsnorm_launch", "rope_launch", "swiglu_launch", "decode_splits", "keys_per_split",
+           "rmsnorm_launch", "rope_launch", "swiglu_launch", "kv_write_launch", "decode_splits", "keys_per_split",
            "paged_decode_launch", "paged_combine_launch", "block_threads"]
 
 MAX_THREADS = 1024  # threads per block on every architecture CUDA 12/13 supports
@@ -51,6 +51,13 @@ def rope_launch(tokens: int, q_heads: int, kv_heads: int, head_dim: int) -> Laun
     if tokens < 1:
         raise ValueError("tokens must be >= 1")
     return Launch((tokens, q_heads + kv_heads, 1), (block_threads(head_dim // 2), 1, 1))
+
+
+def kv_write_launch(tokens: int, kv_heads: int, head_dim: int) -> Launch:
+    """A block per (token, head, K or V); its threads stride over the head (``kv_write.cu``)."""
+    if tokens < 1 or kv_heads < 1 or head_dim < 1:
+        raise ValueError("tokens, kv_heads and head_dim must be >= 1")
+    return Launch((tokens, kv_heads, 2), (block_threads(head_dim, 256), 1, 1))
 
 
 def swiglu_launch(rows: int, inter: int) -> Launch:

@@ -23,7 +23,7 @@ __all__ = ["KERNELS", "source", "bundle", "source_path", "arch_for", "compile_op
            "include_dirs", "compile_cubin", "cached_cubin", "load"]
 
 HERE = Path(__file__).resolve().parent
-KERNELS = ("rmsnorm", "rope", "swiglu", "paged_attention")  # rmsnorm.cu, rope.cu, ...
+KERNELS = ("rmsnorm", "rope", "swiglu", "paged_attention", "kv_write")  # rmsnorm.cu, rope.cu, ...
 BASE_OPTIONS = ("--std=c++17", "-default-device")
 _HEADER = "cuda_fp16.h"
 _modules: dict[tuple[str, int], Any] = {}

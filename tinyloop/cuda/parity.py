@@ -126,6 +126,63 @@ def _backend_rope_case(style: str, f32: bool) -> Case:
                 lambda: launch.rope_launch(r * t, hq, hkv, d))
 
 
+def _backend_rope_view_case(style: str, fused: bool) -> Case:
+    """``CudaBackend.rope`` on x ``[R, H, T, D]``: with ``fused`` the q and k heads of the fused
+    projection's output, rotated together as ``Attention`` does without biases (read where they
+    lie, the fused projection untouched); else a contiguous x (rotated through a token-major copy).
+    Against the torch backend; the projection's V heads are compared too (left as they were)."""
+    r, t, hq, hkv, d = 3, 2, 6, 2, 32
+
+    def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
+        from tinyloop.model.backend import TORCH
+
+        g = _gen(device, 11 + int(fused))
+        if fused:
+            qkv = _randn((r, t, hq + 2 * hkv, d), g, device, dtype).transpose(1, 2)  # [R, H, T, D] view
+            x = qkv[:, :hq + hkv]
+        else:
+            qkv = x = _randn((r, hq, t, d), g, device, dtype)
+        angles = torch.rand((r, 1, t, d), generator=g) * 6.0
+        cos, sin = angles.cos().to(device), angles.sin().to(device)
+        kept = qkv.clone()
+        want = TORCH.rope(x.clone(), cos, sin, style)
+        if kernel:
+            from tinyloop.cuda.backend import CudaBackend
+            return (CudaBackend().rope(x, cos, sin, style), qkv), (want, kept)
+        return (TORCH.rope(x, cos, sin, style), qkv), (want, kept)
+    layout = "fused projection view" if fused else "contiguous"
+    return Case(f"backend rope {style} {layout} R={r} T={t} H={hq + hkv} D={d}", build,
+                lambda: launch.rope_launch(r * t, hq + hkv, 0, d))
+
+
+def _backend_kv_write_case(tokens: int, hkv: int, d: int) -> Case:
+    """``CudaBackend.kv_write`` as a context calls it (K and V views of the fused projection,
+    the pool rows a strided column of a table) against the torch backend's: the whole pool."""
+    heads = 2 * hkv
+
+    def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
+        from tinyloop.model.backend import TORCH
+        from tinyloop.model.kvstore import KVStore
+        from tinyloop.model.presets import PRESETS
+        from tinyloop.vocabulary import KVMode
+
+        g = _gen(device, tokens + hkv)
+        config = PRESETS["tiny"].replace(heads=heads, kv_heads=hkv, head_dim=d, hidden=heads * d)
+        stores = [KVStore(KVMode.parse("full"), config, 4 * tokens, 16, dtype, device) for _ in range(2)]
+        qkv = _randn((tokens, heads + 2 * hkv, d), g, device, dtype)  # [N, Hq + 2Hkv, D]
+        k, v = qkv[:, heads:heads + hkv], qkv[:, heads + hkv:]
+        table = torch.stack([torch.randperm(4 * tokens, generator=g)[:tokens]] * 3, dim=1).to(device)  # [N, 3]
+        TORCH.kv_write(stores[1], table[:, 1], k=k, v=v)
+        if kernel:
+            from tinyloop.cuda.backend import CudaBackend
+            CudaBackend().kv_write(stores[0], table[:, 1], k=k, v=v)
+        else:
+            TORCH.kv_write(stores[0], table[:, 1], k=k, v=v)
+        got, want = ((s.fields["k"].data, s.fields["v"].data) for s in stores)  # type: ignore[union-attr]
+        return got, want
+    return Case(f"backend kv_write N={tokens} Hkv={hkv} D={d}", build, lambda: launch.kv_write_launch(tokens, hkv, d))
+
+
 def _swiglu_case(rows: int, inter: int) -> Case:
     def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
         fc = _randn((rows, 2 * inter), _gen(device, rows + inter), device, dtype, 3.0)
@@ -250,7 +307,9 @@ def cases() -> list[Case]:
             for tokens, hq, hkv, d, bias, f32 in ((1, 12, 12, 64, False, False), (33, 55, 55, 96, True, True),
                                                   (5, 8, 2, 128, True, False))]
     out += [_swiglu_case(rows, inter) for rows, inter in ((1, 3072), (33, 17920), (3, 100))]
+    out += [_backend_kv_write_case(tokens, hkv, d) for tokens, hkv, d in ((1, 12, 64), (33, 55, 96), (5, 2, 128))]
     out += [_backend_rope_case(style, f32) for style in ("half", "interleaved") for f32 in (False, True)]
+    out += [_backend_rope_view_case(style, fused) for style in ("half", "interleaved") for fused in (True, False)]
     out += [_paged_case(lens, hq, hkv, d, gaps, splits)
             for lens, hq, hkv, d, gaps, splits in (
                 ((1, 37, 200), 12, 12, 64, False, 1),
