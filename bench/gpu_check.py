@@ -16,7 +16,8 @@ as gpu_check.md and gpu_check.json when ``OUT`` is set):
    speculation, beam, an exit rule; full and int4 KV) against the same model on the CPU:
    greedy tokens equal, prefill logits within 1e-3; two replicas stepping at once in two
    threads, each on its own stream; the decode step captured as CUDA graphs (torch ops), the
-   kernels wired through ``CudaBackend``, and both together, each against torch eager's tokens; a batch
+   kernels wired through ``CudaBackend`` and both together (full and int4 KV), each against
+   torch eager's tokens; a batch
    sampled on the device against each row alone on the host; the ~100M preset and a small
    model of Huginn's layout (float32) on each of those paths against torch eager on the GPU:
    decode logits teacher-forced on eager's greedy tokens, within 1e-3 of the largest logit,
@@ -217,12 +218,14 @@ def check_engine(report: Report, device: torch.device, dry: bool) -> None:
     if dry or not gpu_available():
         report.add("engine", "CudaBackend tokens = torch eager", None, "", "skipped: no kernels")
         return
-    for graphs in (False, True):
-        eng = tiny_engine(device, cuda_kernels=True, cuda_graphs=graphs)
-        got = [r.tokens for r in eng.generate_many(reqs)]
-        name = "kernels + CUDA graphs" if graphs else "kernels (norms, RoPE, decode attention)"
-        report.add("engine", f"tiny fp32 {name} tokens = eager", got == eager,
-                   f"{eng.graphs.replays} replays" if graphs else "")
+    eager4 = [r.tokens for r in tiny_engine(device, "int4").generate_many(reqs)]
+    for mode, want in (("full", eager), ("int4", eager4)):  # int4: quantized by the KV write kernel
+        for graphs in (False, True):
+            eng = tiny_engine(device, mode, cuda_kernels=True, cuda_graphs=graphs)
+            got = [r.tokens for r in eng.generate_many(reqs)]
+            name = "kernels + CUDA graphs" if graphs else "kernels (norms, RoPE, KV write, decode attention)"
+            report.add("engine", f"tiny fp32 {mode} KV {name} tokens = eager", got == want,
+                       f"{eng.graphs.replays} replays" if graphs else "")
 
 
 def forced_logits(engine: Any, prompt: list[int], forced: list[int], loops: int, rows: int) -> torch.Tensor:

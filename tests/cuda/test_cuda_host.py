@@ -37,6 +37,9 @@ def test_rmsnorm_rope_swiglu_geometry() -> None:
     assert launch.kv_write_launch(3, 55, 96) == launch.Launch((3, 55, 2), (96, 1, 1), 0)
     with pytest.raises(ValueError):
         launch.kv_write_launch(0, 4, 64)
+    # int4: a block per (token, K or V), a thread per group of the token's heads (55 x 3 of 32)
+    assert launch.kv_write_int4_launch(3, 55, 3) == launch.Launch((3, 2, 1), (192, 1, 1), 0)
+    assert launch.kv_write_int4_launch(1, 128, 4).block == (256, 1, 1)  # 512 groups: a stride loop
     small = launch.swiglu_launch(1, 17920)
     assert small.grid == (70, 1, 1) and small.block == (256, 1, 1)  # 17920 / 256 = 70 blocks
     assert launch.swiglu_launch(10**6, 17920).grid[0] == launch.SWIGLU_MAX_BLOCKS  # grid-stride beyond
@@ -70,7 +73,7 @@ def test_kernel_constants_match_the_sources() -> None:
 
 def test_every_kernel_instantiates_each_dtype() -> None:
     names = {"rmsnorm": ["residual_rmsnorm"], "rope": ["rope"], "swiglu": ["swiglu"],
-             "paged_attention": ["paged_decode", "paged_decode_combine"], "kv_write": ["kv_write"]}
+             "paged_attention": ["paged_decode", "paged_decode_combine"], "kv_write": ["kv_write", "kv_write_int4"]}
     assert set(names) == set(loader.KERNELS)
     for source, kernels in names.items():
         text = loader.source_path(source).read_text()

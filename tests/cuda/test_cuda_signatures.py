@@ -69,7 +69,9 @@ def test_norm_rope_swiglu_and_kv_write_wrappers(launches: list[tuple[str, str, t
     v = qkv[:, 8:]
     rows = torch.tensor([[1, 0], [4, 0], [8, 0], [2, 0]])[:, 0]  # a strided column, as a context's table
     kernels.kv_write(k, v, torch.zeros(9, 2, 32), torch.zeros(9, 2, 32), rows)
-    check(launches, ["rope"] * 3 + ["swiglu", "kv_write"])
+    int4 = [(torch.zeros(9, 2, 16, dtype=torch.uint8), torch.zeros(9, 2, 2, 2, dtype=torch.float16)) for _ in "kv"]
+    kernels.kv_write_int4(k, v, int4[0], int4[1], rows, group=16)
+    check(launches, ["rope"] * 3 + ["swiglu", "kv_write", "kv_write_int4"])
 
 
 @pytest.mark.parametrize("pool", ["plain", "int4"])

@@ -2,15 +2,15 @@
 
 What is wired today: RMSNorm (both reference orders; alone, and fused with each block's residual
 add and the norms around it), SwiGLU and RoPE (q and k together, in place, biases added) run on
-this package's kernels, as do the new tokens' K and V stored in a plain pool (one kernel for
-both). Decode attention
+this package's kernels, as do the new tokens' K and V stored in the pool (one kernel for
+both, quantizing them for an int4 pool). Decode attention
 over a pool that stores K and V in the model's dtype, or in int4 with fp16 group parameters
 (dequantized in the read), runs on the paged decode kernel: ``decode_attention`` reads the pool
 in place through the block tables behind the rows the context hands it (``reference.tables_of``),
 one token a row or a few (a speculative verify: each over one key more, a tree's nodes over
 their ancestors only);
 ``paged_attention`` reads through the tables themselves at fixed shapes (the step
-``tinyloop/engine/graphs.py`` captures). int4 and h-mode writes, h-mode's reads and prefill's attention stay
+``tinyloop/engine/graphs.py`` captures). h-mode's writes and reads and prefill's attention stay
 with the torch reference, as does any call the kernels do not cover (a dtype
 without a kernel, a tensor off CUDA).
 
@@ -88,15 +88,19 @@ class CudaBackend(TorchBackend):
         return q.transpose(1, 2), k.transpose(1, 2)
 
     def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
-        """K and V into a plain pool in one kernel (torch: an index_put for each); else torch's."""
+        """K and V into the pool in one kernel (torch: an index_put for each field of each, and
+        an int4 pool's quantization: about twenty launches a layer); else torch's."""
         k, v = store.fields.get("k"), store.fields.get("v")
         nk, nv = values.get("k"), values.get("v")
-        if (nk is None or nv is None or len(values) != 2 or not isinstance(k, PlainBuffer)
-                or not isinstance(v, PlainBuffer) or not _covered(nk) or rows.dtype != torch.int64 or rows.dim() != 1
-                or not nk.dtype == nv.dtype == k.data.dtype == v.data.dtype or nk.stride(-1) != 1 or nv.stride(-1) != 1
-                or not (k.data.is_contiguous() and v.data.is_contiguous())):
+        if (nk is None or nv is None or len(values) != 2 or not _covered(nk) or nv.dtype != nk.dtype
+                or rows.dtype != torch.int64 or rows.dim() != 1 or nk.stride(-1) != 1 or nv.stride(-1) != 1):
             return super().kv_write(store, rows, **values)
-        kernels.kv_write(nk, nv, k.data, v.data, rows)
+        if isinstance(k, PlainBuffer) and isinstance(v, PlainBuffer) and k.data.dtype == v.data.dtype == nk.dtype:
+            kernels.kv_write(nk, nv, k.data, v.data, rows)
+        elif isinstance(k, Int4Buffer) and isinstance(v, Int4Buffer) and k.group == v.group:
+            kernels.kv_write_int4(nk, nv, (k.codes, k.meta), (v.codes, v.meta), rows, k.group)
+        else:
+            return super().kv_write(store, rows, **values)
         return None
 
     def decode_attention(self, store: KVStore, q: torch.Tensor, rows: torch.Tensor, n_keys: torch.Tensor,

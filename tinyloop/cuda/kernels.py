@@ -16,7 +16,7 @@ import torch
 from tinyloop.cuda import launch, loader
 from tinyloop.cuda.reference import STYLE_MODES
 
-__all__ = ["SUFFIX", "KVStoreArg", "kv_write", "residual_rmsnorm", "rms_norm", "rope_", "swiglu",
+__all__ = ["SUFFIX", "KVStoreArg", "kv_write", "kv_write_int4", "residual_rmsnorm", "rms_norm", "rope_", "swiglu",
            "paged_decode_attention"]
 
 SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -142,6 +142,28 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: t
     args = (_ptr(k), _ptr(v), _ptr(k_store), _ptr(v_store), _ptr(rows), _i64(rows.stride(0)), _i32(kvh), _i32(d),
             _i64(k.stride(0)), _i64(k.stride(1)), _i64(v.stride(0)), _i64(v.stride(1)))
     _run("kv_write", "kv_write", k.dtype, launch.kv_write_launch(n, kvh, d), args, k.device)
+
+
+def kv_write_int4(k: torch.Tensor, v: torch.Tensor, k_store: tuple[torch.Tensor, torch.Tensor],
+                  v_store: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, group: int) -> None:
+    """``kvstore.Int4Buffer.write`` of k and v ``[N, Hkv, D]`` (row and head strides free, D
+    contiguous) at pool ``rows`` ``[N]`` int64, in one launch: each (codes ``[rows, Hkv, D/2]``
+    uint8, meta ``[rows, Hkv, D/group, 2]`` fp16) pair contiguous."""
+    n, kvh, d = k.shape
+    if v.shape != k.shape or v.dtype != k.dtype or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v: [N, Hkv, D] of one dtype, head_dim contiguous")
+    if group < 2 or group % 2 or d % group:
+        raise ValueError(f"an int4 group is an even divisor of head_dim {d}, got {group}")
+    for codes, meta in (k_store, v_store):
+        if (codes.dtype != torch.uint8 or meta.dtype != torch.float16 or codes.shape[1:] != (kvh, d // 2)
+                or meta.shape[1:] != (kvh, d // group, 2) or not (codes.is_contiguous() and meta.is_contiguous())):
+            raise ValueError("an int4 pool: contiguous uint8 codes [rows, Hkv, D/2] and fp16 meta [rows, Hkv, G, 2]")
+    if rows.dtype != torch.int64 or rows.shape != (n,):
+        raise ValueError(f"rows must be [{n}] int64")
+    args = (_ptr(k), _ptr(v), _ptr(k_store[0]), _ptr(k_store[1]), _ptr(v_store[0]), _ptr(v_store[1]), _ptr(rows),
+            _i64(rows.stride(0)), _i32(kvh), _i32(d), _i32(group), _i64(k.stride(0)), _i64(k.stride(1)),
+            _i64(v.stride(0)), _i64(v.stride(1)))
+    _run("kv_write", "kv_write_int4", k.dtype, launch.kv_write_int4_launch(n, kvh, d // group), args, k.device)
 
 
 KVStoreArg = torch.Tensor | tuple[torch.Tensor, torch.Tensor]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Launch", "ATTN_THREADS", "ATTN_MAX_PER_THREAD", "MAX_THREADS", "SHARED_LIMIT",
-           "rmsnorm_launch", "rope_launch", "swiglu_launch", "kv_write_launch", "decode_splits", "keys_per_split",
-           "paged_decode_launch", "paged_combine_launch", "block_threads"]
+           "rmsnorm_launch", "rope_launch", "swiglu_launch", "kv_write_launch", "kv_write_int4_launch",
+           "decode_splits", "keys_per_split", "paged_decode_launch", "paged_combine_launch", "block_threads"]
 
 MAX_THREADS = 1024  # threads per block on every architecture CUDA 12/13 supports
 SHARED_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
@@ -58,6 +58,14 @@ def kv_write_launch(tokens: int, kv_heads: int, head_dim: int) -> Launch:
     if tokens < 1 or kv_heads < 1 or head_dim < 1:
         raise ValueError("tokens, kv_heads and head_dim must be >= 1")
     return Launch((tokens, kv_heads, 2), (block_threads(head_dim, 256), 1, 1))
+
+
+def kv_write_int4_launch(tokens: int, kv_heads: int, groups: int) -> Launch:
+    """A block per (token, K or V); its threads stride over the token's ``kv_heads * groups``
+    int4 groups, one each (``kv_write.cu``)."""
+    if tokens < 1 or kv_heads < 1 or groups < 1:
+        raise ValueError("tokens, kv_heads and groups must be >= 1")
+    return Launch((tokens, 2, 1), (block_threads(kv_heads * groups, 256), 1, 1))
 
 
 def swiglu_launch(rows: int, inter: int) -> Launch:

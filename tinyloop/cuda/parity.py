@@ -155,9 +155,10 @@ def _backend_rope_view_case(style: str, fused: bool) -> Case:
                 lambda: launch.rope_launch(r * t, hq + hkv, 0, d))
 
 
-def _backend_kv_write_case(tokens: int, hkv: int, d: int) -> Case:
+def _backend_kv_write_case(tokens: int, hkv: int, d: int, kv_mode: str = "full") -> Case:
     """``CudaBackend.kv_write`` as a context calls it (K and V views of the fused projection,
-    the pool rows a strided column of a table) against the torch backend's: the whole pool."""
+    the pool rows a strided column of a table) against the torch backend's: the whole pool, an
+    int4 pool's codes and meta (quantized as torch quantizes on the device) included."""
     heads = 2 * hkv
 
     def build(device: torch.device, dtype: torch.dtype, kernel: bool) -> tuple[Tensors, Tensors]:
@@ -168,8 +169,8 @@ def _backend_kv_write_case(tokens: int, hkv: int, d: int) -> Case:
 
         g = _gen(device, tokens + hkv)
         config = PRESETS["tiny"].replace(heads=heads, kv_heads=hkv, head_dim=d, hidden=heads * d)
-        stores = [KVStore(KVMode.parse("full"), config, 4 * tokens, 16, dtype, device) for _ in range(2)]
-        qkv = _randn((tokens, heads + 2 * hkv, d), g, device, dtype)  # [N, Hq + 2Hkv, D]
+        stores = [KVStore(KVMode.parse(kv_mode), config, 4 * tokens, 16, dtype, device) for _ in range(2)]
+        qkv = _randn((tokens, heads + 2 * hkv, d), g, device, dtype, 3.0)  # [N, Hq + 2Hkv, D]
         k, v = qkv[:, heads:heads + hkv], qkv[:, heads + hkv:]
         table = torch.stack([torch.randperm(4 * tokens, generator=g)[:tokens]] * 3, dim=1).to(device)  # [N, 3]
         TORCH.kv_write(stores[1], table[:, 1], k=k, v=v)
@@ -178,9 +179,11 @@ def _backend_kv_write_case(tokens: int, hkv: int, d: int) -> Case:
             CudaBackend().kv_write(stores[0], table[:, 1], k=k, v=v)
         else:
             TORCH.kv_write(stores[0], table[:, 1], k=k, v=v)
-        got, want = ((s.fields["k"].data, s.fields["v"].data) for s in stores)  # type: ignore[union-attr]
+        got, want = (tuple(t for f in s.fields.values() for t in f.tensors) for s in stores)
         return got, want
-    return Case(f"backend kv_write N={tokens} Hkv={hkv} D={d}", build, lambda: launch.kv_write_launch(tokens, hkv, d))
+    return Case(f"backend kv_write {kv_mode} N={tokens} Hkv={hkv} D={d}", build,
+                lambda: launch.kv_write_launch(tokens, hkv, d) if kv_mode == "full"
+                else launch.kv_write_int4_launch(tokens, hkv, d // 32))
 
 
 def _swiglu_case(rows: int, inter: int) -> Case:
@@ -307,7 +310,8 @@ def cases() -> list[Case]:
             for tokens, hq, hkv, d, bias, f32 in ((1, 12, 12, 64, False, False), (33, 55, 55, 96, True, True),
                                                   (5, 8, 2, 128, True, False))]
     out += [_swiglu_case(rows, inter) for rows, inter in ((1, 3072), (33, 17920), (3, 100))]
-    out += [_backend_kv_write_case(tokens, hkv, d) for tokens, hkv, d in ((1, 12, 64), (33, 55, 96), (5, 2, 128))]
+    out += [_backend_kv_write_case(tokens, hkv, d, mode) for mode in ("full", "int4")
+            for tokens, hkv, d in ((1, 12, 64), (33, 55, 96), (5, 2, 128))]
     out += [_backend_rope_case(style, f32) for style in ("half", "interleaved") for f32 in (False, True)]
     out += [_backend_rope_view_case(style, fused) for style in ("half", "interleaved") for fused in (True, False)]
     out += [_paged_case(lens, hq, hkv, d, gaps, splits)
