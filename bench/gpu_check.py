@@ -330,7 +330,7 @@ def check_sampling(report: Report, device: torch.device) -> None:
     dev = sample_batch(x[:8], asked, [make_generator(b) for b in range(8)], history[0][:8], history[1][:8])
     same, err = 0, 0.0
     for h, d in zip(host, dev):
-        if h.logprob is None or d.logprob is None or h.token_id != d.token_id:
+        if h is None or d is None or h.logprob is None or d.logprob is None or h.token_id != d.token_id:
             continue
         same += [i for i, _ in h.logprob.top] == [i for i, _ in d.logprob.top]
         err = max(err, abs(h.logprob.logprob - d.logprob.logprob),

@@ -120,26 +120,30 @@ def test_decode_graphs_replay_the_eager_step(kernels: bool) -> None:
 
 
 def test_sampling_cuda_logits_equals_the_host() -> None:
-    """``sample_batch`` on CUDA logits (plain greedy rows' argmax, every other row sampled on the
-    device with its logprobs) picks what it picks from the same logits on the host (up to the
-    rounding of the device's reductions: none at these margins), with the same logprobs to 1e-4."""
+    """``sample_batch`` on CUDA logits (every row sampled on the device with its logprobs, one
+    transfer) picks what it picks from the same logits on the host (up to the rounding of the
+    device's reductions: none at these margins), with the same logprobs to 1e-4; a row of NaN
+    comes back None on both."""
     from tinyloop.engine.sampling import make_generator, sample_batch
     from tinyloop.requests import SamplingParams
 
-    logits = torch.randn(7, 4096, generator=torch.Generator().manual_seed(0)) * 3
+    logits = torch.randn(8, 4096, generator=torch.Generator().manual_seed(0)) * 3
+    logits[7, 100] = float("nan")  # a broken row beside a top-p row: None, and no device-side assert
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
               SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0, logprobs=True),
               SamplingParams(temperature=1.0, top_k=20, seed=2), SamplingParams(temperature=0),
-              SamplingParams(temperature=0.9, seed=3, top_logprobs=5)]
+              SamplingParams(temperature=0.9, seed=3, top_logprobs=5), SamplingParams(temperature=0.7, seed=4)]
     for dtype in (torch.float32, torch.bfloat16):
         x = logits.to(dtype)
-        host, dev = (sample_batch(t, params, [make_generator(p.seed) for p in params], [[1, 2, 3]] * 7, [[4]] * 7)
+        host, dev = (sample_batch(t, params, [make_generator(p.seed) for p in params], [[1, 2, 3]] * 8, [[4]] * 8)
                      for t in (x, x.cuda()))
-        assert [r.token_id for r in dev] == [r.token_id for r in host]
-        for h, d in zip(host, dev):
-            assert (h.logprob is None) == (d.logprob is None)
+        assert host[7] is None and dev[7] is None
+        assert [r.token_id for r in dev[:7] if r] == [r.token_id for r in host[:7] if r]
+        for h, d in zip(host[:7], dev[:7]):
+            assert h is not None and d is not None and (h.logprob is None) == (d.logprob is None)
             if h.logprob is not None and d.logprob is not None:
                 assert d.logprob.logprob == pytest.approx(h.logprob.logprob, abs=1e-4)
                 assert [i for i, _ in d.logprob.top] == [i for i, _ in h.logprob.top]
                 assert [v for _, v in d.logprob.top] == pytest.approx([v for _, v in h.logprob.top], abs=1e-4)
         assert len(dev[6].logprob.top) == 5  # type: ignore[union-attr]
+        torch.cuda.synchronize()  # the context is still usable

@@ -5,11 +5,13 @@ generator where ``sample_token`` leaves it."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from tinyloop.engine.batch_sampling import sample_rows
+from tinyloop.engine.batch_sampling import sample_on_device, sample_rows
 from tinyloop.engine.sampling import make_generator, sample_batch, sample_token
 from tinyloop.requests import SamplingParams
 
@@ -60,9 +62,10 @@ def test_sampled_rows_follow_their_distribution() -> None:
     assert torch.allclose(counts[:3], want, atol=0.03)
 
 
-def test_sample_batch_on_a_device_batches_every_row_but_plain_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off the CPU, ``sample_batch`` hands every row that is not a plain argmax to ``sample_rows``
-    and its logprobs to ``row_logprobs``: the same picks and logprobs as the host path."""
+def test_sample_batch_on_a_device_samples_every_row_in_one_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the CPU, ``sample_batch`` hands every row to ``sample_rows`` and brings ids, logprobs
+    and the check of the logits back in one transfer: the same picks and logprobs as the host
+    path, None for the row with a NaN (and for the row with nothing finite)."""
     import tinyloop.engine.sampling as sampling
 
     logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
@@ -70,10 +73,14 @@ def test_sample_batch_on_a_device_batches_every_row_but_plain_argmax(monkeypatch
               SamplingParams(temperature=0, presence_penalty=0.5),
               SamplingParams(temperature=0.7, logprobs=True, seed=5),
               SamplingParams(temperature=1.2, min_p=0.1, seed=6),
-              SamplingParams(temperature=0, top_logprobs=3)]
-    logits = torch.cat([logits, logits[:1]])  # [6, V]
-    history = ([[1, 2]] * 6, [[3, 4]] * 6)
+              SamplingParams(temperature=0, top_logprobs=3),
+              SamplingParams(temperature=0.8, seed=7, top_logprobs=2),
+              SamplingParams(temperature=0)]
+    logits = torch.cat([logits, logits[:1], logits[1:2], torch.full((1, VOCAB), float("-inf"))])  # [8, V]
+    logits[6, 17] = float("nan")
+    history = ([[1, 2]] * 8, [[3, 4]] * 8)
     want = sample_batch(logits, params, [make_generator(p.seed) for p in params], *history)
+    assert want[6] is None and want[7] is None  # the host path: no usable logits
     batched: list[int] = []
 
     def spy(*args: object) -> torch.Tensor:
@@ -81,29 +88,42 @@ def test_sample_batch_on_a_device_batches_every_row_but_plain_argmax(monkeypatch
         return sample_rows(*args)  # type: ignore[arg-type]
     monkeypatch.setattr(sampling, "_on_device", lambda t: True)
     monkeypatch.setattr("tinyloop.engine.batch_sampling.sample_rows", spy)
-    got = sample_batch(logits, params, [make_generator(p.seed) for p in params], *history)
+    with Transfers() as transfers:
+        got = sample_batch(logits, params, [make_generator(p.seed) for p in params], *history)
     assert got == want and got[3].logprob is not None and len(got[5].logprob.top) == 3  # type: ignore[union-attr]
-    assert batched == [5]  # all but row 0, a plain argmax
+    assert batched == [8] and transfers.count == 1
 
 
-def test_row_logprobs_are_sample_tokens_with_ties_to_the_lower_id() -> None:
+class Transfers(TorchFunctionMode):
+    """Counts ``Tensor.tolist`` calls: each is a wait for the device and a copy to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.tolist:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_device_logprobs_are_sample_tokens_with_ties_to_the_lower_id() -> None:
     """The chosen token's logprob and the best alternatives, best first, equal values in id
     order, for each row that asks (``top_logprobs`` 0 to past the vocabulary)."""
-    from tinyloop.engine.batch_sampling import row_logprobs
-
     logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(2)).round()  # many equal values
     params = [SamplingParams(temperature=0, logprobs=True), SamplingParams(temperature=0),
               SamplingParams(temperature=0, top_logprobs=5), SamplingParams(temperature=0, top_logprobs=20),
-              SamplingParams(temperature=0, top_logprobs=3, logprobs=True)]
-    tokens = torch.tensor([3, 7, 0, 11, 5])
-    got = row_logprobs(logits, tokens, params)
-    assert [t for t, _ in got] == tokens.tolist() and got[1][1] is None
+              SamplingParams(temperature=0.9, top_logprobs=3, logprobs=True, seed=1)]
+    history: list[list[int]] = [[]] * 5
+    got = sample_on_device(logits, params, [make_generator(p.seed) for p in params], history, history)
+    assert got[1] is not None and got[1][1] is None
     for b in (0, 2, 3, 4):
-        want = sample_token(logits[b], params[b], make_generator(None), prompt_tokens=[], output_tokens=[]).logprob
-        assert want is not None
-        lp = got[b][1]
-        assert lp is not None and lp.token_id == tokens[b]
-        assert lp.logprob == pytest.approx(float(torch.log_softmax(logits[b], -1)[tokens[b]]), abs=1e-6)
-        assert [i for i, _ in lp.top] == [i for i, _ in want.top]  # the same ids in the same order
-        assert [v for _, v in lp.top] == pytest.approx([v for _, v in want.top], abs=1e-6)
-    assert len(got[3][1].top) == 12 and len(got[4][1].top) == 3  # type: ignore[union-attr]  # 20: all 12
+        want = sample_token(logits[b], params[b], make_generator(params[b].seed), prompt_tokens=[], output_tokens=[])
+        row = got[b]
+        assert row is not None and want.logprob is not None
+        token, lp = row
+        assert token == want.token_id and lp is not None and lp.token_id == token
+        assert lp.logprob == pytest.approx(want.logprob.logprob, abs=1e-6)
+        assert [i for i, _ in lp.top] == [i for i, _ in want.logprob.top]  # the same ids in the same order
+        assert [v for _, v in lp.top] == pytest.approx([v for _, v in want.logprob.top], abs=1e-6)
+    assert len(got[3][1].top) == 12 and len(got[4][1].top) == 3  # type: ignore[index,union-attr]  # 20: all 12

@@ -7,8 +7,8 @@ the top-k distribution), min-p, each renormalising and keeping ties, and one inv
 The uniforms come from each row's own generator, drawn on the host in row order, one per sampled
 row: the generators advance exactly as ``sample_token`` advances them, so a request draws the
 same whether it is sampled here or alone, up to the rounding of another device's reductions.
-``row_logprobs`` gives the rows that ask for logprobs theirs (the chosen token's, and the best
-alternatives, under the raw logits, as ``sampling._logprob``), in one more transfer.
+``sample_on_device`` runs it for a whole batch with the rows' logprobs and a check of their
+logits, and brings it all to the host in one transfer.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from tinyloop.requests import SamplingParams, TokenLogprob
 
-__all__ = ["row_logprobs", "sample_rows"]
+__all__ = ["sample_on_device", "sample_rows"]
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
@@ -39,29 +39,40 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generato
     return tokens.index_copy(0, at, _pick(cdf, probs, target))
 
 
-def row_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                 params: Sequence[SamplingParams]) -> list[tuple[int, TokenLogprob | None]]:
-    """Each row's chosen token (``tokens`` ``[B]``, on the logits' device) and, for the rows that
-    ask, its logprob under the raw ``logits`` ``[B, V]`` with the ``top_logprobs`` best
-    alternatives, best first, ties to the lower id (``sampling._logprob``). Two transfers to
-    the host: the ids, then one float64 table of the logprob rows."""
+def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                     prompt_tokens: Sequence[Sequence[int]],
+                     output_tokens: Sequence[Sequence[int]]) -> list[tuple[int, TokenLogprob | None] | None]:
+    """Every row of ``logits`` ``[B, V]`` sampled where the logits are (``sample_rows``), with
+    its logprobs when the row asks (the chosen token's under the raw logits and the
+    ``top_logprobs`` best alternatives, best first, ties to the lower id: ``sampling._logprob``),
+    and whether its logits are usable, all in one transfer to the host: the step's only wait
+    for the device. None for a row whose logits hold a NaN or +inf or no finite value (its
+    draw, if any, is spent: the caller fails that row's request)."""
+    x = logits.detach()
+    usable = torch.isfinite(x.amax(dim=-1))  # [B] one pass: NaN or +inf max, or -inf (nothing finite)
+    tokens = sample_rows(x, params, generators, prompt_tokens, output_tokens)  # [B]
+    parts = [tokens.double(), usable.double()]
     want = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs]
-    if not want:
-        return [(t, None) for t in tokens.tolist()]
-    at = torch.tensor(want, dtype=torch.long, device=logits.device)
-    lp = torch.log_softmax(logits.detach()[at].float(), dim=-1)  # [W, V]
-    columns = [lp.gather(1, tokens[at][:, None])]  # [W, 1] the chosen token's
-    n = min(max(params[i].top_logprobs for i in want), lp.shape[-1])
-    if n:
-        values, ids = lp.sort(dim=-1, descending=True, stable=True)  # equal values keep id order
-        columns += [values[:, :n], ids[:, :n].to(lp.dtype)]  # ids < 2**24: exact in float32
-    table = torch.cat(columns, dim=1).double()  # [W, 1 + 2n]
-    chosen, rows = tokens.tolist(), table.tolist()
-    out: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in chosen]
-    for i, row in zip(want, rows):
-        k = min(params[i].top_logprobs, n)
-        top = tuple(zip((int(v) for v in row[1 + n:1 + n + k]), row[1:1 + k]))
-        out[i] = (chosen[i], TokenLogprob(chosen[i], row[0], top))
+    n = min(max((params[i].top_logprobs for i in want), default=0), x.shape[-1])
+    if want:
+        at = torch.tensor(want, dtype=torch.long, device=x.device)
+        lp = torch.log_softmax(x[at].float(), dim=-1)  # [W, V]
+        columns = [lp.gather(1, tokens[at][:, None])]  # [W, 1] the chosen token's
+        if n:
+            values, ids = lp.sort(dim=-1, descending=True, stable=True)  # equal values keep id order
+            columns += [values[:, :n], ids[:, :n].to(lp.dtype)]  # ids < 2**24: exact in float32
+        parts.append(torch.cat(columns, dim=1).double().flatten())  # [W * (1 + 2n)]
+    host = torch.cat(parts).tolist()
+    b, width = len(params), 1 + 2 * n
+    out: list[tuple[int, TokenLogprob | None] | None] = [
+        (int(t), None) if ok else None for t, ok in zip(host[:b], host[b:2 * b])]
+    for j, i in enumerate(want):
+        chosen = out[i]
+        if chosen is not None:
+            row = host[2 * b + j * width:2 * b + (j + 1) * width]
+            k = min(params[i].top_logprobs, n)
+            top = tuple(zip((int(v) for v in row[1 + n:1 + n + k]), row[1:1 + k]))
+            out[i] = (chosen[0], TokenLogprob(chosen[0], row[0], top))
     return out
 
 
@@ -121,7 +132,8 @@ def _filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor
     if any(p.top_p < 1.0 for p in params):
         ranked = probs.sort(dim=-1, descending=True).values  # [R, V]
         mass_before = ranked.cumsum(dim=-1) - ranked
-        inside = (mass_before < _column([p.top_p for p in params], x)).sum(dim=-1, keepdim=True)  # [R, 1] >= 1
+        inside = (mass_before < _column([p.top_p for p in params], x)).sum(dim=-1, keepdim=True)  # [R, 1]
+        inside = inside.clamp_(min=1)  # >= 1 but in a row of NaN (its request fails; no index -1 on a GPU)
         probs = _where([p.top_p < 1.0 for p in params], _keep_at_least(probs, ranked.gather(1, inside - 1)), probs)
     if any(p.min_p > 0.0 for p in params):
         floor = _column([p.min_p for p in params], x) * probs.max(dim=-1, keepdim=True).values

@@ -63,33 +63,24 @@ class PlainDecoding:
         """Sample every row and accept its token; a row with NaN or +inf logits, or with no
         finite one, fails its own sequence only (as does a sampler or stop-check failure)."""
         logits = torch.stack(rows).float()  # [B, V]
-        # One pass: the row maximum is NaN when any logit is, +inf when one is, -inf when no
-        # logit is finite, and finite otherwise.
-        bad = (~torch.isfinite(logits.amax(-1))).tolist()  # [B]
-        for seq, b in zip(seqs, bad):
-            if b:
-                seq.fail(EngineError("the model produced non-finite logits for this request"))
-        keep = [i for i, b in enumerate(bad) if not b]
-        good = [seqs[i] for i in keep]
-        if not good:
-            return []
         # Greedy rows draw nothing: only the others' generators need saving for a retry.
-        states = [(s, s.generator.get_state()) for s in good if not s.request.sampling.greedy]
-        try:
-            results: list[Any] = sample_batch(logits if len(good) == len(seqs) else logits[keep],
-                                              [s.request.sampling for s in good],
-                                              [s.generator for s in good], [s.prompt for s in good],
-                                              [s.output for s in good])
+        states = [(s, s.generator.get_state()) for s in seqs if not s.request.sampling.greedy]
+        try:  # (on a GPU: one wait for the device, the step's only one)
+            results: list[Any] = sample_batch(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs],
+                                              [s.prompt for s in seqs], [s.output for s in seqs])
         except Exception:  # find the row that raised: every other row samples as it would have
             for s, state in states:
                 s.generator.set_state(state)  # rows before the one that raised drew already
-            results = [guard(s, _sample_one, s, logits[i]) for s, i in zip(good, keep)]
+            results = [guard(s, _sample_one, s, logits[i]) for i, s in enumerate(seqs)]
         events = []
-        for s, r in zip(good, results):
-            if r is not None:
-                event = guard(s, self.core.accept, s, r.token_id, r.logprob)
-                if event is not None:
-                    events.append(event)
+        for s, r in zip(seqs, results):
+            if r is None:  # no usable logits (or the sampler failed the sequence already)
+                if s.error is None:
+                    s.fail(EngineError("the model produced non-finite logits for this request"))
+                continue
+            event = guard(s, self.core.accept, s, r.token_id, r.logprob)
+            if event is not None:
+                events.append(event)
         return events
 
 

@@ -256,14 +256,15 @@ def sample_batch(
     generators: Sequence[torch.Generator],
     prompt_tokens: Sequence[Sequence[int]],
     output_tokens: Sequence[Sequence[int]],
-) -> list[SampleResult]:
-    """One ``SampleResult`` per row of ``logits`` [B, V], each as ``sample_token`` gives alone.
+) -> list[SampleResult | None]:
+    """One ``SampleResult`` per row of ``logits`` [B, V], each as ``sample_token`` gives alone;
+    None for a row whose logits hold a NaN or +inf or no finite value (nothing to sample from).
 
-    Rows that are greedy with no penalties and no logprobs share one vectorised argmax (the
-    same first-maximum rule as ``sample_token``). On the CPU every other row is sampled on its
-    own. On a GPU the argmax runs there, the other rows are sampled together there
-    (``batch_sampling.sample_rows``: the same picks) with their logprobs
-    (``batch_sampling.row_logprobs``), and only ids and logprobs cross to the host, never logits.
+    On the CPU, rows that are greedy with no penalties and no logprobs share one vectorised
+    argmax (the same first-maximum rule as ``sample_token``) and every other row is sampled on
+    its own. On a GPU every row is sampled there with its logprobs
+    (``batch_sampling.sample_on_device``: the same picks) and one transfer brings the ids,
+    the logprobs and the check of the logits to the host: never the logits themselves.
     """
     batch = logits.shape[0]
     if not len(params) == len(generators) == len(prompt_tokens) == len(output_tokens) == batch:
@@ -272,23 +273,20 @@ def sample_batch(
             f"{len(params)} params, {len(generators)} generators, {len(prompt_tokens)} prompts, "
             f"{len(output_tokens)} outputs"
         )
-    fast = [i for i, p in enumerate(params) if _is_plain_greedy(p)]
-    others = [i for i, p in enumerate(params) if not _is_plain_greedy(p)]
     rows = logits.detach()  # [B, V]
-    on_device = _on_device(rows)
-    if rows.is_cpu:
-        rows = rows.float()
+    if _on_device(rows):
+        picked = batch_sampling.sample_on_device(rows, params, generators, prompt_tokens, output_tokens)
+        return [None if r is None else SampleResult(*r) for r in picked]
+    rows = rows.float()
+    # one pass: the row maximum is NaN when any logit is, +inf when one is, -inf when none is finite
+    usable = torch.isfinite(rows.amax(dim=-1)).tolist()  # [B]
+    fast = [i for i, p in enumerate(params) if usable[i] and _is_plain_greedy(p)]
     argmax = (rows if len(fast) == batch else rows[fast]).argmax(dim=-1).tolist() if fast else []  # [F]
-    results = dict(zip(fast, (SampleResult(int(t)) for t in argmax)))
-    if on_device and others:  # the other rows sampled together where the logits are; ids (and logprobs) cross
-        sub = rows if len(others) == batch else rows[others]
-        chosen = [params[i] for i in others]
-        picked = batch_sampling.sample_rows(sub, chosen, [generators[i] for i in others],
-                                            [prompt_tokens[i] for i in others], [output_tokens[i] for i in others])
-        results.update(zip(others, (SampleResult(t, lp) for t, lp in batch_sampling.row_logprobs(sub, picked, chosen))))
-    for i in (i for i in others if i not in results):  # the CPU: row by row
-        results[i] = sample_token(rows[i], params[i], generators[i], prompt_tokens=prompt_tokens[i],
-                                  output_tokens=output_tokens[i])
+    results: dict[int, SampleResult | None] = dict(zip(fast, (SampleResult(int(t)) for t in argmax)))
+    for i in range(batch):
+        if i not in results:
+            results[i] = None if not usable[i] else sample_token(
+                rows[i], params[i], generators[i], prompt_tokens=prompt_tokens[i], output_tokens=output_tokens[i])
     return [results[i] for i in range(batch)]
 
 
