@@ -27,7 +27,8 @@ as gpu_check.md and gpu_check.json when ``OUT`` is set):
    runtime and one ``POST /v1/completions`` through the HTTP server on 127.0.0.1:0, both against
    the CPU engine's greedy text;
 5. decode: tokens/s at batch 1, 8 and 32 for the demo model (loops 4), the ~100M preset (loops
-   4 and 8) and a random bf16 model of Huginn-0125's shape (loops 4, 8 and 32), three paths side
+   4 and 8, and batches of 8 and 32 whose rows mix 2, 4 and 8 loops: one graph) and a random
+   bf16 model of Huginn-0125's shape (loops 4, 8 and 32), three paths side
    by side: torch eager, the kernels (``CudaBackend``), the kernels with the decode step replayed
    as CUDA graphs (``engine/graphs.py``); with the weight bandwidth each implies (weight bytes
    read per step x steps/s) against the device's HBM peak where known, each path's ratio to
@@ -424,15 +425,18 @@ def weight_bytes_per_step(config: ModelConfig, loops: int, dtype: torch.dtype) -
     return size * ((c.n_prelude + c.n_coda + c.n_core * loops) * layer + loops * adapter + c.vocab_size * c.hidden)
 
 
-def decode_rate(engine: Any, batch: int, loops: int, tokens: int, prompt_len: int, sync: Callable[[], None]) -> float:
-    """Decode tokens/s of ``batch`` sequences: generate ``tokens`` and 1 token, subtract."""
+def decode_rate(engine: Any, batch: int, loops: int | tuple[int, ...], tokens: int, prompt_len: int,
+                sync: Callable[[], None]) -> float:
+    """Decode tokens/s of ``batch`` sequences: generate ``tokens`` and 1 token, subtract. A tuple
+    of ``loops``: the rows take them in turn (a batch of mixed loop counts)."""
     from tinyloop.requests import GenerationRequest, SamplingParams
 
     greedy = SamplingParams(temperature=0, ignore_eos=True)
 
     def run(n: int) -> float:
+        cycle = loops if isinstance(loops, tuple) else (loops,)
         reqs = [GenerationRequest(tuple((7 * b + i) % 200 + 10 for i in range(prompt_len)), max_tokens=n,
-                                  loops=loops, sampling=greedy) for b in range(batch)]
+                                  loops=cycle[b % len(cycle)], sampling=greedy) for b in range(batch)]
         sync()
         t = time.perf_counter()
         engine.generate_many(reqs)
@@ -458,11 +462,13 @@ def check_decode(report: Report, device: torch.device, dry: bool, budget: float)
     peak = next((v for k, v in HBM_PEAK_GBS.items() if k in name), None)
     dtype = torch.bfloat16 if not dry else torch.float32
     demo = load_engine(Settings(device=device.type, dtype="bfloat16" if not dry else None))
-    plans: list[tuple[str, Callable[[], Any], list[int], int]] = [
-        ("demo", lambda: demo, [4], 64 if not dry else 4)]
+    # a tuple of loop counts: a batch whose rows take them in turn (batch 1: the first alone)
+    plans: list[tuple[str, Callable[[], Any], list[int | tuple[int, ...]], int]] = [
+        ("demo", lambda: demo, [4] if not dry else [4, (2, 4)], 64 if not dry else 4)]
     if not dry:
         plans.append(("base100m", lambda: Engine(random_model(PRESETS["base100m"], device, dtype),
-                                                 default_tokenizer(), max_seq_len=256, kv_cache_mb=4096), [4, 8], 32))
+                                                 default_tokenizer(), max_seq_len=256, kv_cache_mb=4096),
+                      [4, 8, (2, 4, 8)], 32))
         plans.append(("huginn-shape", lambda: Engine(random_model(HUGINN, device, dtype), default_tokenizer(),
                                                      max_seq_len=128, kv_cache_mb=16384), [4, 8, 32], 8))
     kernels = None
@@ -484,16 +490,19 @@ def check_decode(report: Report, device: torch.device, dry: bool, budget: float)
             paths.append(("graphs (torch ops)" if not dry else "static step", TORCH, graphs))
         for loops in loop_counts:
             rates: dict[tuple[str, int], float] = {}
-            for batch in batches:
+            mixed = isinstance(loops, tuple)
+            for batch in batches if not mixed else batches[1:]:
                 for pname, backend, with_graphs in paths:
-                    row = f"{label} {str(engine.dtype)[6:]} loops {loops} batch {batch} {pname}"
+                    shown = "/".join(map(str, loops)) if isinstance(loops, tuple) else str(loops)
+                    row = f"{label} {str(engine.dtype)[6:]} loops {shown} batch {batch} {pname}"
                     if report.elapsed() > budget:
                         report.add("decode", row, None, "", "skipped: time")
                         continue
                     engine.model.use_backend(backend)
                     engine.graphs = with_graphs
                     rate = rates[(pname, batch)] = decode_rate(engine, batch, loops, tokens, 16, sync)
-                    gbs = weight_bytes_per_step(config, loops, engine.dtype) * rate / batch / 1e9
+                    most = max(loops) if isinstance(loops, tuple) else loops  # weights read a step: the longest row's
+                    gbs = weight_bytes_per_step(config, most, engine.dtype) * rate / batch / 1e9
                     note = f"{gbs:.0f} GB/s weights" + (f", {100 * gbs / peak:.0f}% of {peak:.0f}" if peak else "")
                     if pname != "eager" and ("eager", batch) in rates:
                         note += f"; {rate / rates[('eager', batch)]:.2f}x eager"

@@ -102,8 +102,8 @@ class Settings:
                               "write and paged decode attention on the CuPy kernels (tinyloop/cuda; the cuda "
                               "extra); off: torch ops")
     cuda_graphs: bool = _opt(False, "TINYLOOP_CUDA_GRAPHS",
-                             "on a CUDA device, decode steps captured as CUDA graphs (per batch bucket, loops "
-                             "and window, on first use) and replayed")
+                             "on a CUDA device, decode steps captured as CUDA graphs (per batch bucket and "
+                             "largest loop count, rows of any loops and window, on first use) and replayed")
     weights: str = _opt("float", "TINYLOOP_WEIGHTS",
                         "linear weights at load: float (as stored), int8 (per channel) or int4 (groups of 32); "
                         "CPU, float32 activations")

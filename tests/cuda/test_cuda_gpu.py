@@ -86,8 +86,9 @@ def test_engine_on_the_cuda_backend_generates_the_cpu_tokens() -> None:
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
 def test_decode_graphs_replay_the_eager_step(kernels: bool) -> None:
-    """Decode captured as CUDA graphs (``engine/graphs.py``): the CPU's tokens, the eager GPU
-    step's logits, one graph per bucket captured once and replayed."""
+    """Decode captured as CUDA graphs (``engine/graphs.py``): the CPU's tokens (rows of one loop
+    count, and of several in one graph), the eager GPU step's logits, one graph per bucket
+    captured once and replayed."""
     from tests.engine.test_device import make_engine
     from tests.engine.test_engine import req
     from tinyloop.cuda.backend import CudaBackend
@@ -107,6 +108,10 @@ def test_decode_graphs_replay_the_eager_step(kernels: bool) -> None:
     want = [r.tokens for r in cpu.generate_many(reqs)]
     assert [r.tokens for r in graphed.generate_many(reqs)] == want
     assert graphed.graphs is not None and graphed.graphs.replays > 0
+    mixed = [req(list(range(30, 30 + n)), max_tokens=10, loops=loops, cache_window=window, sampling=greedy)
+             for n, loops, window in ((5, 3, None), (9, 1, None), (4, 2, 1), (12, 3, 2))]
+    assert [r.tokens for r in graphed.generate_many(mixed)] == [r.tokens for r in cpu.generate_many(mixed)]
+    assert any(mixed for _, _, mixed in graphed.graphs.graphs)  # one graph for rows of 1 to 3 loops
     assert all(g.graph is not None for g in graphed.graphs.graphs.values()) and not graphed.graphs.failed
     seqs_e, seqs_g = ([e.start(r) for r in reqs[:3]] for e in (eager, graphed))
     for e, seqs in ((eager, seqs_e), (graphed, seqs_g)):

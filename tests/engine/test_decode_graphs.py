@@ -87,16 +87,44 @@ def test_the_static_step_gives_the_eager_logits(config: str, kv_mode: str, loops
             sa.pending = sb.pending = int(row.argmax())
         assert [s.kv.length for s in a] == [s.kv.length for s in b]
     assert static.graphs is not None and static.graphs.replays == 10
-    assert list(static.graphs.graphs) == [(4, loops, min(window or loops, loops))]  # 3 rows: bucket 4
+    assert list(static.graphs.graphs) == [(4, loops, False)]  # 3 rows: bucket 4, every row at `loops`
     # the same work counted as the eager forward counts it
     assert static.model.counters["core_row_loops"] - eager.model.counters["core_row_loops"] == 0
+
+
+@pytest.mark.parametrize("config,kv_mode", [("tiny", "full"), ("ouro-like", "full"), ("tiny", "int4")])
+def test_rows_of_different_loops_and_windows_share_one_graph(config: str, kv_mode: str) -> None:
+    """The dial turned per request: rows at 4, 1, 3 and 2 loops with full and shared windows in
+    one graph (the largest loop count, each row's slots mapped through its tables, the shorter
+    rows held past their loops) give the eager logits, and write nothing the eager step does not."""
+    options = {"kv_mode": kv_mode, "cpu_kernels": kv_mode != "int4"}
+    eager, static = make_engine(config, graphs=False, **options), make_engine(config, graphs=True, **options)
+    requests = [req(list(range(10, 19)), max_tokens=12, loops=4, sampling=GREEDY),
+                req(list(range(20, 37)), max_tokens=12, loops=1, sampling=GREEDY),
+                req([5, 6], max_tokens=12, loops=3, cache_window=2, sampling=GREEDY),
+                req(list(range(40, 47)), max_tokens=12, loops=2, cache_window=1, sampling=GREEDY),
+                req(list(range(50, 62)), max_tokens=12, loops=4, cache_window=3, sampling=GREEDY)]
+    a, b = prefilled(eager, requests), prefilled(static, requests)
+    for _ in range(10):  # past block boundaries
+        want, got = eager.decode(a), static.decode(b)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for sa, sb, row in zip(a, b, want):
+            sa.pending = sb.pending = int(row.argmax())
+    assert static.graphs is not None and static.graphs.replays == 10
+    assert list(static.graphs.graphs) == [(8, 4, True)]  # five rows in bucket 8, up to 4 loops
+    assert [s.last_loops for s in b] == [s.last_loops for s in a] == [4, 1, 3, 2, 4]
+    assert static.model.counters["core_row_loops"] == eager.model.counters["core_row_loops"]
+    for x, y in zip(eager.pool.store.fields.values(), static.pool.store.fields.values()):  # the same KV
+        real = eager.pool.null_block * eager.pool.block_size
+        for t, u in zip(x.tensors, y.tensors):
+            torch.testing.assert_close(u[:real].float(), t[:real].float(), rtol=1e-5, atol=1e-5)
 
 
 def test_generation_through_the_static_step_equals_eager() -> None:
     """Whole requests through ``generate_many``: warm starts, sampling (drawn on the host), a
     speculative request (its verifies stay eager, its fallback decodes may not), a beam search
     (its beams share blocks copy-on-write: a copied block changes a table row in place), requests
-    of different loops (each step: the rows at one loop count are not one key, so they run eager)."""
+    of different loops (one graph for the mix)."""
     requests = [*batch(3),
                 req([7, 8, 9], max_tokens=10, loops=3, warm_start=True, sampling=GREEDY),
                 req([7, 8, 9, 10], max_tokens=10, loops=3, warm_start=True, warm_start_from="normed",
@@ -108,8 +136,10 @@ def test_generation_through_the_static_step_equals_eager() -> None:
     want = [r.tokens for r in eager.generate_many(requests)]
     assert [r.tokens for r in static.generate_many(requests)] == want
     assert static.graphs is not None and static.graphs.replays > 0
-    mixed = [*batch(3), *batch(2)]
+    mixed = [*batch(3)[:2], *batch(2)[1:], *batch(4, window=2)[:2]]  # six rows: bucket 8
+    replays = static.graphs.replays
     assert [r.tokens for r in static.generate_many(mixed)] == [r.tokens for r in eager.generate_many(mixed)]
+    assert static.graphs.replays > replays and any(key[2] for key in static.graphs.graphs)
     assert eager.kv_statistics().blocks_used == static.kv_statistics().blocks_used == 0
 
 
@@ -119,16 +149,17 @@ def test_what_the_graphs_cover() -> None:
     assert graphs is not None
     assert graphs.buckets == (1, 2, 4, 8)
     three = prefilled(engine, batch(3))
-    assert graphs.key(three) == (4, 3, 3)
-    assert graphs.key(three[:1]) == (1, 3, 3)
+    assert graphs.key(three) == (4, 3, False)
+    assert graphs.key(three[:1]) == (1, 3, False)
     assert graphs.key([]) is None
-    assert graphs.key(three + prefilled(engine, batch(2))) is None  # two loop counts
-    assert graphs.key(three + prefilled(engine, batch(3, window=2))) is None  # two windows
+    assert graphs.key(three + prefilled(engine, batch(2))) == (8, 3, True)  # two loop counts: one graph
+    assert graphs.key(prefilled(engine, batch(2)) + three[:1]) == (4, 3, True)
+    assert graphs.key(three + prefilled(engine, batch(3, window=2))) == (8, 3, False)  # windows: in the tables
     stopping = prefilled(engine, [req([1, 2, 3], max_tokens=4, loops=4, exit=ExitRule.of("kl", 1e9))])
-    assert graphs.key(stopping) is None
+    assert graphs.key(stopping) is None and graphs.key(three[:1] + stopping) is None
     nine = prefilled(engine, batch(3) * 3)
-    assert graphs.key(nine[:8]) == (8, 3, 3) and graphs.key(nine) is None  # past max_rows
-    graphs.failed.add((4, 3, 3))  # a key whose capture failed runs eagerly
+    assert graphs.key(nine[:8]) == (8, 3, False) and graphs.key(nine) is None  # past max_rows
+    graphs.failed.add((4, 3, False))  # a key whose capture failed runs eagerly
     assert graphs.key(three) is None
     hmode = make_engine(graphs=True, kv_mode="h-mode")
     assert hmode.graphs is not None and hmode.graphs.key(prefilled(hmode, batch(3))) is None
@@ -158,12 +189,19 @@ def test_the_static_step_reads_nothing_back(config: str, kv_mode: str) -> None:
     seqs = prefilled(engine, [*batch(3), req([4, 5], max_tokens=3, loops=3, warm_start=True, sampling=GREEDY)])
     for s, row in zip(seqs, engine.decode(seqs)):  # fills a warm state
         s.pending = int(row.argmax())
-    g = graphs.graphs[(4, 3, 3)]
+    g = graphs.graphs[(4, 3, False)]
     with torch.inference_mode():
         graphs._fill(g, seqs)
         with NoHostReads():
             logits, state = graphs._step(g)
     assert logits.shape == (4, 1, engine.config.vocab_size) and state.shape == (4, 1, engine.config.hidden)
+    mixed = seqs[:3] + prefilled(engine, [req([4, 5, 6], max_tokens=3, loops=2, cache_window=1, sampling=GREEDY)])
+    assert graphs.key(mixed) == (4, 3, True)
+    g = graphs._open(4, 3, True)
+    with torch.inference_mode():
+        graphs._fill(g, mixed)
+        with NoHostReads():
+            graphs._step(g)  # the held rows' selects too
     with NoHostReads(), pytest.raises(AssertionError, match="reads a tensor on the host"):
         engine.forward(seqs, engine.host_tokens([[s.pending] for s in seqs]), warm=True)
 
@@ -201,7 +239,7 @@ def test_graphs_made_ahead_touch_only_the_null_block() -> None:
     assert graphs is not None
     before = [t.clone() for t in pool.store.fields["k"].tensors]
     assert graphs.capture_ahead(3, rows=3) == 3  # buckets 1, 2 and 4 (three rows run in 4)
-    assert sorted(graphs.graphs) == [(1, 3, 3), (2, 3, 3), (4, 3, 3)]
+    assert sorted(graphs.graphs) == [(1, 3, False), (2, 3, False), (4, 3, False)]
     after = pool.store.fields["k"].tensors
     real = pool.null_block * pool.block_size  # the pool's rows before the null block
     assert all(torch.equal(a[:real], b[:real]) for a, b in zip(after, before))

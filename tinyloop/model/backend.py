@@ -183,11 +183,15 @@ class TorchBackend:
     def paged_attention(self, store: KVStore, q: torch.Tensor, tables: torch.Tensor, n_keys: torch.Tensor,
                         max_keys: int) -> torch.Tensor:
         """``decode_attention`` over the pool rows of every table entry, the keys past each row's
-        ``n_keys`` masked out (the reference: it reads ``max_keys`` keys a row whatever their count)."""
+        ``n_keys`` masked out (the reference: it reads ``max_keys`` keys a row whatever their count).
+        A masked key is read from the row's first key instead of where its table points (the null
+        block, which padding rows and held loops write): whatever they left there, even a NaN,
+        cannot reach a real row through a zero weight."""
         bs = store.block_size
         offsets = torch.arange(bs, dtype=tables.dtype, device=tables.device)
         rows = (tables[:, :, None] * bs + offsets).flatten(1)[:, :max_keys]  # [R, L]
         seen = torch.arange(rows.shape[1], device=rows.device) < n_keys[:, None]  # [R, L]
+        rows = torch.where(seen, rows, rows[:, :1])
         mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
         return self.decode_attention(store, q, rows, n_keys.long(), mask[:, None, None])
 

@@ -12,7 +12,9 @@ Everything derived from them is computed on the device inside the step (``begin`
 tables at the positions, and on CUDA the key counts in int32 once for every layer. Attention
 reads each row's keys through its table (``Backend.paged_attention``), up to ``MB * block_size``
 keys. Rows past the batch (the graph's bucket is larger) point at the null block with one key.
-One new token a row, one window for all rows, no gaps, K and V stored (not h-mode).
+One new token a row, no gaps, K and V stored (not h-mode). The slots are the graph's: a row's
+table for a slot is whichever of its own slots stands there (``DecodeGraphs.slot_map``), so rows
+of different loop counts and windows share one context.
 """
 
 from __future__ import annotations
