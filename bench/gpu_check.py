@@ -207,8 +207,8 @@ def check_engine(report: Report, device: torch.device, dry: bool) -> None:
     report.add("engine", "tiny fp32 CUDA graphs (torch ops) tokens = eager", got == eager,
                f"{graphed.graphs.replays} replays, {len(graphed.graphs.graphs)} graphs",
                "dry run: the static step, not captured" if dry else f"failed keys {sorted(graphed.graphs.failed)}")
-    first = tiny_engine(device)
-    twin = first.replica()  # its own KV pool, batch and (on CUDA) stream, on the same weights
+    first = tiny_engine(device, cuda_graphs=not dry)  # both capture their graphs while the other steps
+    twin = first.replica()  # its own KV pool, batch, graphs and (on CUDA) stream, on the same weights
     with ThreadPoolExecutor(2) as pool:
         both = list(pool.map(lambda e: [r.tokens for r in e.generate_many(reqs)], (first, twin)))
     own = dry or (first.stream is not None and twin.stream is not None and first.stream != twin.stream)

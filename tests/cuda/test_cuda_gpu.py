@@ -32,9 +32,11 @@ def test_engine_on_cuda_generates_the_cpu_tokens() -> None:
     assert [r.tokens for r in gpu.generate_many(reqs)] == [r.tokens for r in cpu.generate_many(reqs)]
 
 
-def test_replicas_step_on_streams_of_their_own_in_parallel_threads() -> None:
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_replicas_step_on_streams_of_their_own_in_parallel_threads(graphs: bool) -> None:
     """Two engines on one GPU, each in its own thread on its own stream (``device_stream.py``):
-    every forward runs on its engine's stream, and both give the CPU's tokens."""
+    every forward runs on its engine's stream, and both give the CPU's tokens; with CUDA graphs
+    each captures its own while the other steps (one capture at a time in the process)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.engine.test_device import make_engine
@@ -43,7 +45,8 @@ def test_replicas_step_on_streams_of_their_own_in_parallel_threads() -> None:
     from tinyloop.requests import SamplingParams
 
     cpu = make_engine("full")
-    first = Engine(make_engine("full").model.to("cuda"), cpu.tokenizer, max_seq_len=128, block_size=8)
+    first = Engine(make_engine("full").model.to("cuda"), cpu.tokenizer, max_seq_len=128, block_size=8,
+                   cuda_graphs=graphs)
     twin = first.replica()
     default = torch.cuda.default_stream()
     assert first.stream is not None and twin.stream is not None
@@ -63,6 +66,9 @@ def test_replicas_step_on_streams_of_their_own_in_parallel_threads() -> None:
         got = list(pool.map(lambda e: [r.tokens for r in e.generate_many(reqs)], [first, twin]))
     assert got == [want, want]
     assert set(seen) == {first.stream.cuda_stream, twin.stream.cuda_stream}
+    if graphs:
+        assert first.graphs is not None and twin.graphs is not None and first.graphs is not twin.graphs
+        assert first.graphs.replays > 0 and twin.graphs.replays > 0 and not first.graphs.failed | twin.graphs.failed
     logits = first.prefill(first.start(reqs[0]))  # returned to the caller's stream: readable at once
     assert torch.cuda.current_stream() == default and torch.isfinite(logits).all()
 

@@ -30,6 +30,7 @@ logits are copied out at once, the state is read by ``prefill.advance`` before t
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ _log = logging.getLogger("tinyloop.engine")
 GRAPH_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the batch buckets: a batch runs in the smallest that holds it
 MAX_GRAPHS = 24  # captured graphs kept (the oldest goes first): each holds its buffers and tables
 _WARMUP_RUNS = 2  # eager runs on a side stream before a capture (cuBLAS handles, kernel modules)
+# One capture at a time in the process: engines on one GPU step in their own threads, and a
+# capture's start (a device synchronisation, the allocator's cache emptied, torch's one capture
+# stream) must not fall inside another engine's capture.
+_CAPTURE_LOCK = threading.Lock()
 
 
 @dataclass(eq=False)
@@ -304,7 +309,7 @@ class DecodeGraphs:
     def _capture(self, g: _Graph) -> None:
         """Warm up on a side stream, then capture ``g``'s step into the engine's graph pool."""
         started = time.perf_counter()
-        with torch.cuda.device(self.device):
+        with _CAPTURE_LOCK, torch.cuda.device(self.device):
             side, main = torch.cuda.Stream(), torch.cuda.current_stream()  # type: ignore[no-untyped-call]
             side.wait_stream(main)
             with torch.cuda.stream(side):
