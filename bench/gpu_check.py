@@ -32,7 +32,8 @@ as gpu_check.md and gpu_check.json when ``OUT`` is set):
    by side: torch eager, the kernels (``CudaBackend``), the kernels with the decode step replayed
    as CUDA graphs (``engine/graphs.py``); with the weight bandwidth each implies (weight bytes
    read per step x steps/s) against the device's HBM peak where known, each path's ratio to
-   eager and each batch's to batch 1.
+   eager and each batch's to batch 1; and the CUDA kernels one batch-1 decode step launches,
+   eager and on the kernels (torch.profiler; a graph replays the kernels').
 
 Bounded: sections past ``--budget`` seconds (default 480) are skipped and reported as skipped.
 With ``--dry-run`` every section runs on the CPU with the references standing in for the
@@ -447,6 +448,30 @@ def decode_rate(engine: Any, batch: int, loops: int | tuple[int, ...], tokens: i
     return batch * (tokens - 1) / max(wall_n - wall_1, 1e-9)
 
 
+def launches_per_step(engine: Any, loops: int) -> int | None:
+    """CUDA kernels in one batch-1 decode step (after a warm-up step), by torch.profiler; None
+    where the profiler cannot say."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tinyloop.requests import GenerationRequest, SamplingParams
+
+    try:
+        seq = engine.start(GenerationRequest(tuple(range(10, 26)), max_tokens=4, loops=loops,
+                                             sampling=SamplingParams(temperature=0)))
+        seq.pending = int(engine.prefill(seq).argmax())
+        seq.pending = int(engine.decode([seq])[0].argmax())
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.decode([seq])
+            torch.cuda.synchronize()
+        engine.free(seq)
+        kinds = ("memcpy", "memset")
+        return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.lower().startswith(kinds))
+    except Exception:  # a profiler without CUPTI: the row says n/a
+        traceback.print_exc()
+        return None
+
+
 def check_decode(report: Report, device: torch.device, dry: bool, budget: float) -> None:
     """Three paths side by side on one engine: torch eager, the kernels, the kernels with the
     decode step replayed as CUDA graphs (the dry run: torch ops, the graphs' static step)."""
@@ -509,6 +534,14 @@ def check_decode(report: Report, device: torch.device, dry: bool, budget: float)
                     if batch != 1 and (pname, 1) in rates:
                         note += f"; {rate / rates[(pname, 1)]:.1f}x batch 1"
                     report.add("decode", row, None, f"{rate:.1f} tok/s", note)
+        if device.type == "cuda" and report.elapsed() <= budget:  # where a batch-1 step's time goes
+            for pname, backend, _ in paths[:2]:
+                engine.model.use_backend(backend)
+                engine.graphs = None
+                count = launches_per_step(engine, loop_counts[0] if isinstance(loop_counts[0], int) else 4)
+                report.add("decode", f"{label} loops {loop_counts[0]} batch 1 {pname}: kernels a step", None,
+                           "n/a" if count is None else str(count), "torch.profiler's CUDA kernels in one decode step "
+                           "(a graph replays the kernels path's)")
         engine.model.use_backend(TORCH)
         engine.graphs = None
         del engine, graphs
