@@ -78,6 +78,9 @@ class Report:
     rows: list[dict[str, Any]] = field(default_factory=list)
     failures: int = 0
     start: float = field(default_factory=time.perf_counter)
+    # decode measurements: (model, loops, batch, path) -> (tokens/s, weight GB/s), for the goals
+    rates: dict[tuple[str, str, int, str], tuple[float, float]] = field(default_factory=dict)
+    peak: float | None = None  # the device's HBM GB/s, where known
 
     def add(self, section: str, name: str, ok: bool | None, value: str = "", note: str = "") -> None:
         """``ok`` None: a measurement or a skip, not a check."""
@@ -484,7 +487,7 @@ def check_decode(report: Report, device: torch.device, dry: bool, budget: float)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = next((v for k, v in HBM_PEAK_GBS.items() if k in name), None)
+    peak = report.peak = next((v for k, v in HBM_PEAK_GBS.items() if k in name), None)
     dtype = torch.bfloat16 if not dry else torch.float32
     demo = load_engine(Settings(device=device.type, dtype="bfloat16" if not dry else None))
     # a tuple of loop counts: a batch whose rows take them in turn (batch 1: the first alone)
@@ -534,6 +537,7 @@ def check_decode(report: Report, device: torch.device, dry: bool, budget: float)
                     if batch != 1 and (pname, 1) in rates:
                         note += f"; {rate / rates[(pname, 1)]:.1f}x batch 1"
                     report.add("decode", row, None, f"{rate:.1f} tok/s", note)
+                    report.rates[(label, shown, batch, pname)] = (rate, gbs)
         if device.type == "cuda" and report.elapsed() <= budget:  # where a batch-1 step's time goes
             for pname, backend, _ in paths[:2]:
                 engine.model.use_backend(backend)
@@ -549,11 +553,37 @@ def check_decode(report: Report, device: torch.device, dry: bool, budget: float)
             torch.cuda.empty_cache()
 
 
+def check_goals(report: Report) -> None:
+    """Issue 14's speed goals against the decode rows, for each model and loop count measured on
+    the kernels with CUDA graphs: batch 1 at >= 60% of HBM peak, >= 2x torch eager at batch 1,
+    batch 32 >= 15x batch 1. Reported as met or missed (measurements, not parity checks)."""
+    best = "kernels+graphs"
+    runs = sorted({(m, loops) for m, loops, _, p in report.rates if p == best})
+    if not runs:
+        report.add("goals", "speed goals", None, "n/a", "no kernels + graphs decode rows (a dry run, or no CuPy)")
+        return
+    for model, loops in runs:
+        one, eager, many = (report.rates.get(k) for k in ((model, loops, 1, best), (model, loops, 1, "eager"),
+                                                          (model, loops, 32, best)))
+        name = f"{model} loops {loops}"
+        if one and report.peak:
+            share = one[1] / report.peak
+            report.add("goals", f"{name}: batch 1 >= 60% of HBM peak", None,
+                       "met" if share >= 0.6 else "missed", f"{100 * share:.0f}%")
+        if one and eager:
+            report.add("goals", f"{name}: batch 1 >= 2x torch eager", None,
+                       "met" if one[0] >= 2 * eager[0] else "missed", f"{one[0] / eager[0]:.2f}x")
+        if one and many:
+            report.add("goals", f"{name}: batch 32 >= 15x batch 1", None,
+                       "met" if many[0] >= 15 * one[0] else "missed", f"{many[0] / one[0]:.1f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU only: references stand in for the kernels")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds after which sections are skipped")
-    ap.add_argument("--skip", action="append", default=[], choices=["compile", "kernels", "engine", "serve", "decode"],
+    ap.add_argument("--skip", action="append", default=[],
+                    choices=["compile", "kernels", "engine", "serve", "decode", "goals"],
                     help="leave a section out (repeatable)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_check.md/.json (default $OUT)")
     args = ap.parse_args(argv)
@@ -580,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         ("engine", lambda: check_engine(report, device, dry)),
         ("serve", lambda: check_serve(report, device, dry)),
         ("decode", lambda: check_decode(report, device, dry, args.budget)),
+        ("goals", lambda: check_goals(report)),
     ]
     for name, fn in sections:
         if name not in args.skip:

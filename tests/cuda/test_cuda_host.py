@@ -176,3 +176,28 @@ def test_gpu_check_weight_bytes_per_decode_step() -> None:
     want = 2 * ((2 + 2 + 4 * 32) * layer + 32 * 2 * 5280 * 5280 + 65536 * 5280)
     assert gpu_check.weight_bytes_per_step(c, 32, torch.bfloat16) == want
     assert 100e9 < want < 110e9  # "about 100 GB per token at batch 1" (issue 14)
+
+
+def test_gpu_check_reports_the_speed_goals_met_or_missed() -> None:
+    """Issue 14's goals read off the decode rows: a fast path meets them, a slow one misses
+    them, and neither counts as a parity failure."""
+    gpu_check = _gpu_check()
+    report = gpu_check.Report(peak=4800.0)
+    rates = {("huginn-shape", "32", 1, "eager"): (10.0, 1000.0),
+             ("huginn-shape", "32", 1, "kernels+graphs"): (30.0, 3100.0),
+             ("huginn-shape", "32", 32, "kernels+graphs"): (600.0, 1900.0),
+             ("base100m", "4", 1, "eager"): (500.0, 170.0), ("base100m", "4", 1, "kernels+graphs"): (800.0, 270.0),
+             ("base100m", "4", 32, "kernels+graphs"): (8000.0, 85.0)}
+    report.rates.update(rates)
+    gpu_check.check_goals(report)
+    got = {r["check"]: (r["value"], r["note"]) for r in report.rows}
+    assert got["huginn-shape loops 32: batch 1 >= 60% of HBM peak"] == ("met", "65%")
+    assert got["huginn-shape loops 32: batch 1 >= 2x torch eager"] == ("met", "3.00x")
+    assert got["huginn-shape loops 32: batch 32 >= 15x batch 1"] == ("met", "20.0x")
+    assert got["base100m loops 4: batch 1 >= 60% of HBM peak"] == ("missed", "6%")
+    assert got["base100m loops 4: batch 1 >= 2x torch eager"] == ("missed", "1.60x")
+    assert got["base100m loops 4: batch 32 >= 15x batch 1"][0] == "missed"
+    assert report.failures == 0
+    empty = gpu_check.Report()
+    gpu_check.check_goals(empty)
+    assert [r["value"] for r in empty.rows] == ["n/a"]
