@@ -121,3 +121,37 @@ def test_a_second_backend_plugs_in_and_gives_identical_logits(kv_mode: str) -> N
     before = sum(recording.calls.values())
     assert run(engine, REQUESTS[:1])[1] == reference[1][:1]
     assert sum(recording.calls.values()) == before  # switched back: nothing reaches it any more
+
+
+@pytest.mark.parametrize("style", ["sandwich", "peri_ln", "pre_ln", "post_ln"])
+def test_a_stack_of_blocks_norms_each_input_in_the_block_before(style: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a stack (prelude, each loop's core, coda) a block's input norm comes out of the block
+    before's last residual call (``Block.run``): only the first block of a stack runs it alone,
+    and the logits are bitwise those of every block norming its own input."""
+    from tinyloop.model.context import FullContext
+    from tinyloop.model.looped import LoopedLM, RowSpec
+    from tinyloop.model.presets import PRESETS, init_model
+
+    model = init_model(PRESETS["tiny"].replace(n_prelude=2, n_core=3, n_coda=2, block_style=style), seed=3)
+    recording = Recording()
+    model.use_backend(recording)  # type: ignore[arg-type]
+    tokens = torch.arange(5, 12)[None]
+
+    def forward() -> tuple[torch.Tensor, int]:
+        recording.calls.clear()
+        with torch.inference_mode():
+            out = model(tokens, FullContext(model.rope, 1, tokens.shape[1], recording), [RowSpec(loops=4, window=4)])
+        return out.logits, recording.calls["rms_norm"]
+
+    stacked, chained = forward()
+
+    def one_by_one(self: LoopedLM, blocks: torch.nn.ModuleList, x: torch.Tensor, ctx: object, rows: object,
+                   base: object) -> torch.Tensor:
+        for i, block in enumerate(blocks):
+            x = block(x, ctx, self.rope, rows, base + i)  # type: ignore[operator]
+        return x
+    monkeypatch.setattr(LoopedLM, "stack", one_by_one)
+    alone, apart = forward()
+    assert torch.equal(stacked, alone)
+    applications, firsts = 2 + 4 * 3 + 2, 1 + 4 + 1  # the prelude's, each loop's core's and the coda's first
+    assert apart - chained == (0 if style == "post_ln" else applications - firsts)

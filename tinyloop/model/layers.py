@@ -235,7 +235,8 @@ class Block(HookFree):
     ``post_ln``:  x = x + n2(attn(x));      x = x + n4(mlp(x))       (OLMo-2; no n1, n3)
 
     Each residual add runs with its norms in one backend call (``Backend.residual_norm``: the
-    sublayer's own norm n2 or n4, and after the attention the MLP's input norm n3).
+    sublayer's own norm n2 or n4, and after the attention the MLP's input norm n3; after the MLP,
+    in a stack, the next block's n1: ``run``).
     """
 
     backend: Backend = TORCH
@@ -256,6 +257,14 @@ class Block(HookFree):
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
                 rows: torch.Tensor | None, slots: torch.Tensor | int) -> torch.Tensor:
+        return self.run(x, ctx, rope, rows, slots)[0]
+
+    def run(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope, rows: torch.Tensor | None,
+            slots: torch.Tensor | int, normed: torch.Tensor | None = None,
+            then: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` in a stack of blocks: ``normed`` is this block's input norm n1(x) when the
+        block before made it, and ``then`` the next block's input norm, applied to the output in
+        the last residual's backend call. Returns the output and ``then`` of it (None without)."""
         join, style, eps, cast_first = self.backend.residual_norm, self.style, self.eps, self.cast_first
         post = style != "pre_ln"
         h: torch.Tensor | None
@@ -264,9 +273,9 @@ class Block(HookFree):
                         cast_first)
             h = x
         else:
-            a = self.attn(self.attn_norm(x), ctx, rope, rows, slots)
+            a = self.attn(self.attn_norm(x) if normed is None else normed, ctx, rope, rows, slots)
             x, h = join(x, a, self.attn_post_norm.weight if post else None, self.mlp_norm.weight, style, eps,
                         cast_first)
         assert h is not None  # (the next norm is asked for: it comes back)
-        y, _ = join(x, self.mlp(h), self.mlp_post_norm.weight if post else None, None, style, eps, cast_first)
-        return y
+        return join(x, self.mlp(h), self.mlp_post_norm.weight if post else None,
+                    None if then is None else then.weight, style, eps, cast_first)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -182,9 +182,7 @@ class LoopedLM(nn.Module):
         when rows are right-padded)."""
         c = self.config
         x = self.final_norm(s) if c.loop_norm == "final_only" else s
-        base = c.n_prelude + windows * c.n_core
-        for j, layer in enumerate(self.coda):
-            x = layer(x, ctx, self.rope, rows, base + j)
+        x = self.stack(self.coda, x, ctx, rows, c.n_prelude + windows * c.n_core)
         if c.n_coda or c.loop_norm == "none":  # "none": the one final_norm comes after the coda
             x = self.final_norm(x)
         if last_only:
@@ -194,22 +192,30 @@ class LoopedLM(nn.Module):
                 x = x[torch.arange(x.shape[0], device=x.device), ends if rows is None else ends[rows]][:, None]
         return self.head(x)
 
+    def stack(self, blocks: nn.ModuleList, x: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None,
+              base: torch.Tensor | int) -> torch.Tensor:
+        """x through ``blocks``, block i at slot ``base + i`` (one per row, or one for all); each
+        block's input norm comes out of the block before's last backend call (``Block.run``)."""
+        layers = cast(Sequence[Block], blocks)
+        normed = None
+        for i, layer in enumerate(layers):
+            then = layers[i + 1].attn_norm if i + 1 < len(layers) and layer.style != "post_ln" else None
+            x, normed = layer.run(x, ctx, self.rope, rows, base + i, normed, then)
+        return x
+
     def embed_prelude(self, tokens: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """tokens ``[B, T]`` -> the prelude's output e ``[B, T, H]`` (injected at every loop)."""
         x: torch.Tensor = self.embed(tokens)  # [B, T, H]
         if self.config.embed_scale != 1.0:
             x = x * self.config.embed_scale
-        for i, layer in enumerate(self.prelude):
-            x = layer(x, ctx, self.rope, None, i)
-        return x
+        return self.stack(self.prelude, x, ctx, None, 0)
 
     def core_loop(self, state: torch.Tensor, e: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None,
                   base: torch.Tensor | int) -> torch.Tensor:
         """One loop of the core block for ``rows`` (None: all) of ``state``, their first core slot
         ``base`` (one per row, or one for all): the new state of those rows ``[R, T, H]``."""
         h = self.inject(state if rows is None else state[rows], e if rows is None else e[rows])
-        for i, layer in enumerate(self.core):
-            h = layer(h, ctx, self.rope, rows, base + i)
+        h = self.stack(self.core, h, ctx, rows, base)
         out: torch.Tensor = self.final_norm(h) if self.config.loop_norm == "every_loop" else h
         return out
 
