@@ -96,8 +96,10 @@ def load_engines(settings: Settings) -> list[Engine]:
         engine = first.replica() if first else load_engine(settings.replace(device=device, devices=None))
         by_device.setdefault(device, engine)
         engines.append(engine)
-        if engine.graphs is not None:  # the default loops' decode graphs, before the first request
-            ready = engine.graphs.capture_ahead(engine.default_loops, rows=settings.max_batch_size)
+        if engine.graphs is not None:  # the default loops' decode graphs, before the first request: every
+            # row at the default loops, and rows some of which ask fewer (the dial turned down)
+            ready = sum(engine.graphs.capture_ahead(engine.default_loops, rows=settings.max_batch_size, mixed=mixed)
+                        for mixed in (False, True))
             log.info("engine %d: %d decode graphs captured ahead (loops %d)", len(engines) - 1, ready,
                      engine.default_loops)
     return engines

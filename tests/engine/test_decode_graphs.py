@@ -136,7 +136,9 @@ def test_generation_through_the_static_step_equals_eager() -> None:
     want = [r.tokens for r in eager.generate_many(requests)]
     assert [r.tokens for r in static.generate_many(requests)] == want
     assert static.graphs is not None and static.graphs.replays > 0
-    mixed = [*batch(3)[:2], *batch(2)[1:], *batch(4, window=2)[:2]]  # six rows: bucket 8
+    mixed = [*batch(3)[:2], *batch(2)[1:], *batch(4, window=2)[:1],  # with a beam's forks and a warm start
+             req(list(range(50, 58)), max_tokens=6, loops=2, mode="beam", num_beams=2),
+             req([7, 8, 9], max_tokens=8, loops=1, warm_start=True, sampling=SAMPLED)]
     replays = static.graphs.replays
     assert [r.tokens for r in static.generate_many(mixed)] == [r.tokens for r in eager.generate_many(mixed)]
     assert static.graphs.replays > replays and any(key[2] for key in static.graphs.graphs)
@@ -239,12 +241,17 @@ def test_graphs_made_ahead_touch_only_the_null_block() -> None:
     assert graphs is not None
     before = [t.clone() for t in pool.store.fields["k"].tensors]
     assert graphs.capture_ahead(3, rows=3) == 3  # buckets 1, 2 and 4 (three rows run in 4)
-    assert sorted(graphs.graphs) == [(1, 3, False), (2, 3, False), (4, 3, False)]
+    assert graphs.capture_ahead(3, rows=3, mixed=True) == 3  # and for rows some of which run fewer loops
+    assert sorted(graphs.graphs) == [(1, 3, False), (1, 3, True), (2, 3, False), (2, 3, True), (4, 3, False),
+                                     (4, 3, True)]
     after = pool.store.fields["k"].tensors
     real = pool.null_block * pool.block_size  # the pool's rows before the null block
     assert all(torch.equal(a[:real], b[:real]) for a, b in zip(after, before))
     assert not all(torch.equal(a[real:], b[real:]) for a, b in zip(after, before))  # the padding wrote there
     seqs = prefilled(engine, batch(3))
     replays = graphs.replays
-    engine.decode(seqs)
-    assert graphs.replays == replays + 1 and len(graphs.graphs) == 3  # the graph made ahead served
+    for s, row in zip(seqs, engine.decode(seqs)):
+        s.pending = int(row.argmax())
+    assert graphs.replays == replays + 1 and len(graphs.graphs) == 6  # the graph made ahead served
+    engine.decode(seqs[:2] + prefilled(engine, batch(2))[:1])
+    assert graphs.replays == replays + 2 and len(graphs.graphs) == 6  # and the mixed one
