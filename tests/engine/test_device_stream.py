@@ -66,23 +66,23 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     return fake
 
 
-def recorded_forwards(model: torch.nn.Module, cuda: FakeCuda) -> list[str]:
-    """The current stream's name at each forward of ``model`` from now on."""
+def recorded(obj: Any, method: str, cuda: FakeCuda) -> list[str]:
+    """The current stream's name at each call of ``obj.method`` from now on."""
     seen: list[str] = []
-    inner = model.forward
+    inner = getattr(obj, method)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
         seen.append(cuda.current.name)
         return inner(*args, **kwargs)
 
-    model.forward = forward  # type: ignore[method-assign]
+    setattr(obj, method, call)
     return seen
 
 
 def test_every_forward_of_every_mode_runs_on_the_engines_stream(cuda: FakeCuda) -> None:
     engine = make_engine(max_seq_len=128, block_size=8)
     engine.stream = FakeStream("engine")
-    seen = recorded_forwards(engine.model, cuda)
+    seen = recorded(engine.model, "forward", cuda)
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     requests = [req([5, 6, 7, 8], sampling=greedy, max_tokens=4),
                 req([5, 6, 7], sampling=SamplingParams(temperature=0.8, seed=1, ignore_eos=True), max_tokens=4),
@@ -146,14 +146,7 @@ def test_replicas_and_their_graphs_get_streams_of_their_own(cuda: FakeCuda, monk
     assert [engine.stream, twin.stream] == made and made[0] is not made[1]
     graphs = DecodeGraphs.of(twin, capture=False, max_rows=2)
     assert graphs.stream is twin.stream
-    seen: list[str] = []
-    inner = twin.model.embed_prelude
-
-    def embed_prelude(*args: Any, **kwargs: Any) -> Any:
-        seen.append(cuda.current.name)
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(twin.model, "embed_prelude", embed_prelude)
+    seen = recorded(twin.model, "embed_prelude", cuda)
     assert graphs.capture_ahead(2, rows=2) == 2  # buckets 1 and 2, their warm-up on the twin's stream
     assert seen == ["engine1", "engine1"]
 

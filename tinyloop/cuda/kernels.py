@@ -125,6 +125,12 @@ def swiglu(fc: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _check_pool_rows(rows: torch.Tensor, n: int) -> None:
+    """The KV writes' pool rows: ``[n]`` int64, any stride (a column of a context's table)."""
+    if rows.dtype != torch.int64 or rows.shape != (n,):
+        raise ValueError(f"rows must be [{n}] int64")
+
+
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
              rows: torch.Tensor) -> None:
     """``k_store[rows] = k`` and ``v_store[rows] = v`` in one launch: k and v ``[N, Hkv, D]``
@@ -137,8 +143,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: t
         raise TypeError("k, v and the pool must share one dtype")
     if k.stride(-1) != 1 or v.stride(-1) != 1 or not (k_store.is_contiguous() and v_store.is_contiguous()):
         raise ValueError("head_dim must be contiguous and the pool contiguous")
-    if rows.dtype != torch.int64 or rows.shape != (n,):
-        raise ValueError(f"rows must be [{n}] int64")
+    _check_pool_rows(rows, n)
     args = (_ptr(k), _ptr(v), _ptr(k_store), _ptr(v_store), _ptr(rows), _i64(rows.stride(0)), _i32(kvh), _i32(d),
             _i64(k.stride(0)), _i64(k.stride(1)), _i64(v.stride(0)), _i64(v.stride(1)))
     _run("kv_write", "kv_write", k.dtype, launch.kv_write_launch(n, kvh, d), args, k.device)
@@ -158,8 +163,7 @@ def kv_write_int4(k: torch.Tensor, v: torch.Tensor, k_store: tuple[torch.Tensor,
         if (codes.dtype != torch.uint8 or meta.dtype != torch.float16 or codes.shape[1:] != (kvh, d // 2)
                 or meta.shape[1:] != (kvh, d // group, 2) or not (codes.is_contiguous() and meta.is_contiguous())):
             raise ValueError("an int4 pool: contiguous uint8 codes [rows, Hkv, D/2] and fp16 meta [rows, Hkv, G, 2]")
-    if rows.dtype != torch.int64 or rows.shape != (n,):
-        raise ValueError(f"rows must be [{n}] int64")
+    _check_pool_rows(rows, n)
     args = (_ptr(k), _ptr(v), _ptr(k_store[0]), _ptr(k_store[1]), _ptr(v_store[0]), _ptr(v_store[1]), _ptr(rows),
             _i64(rows.stride(0)), _i32(kvh), _i32(d), _i32(group), _i64(k.stride(0)), _i64(k.stride(1)),
             _i64(v.stride(0)), _i64(v.stride(1)))
