@@ -22,6 +22,9 @@ from tinyloop.requests import GenerationRequest, SamplingParams
     ({"stop": ("",)}, "stop"),
     ({"stop_token_ids": (-1,)}, "stop_token_ids"),
     ({"top_logprobs": 21}, "top_logprobs"),
+    ({"logit_bias": ((1, 101.0),)}, "logit_bias"),
+    ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs: dict[str, object], param: str) -> None:
     with pytest.raises(RequestError) as info:
@@ -32,7 +35,8 @@ def test_bad_sampling_params_name_the_field(kwargs: dict[str, object], param: st
 @pytest.mark.parametrize(("kwargs", "param"), [
     ({"prompt_tokens": ()}, "prompt"),
     ({"prompt_tokens": (1, -2)}, "prompt"),
-    ({"prompt_tokens": (1,), "max_tokens": 0}, "max_tokens"),
+    ({"prompt_tokens": (1,), "max_tokens": -1}, "max_tokens"),
+    ({"prompt_tokens": (1,), "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt_tokens": (1,), "max_tokens": False}, "max_tokens"),
     ({"prompt_tokens": (1,), "loops": 0}, "loops"),
     ({"prompt_tokens": (1,), "cache_window": 0}, "cache_window"),

@@ -7,6 +7,7 @@ is a pure function of logits, these params and a per-request ``torch.Generator``
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import os
@@ -24,6 +25,9 @@ __all__ = [
     "RequestState",
     "FinishReason",
     "TokenLogprob",
+    "Constraint",
+    "CONSTRAINT_KINDS",
+    "MAX_LOGIT_BIAS",
 ]
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -41,6 +45,9 @@ MAX_NUM_BEAMS = 16
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_STOP_CHARS = 256  # per stop string: matching costs O(len**2) per generated token
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range per token: [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: the bias is applied per row each step
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "tool_calls")
 
 
 class RequestState(enum.Enum):
@@ -97,10 +104,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         _check(not isinstance(self.stop, str), "stop must be a list of strings", "stop")
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "logit_bias"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         _check(_finite(self.temperature) and 0 <= self.temperature <= 100,
@@ -126,6 +136,16 @@ class SamplingParams:
                "stop_token_ids must be non-negative integers", "stop_token_ids")
         _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS,
+               f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens", "logit_bias")
+        _check(all(isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0 and _finite(e[1])
+                   and -MAX_LOGIT_BIAS <= e[1] <= MAX_LOGIT_BIAS for e in self.logit_bias),
+               f"logit_bias maps token ids (>= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+               "logit_bias")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be an integer >= 0",
+               "min_tokens")
 
     @property
     def greedy(self) -> bool:
@@ -142,6 +162,23 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request's output must match (structured outputs): ``kind`` is one of
+    ``CONSTRAINT_KINDS``, ``source`` its text: a JSON schema (``json_schema``; ``json_object``
+    takes any JSON object and ignores ``source``), a regular expression (``regex``), a grammar
+    in the documented dialect (``grammar``), or a tool-call spec as JSON (``tool_calls``, built
+    by ``tinyloop/http/tools.py``). Compiled and checked by ``tinyloop.grammar``."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in CONSTRAINT_KINDS, f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}",
+               "response_format")
+        _check(isinstance(self.source, str), "constraint source must be a string", "response_format")
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +223,8 @@ class GenerationRequest:
     num_beams: int | None = None
     length_penalty: float | None = None
     exit: ExitRule | None = None  # adaptive exit for this request (default: the model's rule)
+    prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt_tokens, list):
@@ -194,7 +233,12 @@ class GenerationRequest:
                "prompt must contain at least one token", "prompt")
         _check(all(_is_int(t) and t >= 0 for t in self.prompt_tokens),
                "prompt tokens must be non-negative integers", "prompt")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an integer >= 1", "max_tokens")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 0, "max_tokens must be an integer >= 0", "max_tokens")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+               f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "prompt_logprobs")
+        _check(self.constraint is None or isinstance(self.constraint, Constraint),
+               "constraint must be a Constraint", "response_format")
         _check(self.exit is None or isinstance(self.exit, ExitRule), "exit must be an ExitRule", "exit")
         _check(self.warm_start_from in ("raw", "normed"), "warm_start must be raw or normed", "warm_start")
         _check(self.mode in ("generate", "speculative", "tree", "beam"),
@@ -274,6 +318,8 @@ class GenerationResult:
     drafted: for a tree, every node), ``accepted_draft_tokens`` (drafted tokens the verifier
     accepted) and ``rejected_draft_tokens`` (the rest); None for the other modes. A beam request
     reports ``beam_score``, the returned output's ``sum_logprob / len ** length_penalty``.
+    ``prompt_logprobs``: one entry per prompt token when the request asked (the first None).
+    ``cached_tokens``: prompt tokens whose KV came from the prefix cache or pool.
     """
 
     tokens: list[int]
@@ -291,10 +337,9 @@ class GenerationResult:
     accepted_draft_tokens: int | None = None
     rejected_draft_tokens: int | None = None
     beam_score: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0
 
     def timed(self, wall_ms: float, time_to_first_token_ms: float | None) -> GenerationResult:
         """This result with its times taken on another clock (the runtime's)."""
-        return GenerationResult(self.tokens, self.text, self.finish_reason, self.prompt_tokens,
-                                self.completion_tokens, wall_ms, self.stop_reason, self.logprobs,
-                                self.loops_used, self.mean_loops, time_to_first_token_ms, self.draft_tokens,
-                                self.accepted_draft_tokens, self.rejected_draft_tokens, self.beam_score)
+        return dataclasses.replace(self, wall_ms=wall_ms, time_to_first_token_ms=time_to_first_token_ms)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -70,6 +70,8 @@ class Sequence:
     warm_state: torch.Tensor | None = None
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill when the request asks
+    matcher: Any = None  # the request's grammar matcher (``tinyloop.grammar``), advanced on each accepted token
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix pool or prefix cache
     last_loops: int = 0  # loops run by the forward that produced the latest logits
     loops_total: int = 0  # loops run for the generated tokens (the first one: the prompt's last)
@@ -147,6 +149,8 @@ class Sequence:
             loops_used=self.loops,
             mean_loops=self.loops_total / n if n else None,
             time_to_first_token_ms=ttft,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            cached_tokens=self.cached_tokens,
         )
         return result if self.mode_state is None else self.mode_state.contribute(result)
 
