@@ -48,6 +48,7 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
     "decode_attention": (["--rows", "2", "--keys", "16", "--repeat", "3"], [], False),  # one thread itself
     "panel_matmul": (["--rows", "1", "16", "--repeat", "3", "--cold-mb", "4"], [], True),
     "sampling": (["--vocab", "4096", "--batches", "1", "4", "--repeat", "20"], [], True),
+    "structured": (["--quick"], [], True),
 }
 
 

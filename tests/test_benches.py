@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# smoke-run by their own tests: tests/test_bundled_model.py, tests/cpu/test_cpu_kernels.py
-SMOKED_ELSEWHERE = {"demo_model", "decode_attention"}
+# smoke-run by their own tests: tests/test_bundled_model.py, tests/cpu/test_cpu_kernels.py, below
+SMOKED_ELSEWHERE = {"demo_model", "decode_attention", "structured"}  # structured: below, its tables checked
 
 
 def bench_names() -> list[str]:
@@ -34,3 +34,12 @@ def test_every_benchmark_runs_at_smoke_sizes() -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     for name in names:
         assert f"=== {name}: exit 0" in done.stdout, name
+
+
+@pytest.mark.slow
+def test_structured_outputs_benchmark_runs_at_smoke_size() -> None:
+    # its own smoke run (run_all.py lists it for full runs), both tables printed
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "structured.py"), "--quick", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "JSON-schema tok/s" in done.stdout and "| llguidance |" in done.stdout

@@ -355,6 +355,25 @@ def test_stop_must_not_be_a_bare_string() -> None:
         StopMatcher("abc")
 
 
+def test_include_keeps_the_stop_string_and_cuts_what_follows() -> None:
+    assert StopMatcher(["END"], include=True).feed("abc END def") == ("abc END", True)
+    assert StopMatcher(["abcz", "cd"], include=True).feed("xabcdy") == ("xabcd", True)
+    assert StopMatcher(["abc", "ab"], include=True).feed("xabcd") == ("xab", True)  # "ab" completed first
+    matcher = StopMatcher(["</s>"], include=True)
+    assert matcher.feed("hi </") == ("hi ", False)
+    assert matcher.feed("s>tail") == ("</s>", True)
+
+
+def test_an_unarmed_feed_matches_nothing_but_still_holds_a_possible_start() -> None:
+    """Before ``min_tokens``: a complete stop string is text; one that completes once armed,
+    begun before, still stops (vLLM looks back over the stop string's length)."""
+    matcher = StopMatcher(["END"])
+    assert matcher.feed("a END b", armed=False) == ("a END b", False)
+    assert matcher.feed(" E", armed=False) == (" ", False)
+    assert matcher.feed("ND!") == ("", True)
+    assert StopMatcher(["x"]).feed("axb", armed=False) == ("axb", False)
+
+
 # --- the fast filters against a plain reference -------------------------------------------------
 
 

@@ -9,7 +9,11 @@ The checks, in order (the first that fails is reported):
 
     loops          loops <= max_loops                                       param loops
     context        len(prompt) + max_tokens <= max_seq_len                  max_tokens (PromptTooLongError)
+                   (max_tokens may be 0: the prompt alone, for its logprobs)
+    min_tokens     min_tokens <= max_tokens (vLLM's rule)                   min_tokens
+                   no min_tokens with a constraint (the grammar ends it)    min_tokens
     vocabulary     every prompt token id < vocab_size                       prompt
+                   every logit_bias token id < vocab_size                   logit_bias
     exit           a ``gate`` rule needs a model with an exit gate          exit
                    exit.min_loops <= loops (adaptive rules)                 exit
     speculation    no adaptive exit rule                                    mode
@@ -107,9 +111,19 @@ class ModelLimits:
         prompt_len = len(req.prompt_tokens)
         if prompt_len + req.max_tokens > self.max_seq_len:
             raise PromptTooLongError(prompt_len, req.max_tokens, self.max_seq_len)
+        if req.sampling.min_tokens > req.max_tokens:
+            raise RequestError(f"min_tokens ({req.sampling.min_tokens}) must be <= max_tokens "
+                               f"({req.max_tokens})", param="min_tokens")
+        if req.sampling.min_tokens and req.constraint is not None:  # the grammar may end before: nothing to sample
+            raise RequestError("min_tokens cannot be combined with a structured-output constraint: the grammar "
+                               "decides where the output ends", param="min_tokens")
         if max(req.prompt_tokens) >= self.vocab_size:
             raise RequestError(f"prompt token id {max(req.prompt_tokens)} is outside the "
                                f"vocabulary ({self.vocab_size})", param="prompt")
+        biased = self.outside_vocabulary([t for t, _ in req.sampling.logit_bias])
+        if biased is not None:
+            raise RequestError(f"logit_bias token id {biased} is outside the vocabulary ({self.vocab_size})",
+                               param="logit_bias")
         rule = req.exit or self.exit
         if rule.needs_gate and not self.has_gate:
             raise RequestError(f"this model has no exit gate: exit kind {rule.kind} needs one; use "

@@ -4,6 +4,7 @@ generator where ``sample_token`` leaves it."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -49,6 +50,32 @@ def test_a_batch_picks_what_each_row_picks_alone() -> None:
         for g, h in zip(gens, alone_gens):  # every generator advanced as sample_token advanced it
             assert torch.equal(g.get_state(), h.get_state())
     assert mismatches == 0
+
+
+def test_a_batch_with_biases_and_min_tokens_picks_what_each_row_picks_alone() -> None:
+    """``logit_bias`` and ``min_tokens`` as one scatter each over the rows that have them: every
+    row picks what ``sample_token`` picks (rows without them untouched by the scatters)."""
+    rng = random.Random(1)
+    eos = {0, 7}
+    for trial in range(30):
+        batch = rng.randint(1, 8)
+        logits = torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(trial)) * 3
+        logits[:, 7] += 6.0  # EOS likely: min_tokens decides
+        params = []
+        for b in range(batch):
+            base = random_params(rng, seed=100 * trial + b)
+            bias = tuple((rng.randrange(VOCAB), rng.choice([-100.0, -3.0, 2.5, 100.0]))
+                         for _ in range(rng.choice([0, 0, 1, 5])))
+            params.append(dataclasses.replace(base, logit_bias=bias, min_tokens=rng.choice([0, 0, 2, 5]),
+                                              stop_token_ids=tuple(rng.sample(range(VOCAB), rng.choice([0, 2]))),
+                                              ignore_eos=rng.random() < 0.2))
+        outputs = [[rng.randrange(1, 7) for _ in range(rng.randint(0, 6))] for _ in range(batch)]
+        alone = [sample_token(logits[b], params[b], make_generator(params[b].seed), prompt_tokens=[],
+                              output_tokens=outputs[b], eos_ids=eos).token_id for b in range(batch)]
+        gens = [make_generator(p.seed) for p in params]
+        assert sample_rows(logits, params, gens, [[]] * batch, outputs, eos).tolist() == alone
+        picked = sample_batch(logits, params, [make_generator(p.seed) for p in params], [[]] * batch, outputs, eos)
+        assert [r.token_id for r in picked if r is not None] == alone
 
 
 def test_sampled_rows_follow_their_distribution() -> None:

@@ -30,7 +30,7 @@ BODIES = {CHAT: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 
 REFUSED = [  # field, value
     ("repetition_penalty", 1e-38), ("repetition_penalty", 0.009), ("repetition_penalty", 0),
     ("repetition_penalty", -1), ("repetition_penalty", 10.5), ("repetition_penalty", 1e38),
-    ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5), ("top_k", -1),
+    ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", -0.1), ("min_p", 1.5), ("presence_penalty", 2.5), ("presence_penalty", -2.5),
     ("frequency_penalty", 2.5), ("frequency_penalty", -2.5),
 ]

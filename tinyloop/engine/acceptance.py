@@ -1,7 +1,9 @@
 """Which drafted tokens the verifier keeps: draft trees and the acceptance rules.
 
 Pure functions of the verifier's logits, the request's sampling params, its history and its
-generator; no model, no KV. ``speculative.py`` drives the model around them.
+generator (and the EOS ids ``min_tokens`` keeps out); no model, no KV. Every rule chooses from
+the logits as plain sampling does (``sampling.adjust_logits``: ``logit_bias``, ``min_tokens``,
+penalties), after the path accepted so far. ``speculative.py`` drives the model around them.
 
 A draft is a tree (``DraftTree``) rooted at the pending token (the last sampled token, not yet
 in the KV cache). A chain is a tree with one branch. The verifier scores every node in one
@@ -33,7 +35,7 @@ Rules, each giving the distribution of plain decoding at the verifier's loops:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +92,13 @@ class DraftTree:
     def positions(self, start: int) -> list[int]:
         return [start + d for d in self.depths]
 
+    def paths(self) -> list[list[int]]:
+        """Each node's tokens below the root, by depth (the root's: empty)."""
+        out: list[list[int]] = []
+        for i, parent in enumerate(self.parents):
+            out.append([] if parent < 0 else [*out[parent], self.tokens[i]])
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
@@ -106,13 +115,13 @@ def _verdict(tree: DraftTree, path: list[int], last: int) -> Verdict:
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
-                  prompt: Sequence[int], output: Sequence[int]) -> Verdict:
+                  prompt: Sequence[int], output: Sequence[int], eos_ids: Collection[int] = ()) -> Verdict:
     """Greedy verification of ``tree`` against the verifier's ``logits`` ``[T, V]``."""
     path: list[int] = []
     node = 0
     while True:
         history = [*output, *(tree.tokens[i] for i in path)]
-        best = greedy_token(logits[node], params, prompt, history)
+        best = greedy_token(logits[node], params, prompt, history, eos_ids)
         child = next((c for c in tree.children(node) if tree.tokens[c] == best), None)
         if child is None:
             return _verdict(tree, path, best)
@@ -126,12 +135,12 @@ def _uniform(generator: torch.Generator) -> float:
 
 def accept_chain_sampled(tree: DraftTree, logits: torch.Tensor, draft_probs: Sequence[torch.Tensor],
                          params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
-                         generator: torch.Generator) -> Verdict:
+                         generator: torch.Generator, eos_ids: Collection[int] = ()) -> Verdict:
     """Speculative sampling of a chain whose node ``j + 1`` was drawn from ``draft_probs[j]``."""
     path: list[int] = []
     node = 0
     for q in draft_probs:
-        p = target_probs(logits[node], params, prompt, [*output, *(tree.tokens[i] for i in path)])
+        p = target_probs(logits[node], params, prompt, [*output, *(tree.tokens[i] for i in path)], eos_ids)
         child = node + 1
         x = tree.tokens[child]
         if _uniform(generator) * float(q[x]) < float(p[x]):  # u < p(x)/q(x), q(x) > 0: x ~ q
@@ -142,19 +151,19 @@ def accept_chain_sampled(tree: DraftTree, logits: torch.Tensor, draft_probs: Seq
         if float(residual.sum()) <= 0:  # p == q up to rounding: rejection had probability ~0
             residual = p
         return _verdict(tree, path, draw(residual, generator))
-    p = target_probs(logits[node], params, prompt, [*output, *(tree.tokens[i] for i in path)])
+    p = target_probs(logits[node], params, prompt, [*output, *(tree.tokens[i] for i in path)], eos_ids)
     return _verdict(tree, path, draw(p, generator))
 
 
 def accept_tree_sampled(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
                         prompt: Sequence[int], output: Sequence[int],
-                        generator: torch.Generator) -> Verdict:
+                        generator: torch.Generator, eos_ids: Collection[int] = ()) -> Verdict:
     """Recursive rejection over deterministic candidates (the module docstring's proof)."""
     path: list[int] = []
     node = 0
     while True:
         residual = target_probs(logits[node], params, prompt,
-                                [*output, *(tree.tokens[i] for i in path)]).clone()  # [V]
+                                [*output, *(tree.tokens[i] for i in path)], eos_ids).clone()  # [V]
         accepted = None
         for child in tree.children(node):
             x = tree.tokens[child]

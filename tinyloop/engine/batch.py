@@ -5,6 +5,8 @@ loops and window in one forward: ``prefill.py``); for the decoding ones, each
 mode's strategy (``modes.Strategy``) reserves and runs its own forwards (speculation drafts and
 verifies; a beam search decodes its beams), the plain sequences and every strategy's fallbacks
 share one batched decode forward, the rows are sampled, and each strategy finishes its part.
+A request with ``max_tokens == 0`` finishes (``length``) once its prompt is in, its prompt's
+logits unsampled: no token, no event; the caller gets its result (and prompt logprobs) only.
 
 Failures stay with their sequence: one that cannot get KV blocks, whose prefill, sampling (a NaN
 row), stop check, detokenisation, speculation or beam bookkeeping raises finishes with
@@ -20,9 +22,9 @@ from collections.abc import Sequence as Seq
 import torch
 
 from tinyloop.engine.beam import BeamDecoding
-from tinyloop.engine.modes import Core, Finish, Strategy, guard
+from tinyloop.engine.modes import Finish, Strategy, guard
 from tinyloop.engine.plain import PlainDecoding
-from tinyloop.engine.prefill import BatchedPrefill
+from tinyloop.engine.prefill import BatchedPrefill, PrefillCore
 from tinyloop.engine.sequence import ModeState, Sequence, TokenEvent
 from tinyloop.engine.speculation import SpeculativeDecoding
 
@@ -32,7 +34,7 @@ __all__ = ["Batch"]
 class Batch:
     """The strategies of one engine and the step that runs them."""
 
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: PrefillCore) -> None:
         self.plain = PlainDecoding(core)
         self.beam = BeamDecoding(core)
         # chain and tree sequences draft and verify together: one step's draft budget
@@ -61,7 +63,11 @@ class Batch:
         prepared = [(st, st.prepare(group)) for st, group in groups.values() if group]
         ready: list[tuple[Sequence, torch.Tensor]] = []
         for seq, logits in self.prefill.run([s for s in seqs if not s.finished and s.prefilling]):
-            if logits is not None and not seq.prefill_only:
+            if logits is None or seq.prefill_only:
+                continue
+            if seq.request.max_tokens == 0:
+                seq.finish("length", "length")  # the prompt alone was asked for (its logprobs)
+            else:
                 ready.append((seq, logits))
         finishes: list[Finish] = []
         plain: list[Sequence] = []

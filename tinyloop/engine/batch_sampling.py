@@ -1,31 +1,54 @@
 """A batch's rows sampled together on the logits' device: ``sampling.sample_token``'s pipeline as
 batched tensor ops, so that on a GPU the logits never cross to the host, only the chosen ids.
 
-Per row, as ``sample_token`` does it: penalties (repetition over prompt and output, presence and
-frequency over the output), then the argmax of a greedy row, or temperature, top-k, top-p (on
-the top-k distribution), min-p, each renormalising and keeping ties, and one inverse-CDF draw.
+Per row, as ``sample_token`` does it: ``logit_bias`` and ``min_tokens``' mask (scattered into the
+rows that have them, the others untouched), penalties (repetition over prompt and output,
+presence and frequency over the output), then the argmax of a greedy row, or temperature,
+top-k, top-p (on the top-k distribution), min-p, each renormalising and keeping ties, and one
+inverse-CDF draw.
 The uniforms come from each row's own generator, drawn on the host in row order, one per sampled
 row: the generators advance exactly as ``sample_token`` advances them, so a request draws the
 same whether it is sampled here or alone, up to the rounding of another device's reductions.
 ``sample_on_device`` runs it for a whole batch with the rows' logprobs and a check of their
-logits, and brings it all to the host in one transfer.
+logits, and brings it all to the host in one transfer. ``bias_table`` and ``banned_tokens``, which
+both paths use, live here because ``sampling`` imports this module (never the other way).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Collection, Sequence
 
 import torch
 
 from tinyloop.requests import SamplingParams, TokenLogprob
 
-__all__ = ["sample_on_device", "sample_rows"]
+__all__ = ["banned_tokens", "bias_table", "sample_on_device", "sample_rows"]
+
+
+@functools.lru_cache(maxsize=256)
+def bias_table(logit_bias: tuple[tuple[int, float], ...]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """``logit_bias`` as (token ids, biases), one entry per token (a repeated id: its last bias,
+    as a dict built from the pairs keeps it). Cached: a request's pairs are the same every step."""
+    table = dict(logit_bias)
+    return tuple(table), tuple(table.values())
+
+
+def banned_tokens(params: SamplingParams, produced: int, eos_ids: Collection[int] = ()) -> list[int]:
+    """The tokens ``min_tokens`` keeps out after ``produced`` output tokens, ascending: EOS
+    (unless ``ignore_eos``) and ``stop_token_ids`` while ``produced < min_tokens``, else none."""
+    if produced >= params.min_tokens:
+        return []
+    return sorted({*params.stop_token_ids, *(() if params.ignore_eos else eos_ids)})
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                prompt_tokens: Sequence[Sequence[int]], output_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
-    """The chosen token of every row of ``logits`` ``[B, V]``, ``[B]`` int64 on its device."""
-    x = _penalised(logits.detach().float(), params, prompt_tokens, output_tokens)  # [B, V]
+                prompt_tokens: Sequence[Sequence[int]], output_tokens: Sequence[Sequence[int]],
+                eos_ids: Collection[int] = ()) -> torch.Tensor:
+    """The chosen token of every row of ``logits`` ``[B, V]``, ``[B]`` int64 on its device
+    (``eos_ids``: what ``min_tokens`` keeps out besides ``stop_token_ids``)."""
+    x = _biased(logits.detach().float(), params, output_tokens, eos_ids)  # [B, V]
+    x = _penalised(x, params, prompt_tokens, output_tokens)  # [B, V]
     tokens = x.argmax(dim=-1)  # [B] greedy rows: the first maximum, as sample_token
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
@@ -40,8 +63,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generato
 
 
 def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                     prompt_tokens: Sequence[Sequence[int]],
-                     output_tokens: Sequence[Sequence[int]]) -> list[tuple[int, TokenLogprob | None] | None]:
+                     prompt_tokens: Sequence[Sequence[int]], output_tokens: Sequence[Sequence[int]],
+                     eos_ids: Collection[int] = ()) -> list[tuple[int, TokenLogprob | None] | None]:
     """Every row of ``logits`` ``[B, V]`` sampled where the logits are (``sample_rows``), with
     its logprobs when the row asks (the chosen token's under the raw logits and the
     ``top_logprobs`` best alternatives, best first, ties to the lower id: ``sampling._logprob``),
@@ -50,7 +73,7 @@ def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], gen
     draw, if any, is spent: the caller fails that row's request)."""
     x = logits.detach()
     usable = torch.isfinite(x.amax(dim=-1))  # [B] one pass: NaN or +inf max, or -inf (nothing finite)
-    tokens = sample_rows(x, params, generators, prompt_tokens, output_tokens)  # [B]
+    tokens = sample_rows(x, params, generators, prompt_tokens, output_tokens, eos_ids)  # [B]
     parts = [tokens.double(), usable.double()]
     want = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs]
     n = min(max((params[i].top_logprobs for i in want), default=0), x.shape[-1])
@@ -86,6 +109,35 @@ def _pick(cdf: torch.Tensor, probs: torch.Tensor, target: torch.Tensor) -> torch
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]  # [R, 1]
+
+
+def _biased(x: torch.Tensor, params: Sequence[SamplingParams], output_tokens: Sequence[Sequence[int]],
+            eos_ids: Collection[int]) -> torch.Tensor:
+    """``x`` [B, V] with each row's ``logit_bias`` added and its ``banned_tokens`` at -inf
+    (``sampling.bias_and_mask``), batched: one scatter each over the rows that have any."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    banned_rows: list[int] = []
+    banned_cols: list[int] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids, biases = bias_table(p.logit_bias)  # one entry per token: no duplicate index
+            rows += [i] * len(ids)
+            cols += ids
+            values += biases
+        banned = [t for t in banned_tokens(p, len(output_tokens[i]), eos_ids) if t < x.shape[-1]]
+        banned_rows += [i] * len(banned)
+        banned_cols += banned
+    dev = x.device
+    if rows:
+        at = (torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(cols, dtype=torch.long, device=dev))
+        x = x.index_put(at, torch.tensor(values, dtype=x.dtype, device=dev), accumulate=True)  # [B, V]
+    if banned_rows:
+        at = (torch.tensor(banned_rows, dtype=torch.long, device=dev),
+              torch.tensor(banned_cols, dtype=torch.long, device=dev))
+        x = x.index_put(at, torch.tensor(float("-inf"), dtype=x.dtype, device=dev))  # [B, V]
+    return x
 
 
 def _penalised(x: torch.Tensor, params: Sequence[SamplingParams], prompt_tokens: Sequence[Sequence[int]],

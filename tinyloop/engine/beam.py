@@ -4,7 +4,8 @@ A beam request (``mode="beam"``) is one ``Sequence`` to the runtime. Its prompt 
 usual; from the prompt's logits on, ``BeamSearch`` keeps up to ``num_beams`` live beams, each a
 private ``Sequence`` over ``kv.fork()`` of its parent. Each engine step decodes every live beam
 of every beam request in one batched forward, scores the ``2 * num_beams`` best extensions by
-cumulative logprob (``log_softmax`` of the raw logits; nothing is sampled), and keeps the best
+cumulative logprob (``log_softmax`` of the raw logits plus ``logit_bias``, EOS and stop tokens at
+-inf before ``min_tokens``: ``sampling.bias_and_mask``; nothing is sampled), and keeps the best
 ``num_beams`` that do not end: a beam extended by several candidates is forked, a beam extended
 by none is freed. An extension that ends (EOS, a stop token, ``max_tokens``) becomes a finished
 hypothesis scored ``sum_logprob / len ** length_penalty`` (HF's convention).
@@ -15,7 +16,13 @@ sum over the largest length the penalty favours). The best hypothesis is then re
 ``output.accept_token`` so stop strings, detokenisation and the result are those of any request, and
 all its tokens are emitted as TokenEvents in that one step (a stream gets a single burst).
 
-With ``num_beams == 1`` only the best extension is considered: greedy decoding.
+Under a grammar (structured outputs) each beam carries its own copy of the request's matcher:
+its extensions score -inf where its grammar refuses them, and one whose token completes the
+grammar ends as a finished hypothesis.
+
+With ``num_beams == 1`` only the best extension is considered: greedy decoding. The logprobs a
+request asks for are those of the raw logits, as in every mode (they differ from the scores only
+under a bias or ``min_tokens``); scores stay <= 0 either way, so the bound above holds.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tinyloop import grammar
 from tinyloop.engine.modes import Core, Finish
 from tinyloop.engine.output import accept_run
+from tinyloop.engine.sampling import bias_and_mask
 from tinyloop.engine.sequence import ModeState, Sequence, TokenEvent
-from tinyloop.errors import EngineBroken, KVCacheExhausted
+from tinyloop.errors import EngineBroken, EngineError, KVCacheExhausted
 from tinyloop.requests import GenerationResult, TokenLogprob
 
 __all__ = ["Beam", "BeamDecoding", "BeamState", "BeamSearch", "beam_score"]
@@ -152,6 +161,7 @@ class BeamSearch:
 
     def __init__(self, core: Core) -> None:
         self.engine = core
+        self.masks = grammar.MaskBuffer()  # constrained beams' grammar bitmasks
 
     def begin(self, seq: Sequence, logits: torch.Tensor) -> list[TokenEvent]:
         """The prompt's last logits ``[V]`` are in: start the search from one beam."""
@@ -203,29 +213,33 @@ class BeamSearch:
     def _branch(self, seq: Sequence) -> Sequence:
         """A private copy of ``seq`` for one beam, sharing its KV blocks copy-on-write."""
         return dataclasses.replace(seq, kv=seq.kv.fork(), output=[], text_parts=[], logprobs=[],
-                                   mode_state=None)
+                                   mode_state=None, matcher=grammar.fork(seq.matcher))
 
     @torch.inference_mode()
     def _extend(self, seq: Sequence, logits: torch.Tensor) -> list[TokenEvent]:
         """Extend the live beams with their best next tokens (``logits`` ``[beams, V]``)."""
         state = self._state(seq)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V] raw: what is reported
+        scores = self._constrained(state, self._scores(seq, state, logits.float(), logprobs))  # [B, V]
         sums = torch.tensor([b.sum_logprob for b in state.live], dtype=torch.float32, device=logprobs.device)
-        totals = (sums[:, None] + logprobs).flatten()  # [B * V]
+        totals = (sums[:, None] + scores).flatten()  # [B * V]
         k = min(2 * state.num_beams if state.num_beams > 1 else 1, totals.numel())
         top, idx = totals.topk(k)
         vocab = logprobs.shape[1]
-        chosen: list[tuple[Beam, int, float]] = []
+        chosen: list[tuple[Beam, int, float, float]] = []
         for total, i in zip(top.tolist(), idx.tolist()):
             beam, token = state.live[i // vocab], i % vocab
             lp = float(logprobs[i // vocab, token])
+            if total == float("-inf"):  # kept out (min_tokens): fewer candidates than k are left
+                break
             if self._ends(seq, beam, token):
                 tokens = beam.tokens + [token]
                 state.add_done(Hypothesis(beam_score(total, len(tokens), state.length_penalty),
                                           tuple(tokens), tuple(beam.logprobs + [lp]),
                                           beam.seq.loops_total))
             elif len(chosen) < state.num_beams:
-                chosen.append((beam, token, total))
+                # raw scores: the logprob as the sums' float32 arithmetic has it (they add up exactly)
+                chosen.append((beam, token, total, total - beam.sum_logprob if scores is logprobs else lp))
             if len(chosen) == state.num_beams:
                 break
         state.live = self._advance(state.live, chosen)
@@ -233,18 +247,40 @@ class BeamSearch:
             return []
         return self._finish(seq)
 
+    def _scores(self, seq: Sequence, state: BeamState, logits: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """What each live beam's extensions score ``[B, V]``: the raw ``logprobs``, or under a
+        bias or ``min_tokens`` the ``log_softmax`` of the logits they adjust (each beam counts
+        its own tokens toward ``min_tokens``)."""
+        params = seq.request.sampling
+        if not params.logit_bias and params.min_tokens == 0:
+            return logprobs
+        rows = [bias_and_mask(row, params, len(b.tokens), self.engine.eos_ids) for row, b in zip(logits, state.live)]
+        return torch.log_softmax(torch.stack(rows), dim=-1)
+
+    def _constrained(self, state: BeamState, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` ``[B, V]`` with what each beam's grammar refuses at -inf (a constrained
+        request's beams each carry their own matcher)."""
+        matchers = [b.seq.matcher for b in state.live]
+        if all(m is None for m in matchers):
+            return scores
+        scores = scores.clone()  # (may be the reported logprobs themselves)
+        if grammar.constrain_rows(scores, matchers, self.masks):
+            raise EngineError("a beam's grammar matcher failed: " + next(m.error for m in matchers if m.failed))
+        return scores
+
     def _ends(self, seq: Sequence, beam: Beam, token: int) -> bool:
         params = seq.request.sampling
         return (len(beam.tokens) + 1 >= seq.request.max_tokens
                 or token in params.stop_token_ids
-                or (token in self.engine.eos_ids and not params.ignore_eos))
+                or (token in self.engine.eos_ids and not params.ignore_eos)
+                or (beam.seq.matcher is not None and beam.seq.matcher.completes(token)))  # the grammar's end
 
-    def _advance(self, live: list[Beam], chosen: list[tuple[Beam, int, float]]) -> list[Beam]:
-        """The next live beams: fork a beam chosen twice or more, free one chosen by none."""
+    def _advance(self, live: list[Beam], chosen: list[tuple[Beam, int, float, float]]) -> list[Beam]:
+        """The next live beams (each chosen extension: its beam, token, score and raw logprob):
+        fork a beam chosen twice or more, free one chosen by none."""
         used: set[int] = set()
         out = []
-        for beam, token, total in chosen:
-            lp = total - beam.sum_logprob
+        for beam, token, total, lp in chosen:
             if id(beam) in used:
                 seq = self._branch(beam.seq)
             else:
@@ -253,6 +289,9 @@ class BeamSearch:
             # The forks above read the parent's token lists, so build new ones for every child.
             out.append(Beam(seq, beam.tokens + [token], beam.logprobs + [lp], total))
             seq.pending = token
+        for child in out:  # after every fork above: each copied its parent's grammar state before the token
+            if child.seq.matcher is not None and not child.seq.matcher.accept(child.tokens[-1]):
+                raise EngineError(f"the {child.seq.matcher.kind} constraint refused beam token {child.tokens[-1]}")
         for beam in live:
             if id(beam) not in used:
                 beam.seq.kv.free()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinyloop import grammar
 from tinyloop.cpu.backend import use_cpu_kernels
 from tinyloop.cuda.backend import use_cuda_kernels
 from tinyloop.engine import blocking
@@ -72,7 +73,8 @@ class Engine(KVAccounting, PrefixEntries):
                  max_draft_nodes: int = DEFAULT_MAX_DRAFT_NODES, pack_weights: bool = True,
                  weights: str = "float", draft_min_prob: float = DEFAULT_DRAFT_MIN_PROB,
                  draft_weights: str = "same", cpu_kernels: bool = True,
-                 cuda_kernels: bool = False, cuda_graphs: bool = False) -> None:
+                 cuda_kernels: bool = False, cuda_graphs: bool = False,
+                 default_loops: int | None = None) -> None:
         self.model = model.eval()
         self.draft_model = draft_copy(model, draft_weights if weights == "float" else "same")  # quant.py
         if weights not in WEIGHT_MODES:
@@ -86,7 +88,8 @@ class Engine(KVAccounting, PrefixEntries):
             use_cpu_kernels(m, cpu_kernels)  # type: ignore[arg-type]  # the C kernel where it builds
             if cuda_kernels:  # norms, RoPE, decode attention on tinyloop/cuda's kernels
                 use_cuda_kernels(m)
-        self.config: ModelConfig = model.config
+        # a server-wide default loop count replaces the model's: limits, KV sizing and graphs see it
+        self.config: ModelConfig = model.config.replace(default_loops=default_loops or model.config.default_loops)
         self.tokenizer, self.eos_ids = tokenizer, tokenizer.eos_ids
         self.default_loops = self.config.default_loops
         self.name = name
@@ -172,9 +175,9 @@ class Engine(KVAccounting, PrefixEntries):
             request=req, loops=loops, window=window, exit=resolved.exit,
             kv=SeqKV(self.pool, slot_count(self.config, loops, window)),
             generator=make_generator(req.sampling.seed), noise_seed=NOISE_SEED,
-            detokenizer=self.tokenizer.stream_decoder(),
-            stop_matcher=StopMatcher(req.sampling.stop), prompt=list(req.prompt_tokens))
-        seq.mode_state = self.batch.new_state(seq)
+            detokenizer=self.tokenizer.stream_decoder(), prompt=list(req.prompt_tokens),
+            stop_matcher=StopMatcher(req.sampling.stop, req.sampling.include_stop_str_in_output))
+        seq.mode_state, seq.matcher = self.batch.new_state(seq), grammar.matcher_for(req, self.tokenizer)  # or None
         self.prefix_cache.attach(seq, prefix)
         seq.cached_tokens = seq.kv.length
         return seq
@@ -187,7 +190,7 @@ class Engine(KVAccounting, PrefixEntries):
         child.cached_tokens = seq.cached_tokens
         child.output = list(seq.output)
         child.pending = seq.pending
-        child.warm_state = seq.warm_state
+        child.warm_state, child.matcher = seq.warm_state, grammar.fork(seq.matcher)  # its own grammar state
         child.prompt = list(seq.prompt)
         return child
 
@@ -216,9 +219,9 @@ class Engine(KVAccounting, PrefixEntries):
         return out
 
     def forward(self, seqs: Seq[Sequence], tokens: torch.Tensor, warm: bool,
-                counts: Seq[int] | None = None) -> ForwardOutput:
+                counts: Seq[int] | None = None, last_only: bool = True) -> ForwardOutput:
         """``tokens`` ``[B, T]`` stored from each ``kv.length`` on (blocks reserved for all T);
-        ``counts``: each row's real tokens when rows are right-padded (``prefill.py``)."""
+        ``counts``: each row's real tokens when right-padded (``prefill.py``); ``last_only``: the model's."""
         n_new = tokens.shape[1]
         counts = counts or [n_new] * len(seqs)
         starts = [s.kv.length for s in seqs]
@@ -228,7 +231,7 @@ class Engine(KVAccounting, PrefixEntries):
         specs = [RowSpec(loops=s.loops, window=s.window, start=st, noise_seed=s.noise_seed,
                          warm_state=s.warm_state if warm else None, exit=s.exit, last=n - 1 if n < n_new else None)
                  for s, st, n in zip(seqs, starts, counts)]
-        out = self.run_model(tokens.to(self.device, non_blocking=True), ctx, specs)
+        out = self.run_model(tokens.to(self.device, non_blocking=True), ctx, specs, last_only=last_only)
         advance(self.model, seqs, out, counts)
         return out
 

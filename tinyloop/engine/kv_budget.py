@@ -69,11 +69,13 @@ class KVBudget:
 
     def start_blocks(self, req: GenerationRequest, resolved: Resolved) -> int:
         """Blocks ``req`` needs to start: its worst case when it reserves one, else its prompt
-        and first token (prefix-cache hits may make it less)."""
+        and first token (the prompt alone with ``max_tokens == 0``: never more than its worst
+        case, which admission checked against the pool; prefix-cache hits may make it less)."""
         loops, window = resolved.loops, resolved.window
         if self.reserves_worst_case(req, resolved.exit):
             return self.worst_blocks(req, loops, window)
-        return slot_count(self.config, loops, window) * -(-(len(req.prompt_tokens) + 1) // self.pool.block_size)
+        length = len(req.prompt_tokens) + min(req.max_tokens, 1)
+        return slot_count(self.config, loops, window) * -(-length // self.pool.block_size)
 
     def prefix_blocks(self, n_tokens: int, loops: int, window: int) -> int:
         """Blocks a registered prefix of ``n_tokens`` holds."""

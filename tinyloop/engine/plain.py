@@ -1,7 +1,9 @@
 """Plain decoding: one batched decode forward for the step's sequences, then sampling.
 
 Also the fallback of the other modes (a speculative sequence that cannot speculate this step
-decodes here) and the sampler of every prompt's first logits.
+decodes here) and the sampler of every prompt's first logits. A constrained row (structured
+outputs, ``tinyloop.grammar``) has its grammar's refused tokens set to -inf before the sampler
+sees it; the batch's free rows are left as they are.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from typing import Any
 import torch
 
 from tinyloop.engine.modes import Core, Finish, guard, no_events, reserve_or_fail
-from tinyloop.engine.sampling import sample_batch
+from tinyloop.engine.sampling import sample_batch, token_logprob
 from tinyloop.engine.sequence import ModeState, Sequence, TokenEvent
 from tinyloop.errors import EngineBroken, EngineError
+from tinyloop.grammar import MaskBuffer, constrain_rows
 
 __all__ = ["PlainDecoding"]
 
@@ -24,6 +27,7 @@ class PlainDecoding:
 
     def __init__(self, core: Core) -> None:
         self.core = core
+        self.masks = MaskBuffer()  # the constrained rows' grammar bitmasks, reused step to step
 
     def new_state(self, seq: Sequence) -> ModeState | None:
         return None
@@ -63,27 +67,58 @@ class PlainDecoding:
         """Sample every row and accept its token; a row with NaN or +inf logits, or with no
         finite one, fails its own sequence only (as does a sampler or stop-check failure)."""
         logits = torch.stack(rows).float()  # [B, V]
+        raw = {id(s): logits[i].clone() for i, s in enumerate(seqs) if s.matcher is not None and _reports(s)}
+        seqs, logits = self._constrain(seqs, logits)  # grammar masks on the constrained rows
+        if not seqs:
+            return []
         # Greedy rows draw nothing: only the others' generators need saving for a retry.
         states = [(s, s.generator.get_state()) for s in seqs if not s.request.sampling.greedy]
         try:  # (on a GPU: one wait for the device, the step's only one)
             results: list[Any] = sample_batch(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs],
-                                              [s.prompt for s in seqs], [s.output for s in seqs])
+                                              [s.prompt for s in seqs], [s.output for s in seqs], self.core.eos_ids)
         except Exception:  # find the row that raised: every other row samples as it would have
             for s, state in states:
                 s.generator.set_state(state)  # rows before the one that raised drew already
-            results = [guard(s, _sample_one, s, logits[i]) for i, s in enumerate(seqs)]
+            results = [guard(s, _sample_one, s, logits[i], self.core.eos_ids) for i, s in enumerate(seqs)]
         events = []
         for s, r in zip(seqs, results):
             if r is None:  # no usable logits (or the sampler failed the sequence already)
                 if s.error is None:
                     s.fail(EngineError("the model produced non-finite logits for this request"))
                 continue
-            event = guard(s, self.core.accept, s, r.token_id, r.logprob)
+            logprob = r.logprob if id(s) not in raw else token_logprob(raw[id(s)], r.token_id, s.request.sampling)
+            event = guard(s, self.core.accept, s, r.token_id, logprob)  # (logprobs: of the logits before a mask)
             if event is not None:
                 events.append(event)
         return events
 
+    def _constrain(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """Each constrained row's logits with its grammar's refused tokens at -inf (in place;
+        ``tinyloop.grammar``), before the sampler's own adjustments; the rows left to sample: a
+        row whose matcher failed fails its own sequence."""
+        if all(s.matcher is None for s in seqs):
+            return seqs, logits
+        try:
+            failed = constrain_rows(logits, [s.matcher for s in seqs], self.masks)
+        except EngineBroken:
+            raise
+        except Exception as exc:
+            failed = [i for i, s in enumerate(seqs) if s.matcher is not None]
+            for i in failed:
+                seqs[i].fail(exc)
+        for i in failed:
+            if not seqs[i].finished:
+                seqs[i].fail(EngineError(f"the {seqs[i].matcher.kind} constraint failed: {seqs[i].matcher.error}"))
+        if not failed:
+            return seqs, logits
+        keep = [i for i in range(len(seqs)) if i not in failed]
+        return [seqs[i] for i in keep], logits[keep]
 
-def _sample_one(seq: Sequence, row: torch.Tensor) -> Any:
+
+def _reports(seq: Sequence) -> bool:
+    return seq.request.sampling.logprobs or seq.request.sampling.top_logprobs > 0
+
+
+def _sample_one(seq: Sequence, row: torch.Tensor, eos_ids: frozenset[int]) -> Any:
     return sample_batch(row[None], [seq.request.sampling], [seq.generator], [seq.prompt],
-                        [seq.output])[0]
+                        [seq.output], eos_ids)[0]

@@ -21,22 +21,68 @@ chunk of its own would not) or whose pads would pass the model's positions, and 
 prefill alone. A batched row may differ from its prefill alone in float rounding (the matrix
 products sum over more rows, as in batched decode); greedy outputs are the same. A batched
 forward that raises is retried one sequence at a time, as ``plain.decode`` does.
+
+Prompt logprobs (``GenerationRequest.prompt_logprobs``) come from the prefill the request runs
+anyway: while a sequence still lacks some, its chunks run with every position's logits
+(``last_only=False``) and it prefills alone (a batched forward would compute the head at every
+position of every row for one row's sake). Position ``p``'s logits give prompt token ``p + 1``'s
+entry (``sampling.logprob_entries``: raw logits, as sampled tokens' logprobs), the first token's
+is None, and a chunk's last position gives the next chunk's first token; each chunk's entries
+are made at once and its full logits dropped, only the last position's kept. Entries go in
+position order and a position already covered is skipped, so a sequence preempted and
+prefilled again (``Engine.preempt``) neither repeats nor loses one; the prefix cache and the
+prefix pool serve none of the positions whose logits are still needed
+(``prompt_logits_from``, ``PrefixCache.attach``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Protocol
 
 import torch
 
 from tinyloop.engine.modes import Core, guard
+from tinyloop.engine.sampling import logprob_entries
 from tinyloop.engine.sequence import Sequence
 from tinyloop.errors import EngineBroken
 from tinyloop.model.looped import ForwardOutput, LoopedLM
 
-__all__ = ["BatchedPrefill", "advance", "group_key", "prefill_chunks"]
+__all__ = ["BatchedPrefill", "PrefillCore", "advance", "group_key", "prefill_chunks", "prompt_logits_from"]
 
 PAD_TOKEN = 0  # what fills a short row: its KV lies past the row's length, never attended
+ENTRY_ROWS = 256  # positions turned into prompt logprob entries at a time: bounds the log_softmax copy
+
+
+class PrefillCore(Core, Protocol):
+    """The engine core as the prefill uses it: ``forward`` can return every position's logits."""
+
+    def forward(self, seqs: Seq[Sequence], tokens: torch.Tensor, warm: bool,
+                counts: Seq[int] | None = None, last_only: bool = True) -> ForwardOutput: ...
+
+
+def prompt_logits_from(seq: Sequence) -> int | None:
+    """The first position whose logits ``seq``'s prompt logprobs still need (the entries so far
+    cover the tokens before the next one), or None when it needs none (not asked, or all made)."""
+    if seq.request.prompt_logprobs is None:
+        return None
+    made = 1 if seq.prompt_logprobs is None else len(seq.prompt_logprobs)  # the first token's None counts
+    return made - 1 if made < len(seq.prompt) else None
+
+
+def _prompt_entries(seq: Sequence, logits: torch.Tensor, start: int) -> None:
+    """Append the prompt logprob entries that a chunk's logits ``[n, V]`` (positions ``start`` on)
+    give and ``seq`` lacks."""
+    entries = seq.prompt_logprobs
+    assert entries is not None, "prefill_chunks starts the entries"
+    first = len(entries) - 1 - start  # the chunk row giving the next missing entry
+    end = min(logits.shape[0], len(seq.prompt) - 1 - start)  # rows past it give output tokens
+    if first < 0:
+        raise RuntimeError(f"prompt logprobs of {seq!r} would skip positions {len(entries) - 1}..{start - 1}")
+    top = seq.request.prompt_logprobs or 0
+    for at in range(first, end, ENTRY_ROWS):
+        stop = min(at + ENTRY_ROWS, end)
+        entries.extend(logprob_entries(logits[at:stop], seq.prompt[start + at + 1:start + stop + 1], top))
 
 
 def advance(model: LoopedLM, seqs: Seq[Sequence], out: ForwardOutput, counts: Seq[int]) -> None:
@@ -53,32 +99,42 @@ def advance(model: LoopedLM, seqs: Seq[Sequence], out: ForwardOutput, counts: Se
             s.warm_state = (model.final_norm(final) if s.request.warm_start_from == "normed" else final).clone()
 
 
-def prefill_chunks(core: Core, seqs: Seq[Sequence]) -> list[torch.Tensor | None]:
+def prefill_chunks(core: PrefillCore, seqs: Seq[Sequence]) -> list[torch.Tensor | None]:
     """Run each sequence's next chunk in one forward (right-padded when they differ); per
     sequence the last logits ``[V]`` once its context is in (None before, and for a resumed
-    preempted sequence, whose pending token decodes next)."""
+    preempted sequence, whose pending token decodes next). A sequence that needs its chunk's
+    every logits for prompt logprobs (the module docstring) gets its entries made here."""
     chunks = [s.context[s.kv.length:s.kv.length + core.prefill_chunk] for s in seqs]
+    starts = [s.kv.length for s in seqs]
+    for s in seqs:
+        if s.request.prompt_logprobs is not None and s.prompt_logprobs is None:
+            s.prompt_logprobs = [None]  # the first prompt token has nothing before it
+    every = [prompt_logits_from(s) is not None for s in seqs]
     width = max(len(c) for c in chunks)
     out = core.forward(seqs, core.host_tokens([c + [PAD_TOKEN] * (width - len(c)) for c in chunks]),
-                       warm=False, counts=[len(c) for c in chunks])
+                       warm=False, counts=[len(c) for c in chunks], last_only=not any(every))
     results: list[torch.Tensor | None] = []
     for row, (s, chunk) in enumerate(zip(seqs, chunks)):
         if len(chunk) < width:
             s.kv.truncate(s.kv.length)  # the blocks that hold only pads
         core.prefilled_tokens += len(chunk)
+        if every[row]:
+            _prompt_entries(s, out.logits[row, :len(chunk)], starts[row])
         if s.prefilling or s.resumed:
             s.resumed = s.resumed and s.prefilling  # a resumed sequence's pending token decodes next
             results.append(None)
             continue
         s.loops_total += out.loops_used[row]
-        results.append(out.logits[row, -1])
+        # all positions' logits: keep a copy of the last, not a view that holds them all
+        results.append(out.logits[row, -1] if not any(every) else out.logits[row, len(chunk) - 1].clone())
     return results
 
 
 def group_key(seq: Sequence, chunk: int) -> tuple[int, int, int] | None:
-    """Sequences of one key may prefill in one forward; None: this one prefills alone."""
+    """Sequences of one key may prefill in one forward; None: this one prefills alone (also
+    while it needs every position's logits for its prompt logprobs)."""
     n = min(seq.context_length - seq.kv.length, chunk)
-    if seq.request.mode != "generate" or (n == 1 and seq.exit.stops):
+    if seq.request.mode != "generate" or (n == 1 and seq.exit.stops) or prompt_logits_from(seq) is not None:
         return None
     return seq.loops, seq.window, n if seq.exit.kind == "gate_expected" else 0
 
@@ -86,7 +142,7 @@ def group_key(seq: Sequence, chunk: int) -> tuple[int, int, int] | None:
 class BatchedPrefill:
     """A step's prefill: the groups ``group_key`` forms in one forward each, the others alone."""
 
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: PrefillCore) -> None:
         self.core = core
 
     def run(self, seqs: Seq[Sequence]) -> list[tuple[Sequence, torch.Tensor | None]]:

@@ -4,6 +4,16 @@
 to the pool's cache (``model/blockcache.py``) and ``Engine.start`` reuses the longest cached run
 of a new prompt's blocks, so only the rest is prefilled. ``PrefixEntries``: the engine's
 ``start_prefix``/``prefill_prefix``, a registered prefix that ``Engine.start`` can share.
+
+Prompt logprobs. A request that asks for ``prompt_logprobs`` needs the logits of every prompt
+position, and a position served from cached KV has none: computing them would be a forward
+over those positions, the very prefill the cache saves. So such a request is served no cached
+or pool blocks for the positions whose logits it still needs (``prefill.prompt_logits_from``):
+a new one prefills its whole prompt and reports ``cached_tokens == 0``, with the same logprobs
+and output as on a cold cache. Its blocks still go to the cache when it ends (its KV is the
+same as anyone's). A preempted one that already has all its entries resumes from the cache as
+any sequence does; one preempted mid-prompt takes cached blocks only up to its first missing
+entry.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from tinyloop.engine.prefill import prompt_logits_from
 from tinyloop.engine.sequence import Sequence
 from tinyloop.model.blockcache import block_keys
 from tinyloop.model.kvcache import KVPool
@@ -44,30 +55,33 @@ class PrefixCache:
     def attach(self, seq: Sequence, prefix: Sequence | None) -> None:
         """Give a new (or preempted) sequence the longest KV prefix there is: cached blocks, or
         ``prefix``'s blocks (a prefix-pool entry whose prompt prefixes ``seq``'s) when they
-        cover more. The last prompt token always runs, so the first output token has logits."""
+        cover more. The last prompt token always runs, so the first output token has logits, and
+        so do the positions whose logits prompt logprobs still need (the module docstring)."""
         pool_hit = 0
+        limit = prompt_logits_from(seq)
         if prefix is not None:
             n = len(prefix.prompt)
             if (prefix.loops, prefix.window) != (seq.loops, seq.window) or seq.prompt[:n] != prefix.prompt:
                 raise ValueError("prefix does not match the request's prompt, loops and window")
-            pool_hit = min(n, len(seq.prompt) - 1)
-        cached = self.lookup(seq)
+            pool_hit = min(n, len(seq.prompt) - 1, len(seq.prompt) if limit is None else limit)
+        cached = self.lookup(seq, limit)
         if len(cached) * self.pool.block_size < pool_hit:
             self.pool.release([b for col in cached for b in col])
             cached = []
         if cached:
             seq.kv.adopt(cached)
-        elif prefix is not None:
+        elif prefix is not None and pool_hit > 0:
             seq.kv = prefix.kv.fork()
             seq.kv.truncate(pool_hit)
 
-    def lookup(self, seq: Sequence) -> list[list[int]]:
+    def lookup(self, seq: Sequence, limit: int | None = None) -> list[list[int]]:
         """The cache's longest run of full blocks of ``seq``'s prompt (referenced for it);
-        never the block of the last prompt token, which must run to give the first logits."""
+        never the block of the last prompt token, which must run to give the first logits, nor
+        positions from ``limit`` on."""
         if not self.cacheable(seq):
             return []
         context = seq.context
-        n = (len(context) - 1) // self.pool.block_size
+        n = min(len(context) - 1, len(context) if limit is None else limit) // self.pool.block_size
         return self.pool.cache.lookup(block_keys(context, self.pool.block_size, n, self._salt(seq)))
 
     def cacheable(self, seq: Sequence) -> bool:

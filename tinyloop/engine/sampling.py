@@ -6,38 +6,52 @@ random number is ever shared between requests, and greedy rows draw none.
 
 The pipeline of ``sample_token``:
 
-1. penalties (``apply_penalties``): repetition (HF style), presence and frequency (OpenAI style);
-2. greedy (``temperature == 0``): argmax, ties to the lowest id; otherwise
-3. ``softmax(logits / temperature)`` in float32, then top-k, top-p (on the top-k distribution,
+1. ``logit_bias`` added to the raw logits, then, while the output is shorter than
+   ``min_tokens``, EOS (unless ``ignore_eos``) and ``stop_token_ids`` set to -inf
+   (``bias_and_mask``: OpenAI's and vLLM's order, before any penalty);
+2. penalties (``apply_penalties``): repetition (HF style), presence and frequency (OpenAI style);
+   steps 1 and 2 together are ``adjust_logits``, which every mode's choice of a token goes through;
+3. greedy (``temperature == 0``): argmax, ties to the lowest id; otherwise
+4. ``softmax(logits / temperature)`` in float32, then top-k, top-p (on the top-k distribution,
    as HF chains them), min-p, each renormalising, and one inverse-CDF draw (``draw``: one
    uniform from the request's generator) over the tokens left.
 
-Logprobs are reported from ``log_softmax`` of the raw logits, before penalties, temperature and
-filters, as vLLM does by default, so they describe the model rather than the sampler.
+Logprobs are reported from ``log_softmax`` of the raw logits, before bias, penalties, temperature
+and filters, as vLLM does by default, so they describe the model rather than the sampler; the
+prompt's logprobs (``logprob_entries``) likewise.
 
-``StopMatcher`` cuts stop strings out of the streamed text, holding back only what could still
-become one.
+The EOS ids the ``min_tokens`` rule keeps out are the tokenizer's, which the engine passes as
+``eos_ids``; left empty, only ``stop_token_ids`` are kept out.
+
+``StopMatcher`` cuts stop strings out of the streamed text (or keeps them, with
+``include_stop_str_in_output``), holding back only what could still become one.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tinyloop.engine import batch_sampling
+from tinyloop.engine.batch_sampling import banned_tokens, bias_table
 from tinyloop.requests import SamplingParams, TokenLogprob
 
 __all__ = [
     "SampleResult",
     "StopMatcher",
+    "adjust_logits",
     "apply_penalties",
+    "banned_tokens",
+    "bias_and_mask",
+    "bias_table",
     "draw",
     "greedy_token",
     "greedy_token_prob",
+    "logprob_entries",
     "make_generator",
     "sample_batch",
     "sample_token",
@@ -66,6 +80,28 @@ def make_generator(seed: int | None) -> torch.Generator:
     value = secrets.randbits(64) if seed is None else seed % _SEED_MODULUS
     generator.manual_seed(value)
     return generator
+
+
+def bias_and_mask(logits: torch.Tensor, params: SamplingParams, produced: int,
+                  eos_ids: Collection[int] = ()) -> torch.Tensor:
+    """``logits`` [V] (any device and dtype) plus ``logit_bias``, with ``banned_tokens`` at -inf;
+    the input itself when neither applies, else a new tensor."""
+    out = logits
+    if params.logit_bias:
+        ids, values = bias_table(params.logit_bias)
+        out = out.index_add(0, torch.tensor(ids, dtype=torch.long, device=out.device),
+                            torch.tensor(values, dtype=out.dtype, device=out.device))  # [V]
+    banned = [t for t in banned_tokens(params, produced, eos_ids) if t < logits.shape[-1]]
+    if banned:
+        out = out.index_fill(0, torch.tensor(banned, dtype=torch.long, device=out.device), float("-inf"))  # [V]
+    return out
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_tokens: Sequence[int],
+                  output_tokens: Sequence[int], eos_ids: Collection[int] = ()) -> torch.Tensor:
+    """``logits`` [V] as every mode chooses from them: ``bias_and_mask``, then the penalties."""
+    masked = bias_and_mask(logits, params, len(output_tokens), eos_ids)
+    return apply_penalties(masked, params, prompt_tokens, output_tokens)
 
 
 def apply_penalties(
@@ -116,13 +152,14 @@ def sample_token(
     *,
     prompt_tokens: Sequence[int],
     output_tokens: Sequence[int],
+    eos_ids: Collection[int] = (),
 ) -> SampleResult:
     """The next token for one request from its ``logits`` [V], and its logprob if asked for.
 
     Greedy requests never touch ``generator``; sampled ones draw exactly once from it.
     """
     raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
-    penalised = apply_penalties(raw, params, prompt_tokens, output_tokens)  # [V]
+    penalised = adjust_logits(raw, params, prompt_tokens, output_tokens, eos_ids)  # [V]
     if params.greedy:
         token_id = int(torch.argmax(penalised))  # argmax returns the first maximum: lowest id
     else:
@@ -131,30 +168,31 @@ def sample_token(
 
 
 def greedy_token(logits: torch.Tensor, params: SamplingParams, prompt_tokens: Sequence[int],
-                 output_tokens: Sequence[int]) -> int:
+                 output_tokens: Sequence[int], eos_ids: Collection[int] = ()) -> int:
     """The token a greedy ``sample_token`` picks from ``logits`` [V] after this history."""
     raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
-    return int(torch.argmax(apply_penalties(raw, params, prompt_tokens, output_tokens)))
+    return int(torch.argmax(adjust_logits(raw, params, prompt_tokens, output_tokens, eos_ids)))
 
 
 def greedy_token_prob(logits: torch.Tensor, params: SamplingParams, prompt_tokens: Sequence[int],
-                      output_tokens: Sequence[int]) -> tuple[int, float]:
-    """``greedy_token``, and its probability under the penalised logits at temperature 1 (how
+                      output_tokens: Sequence[int], eos_ids: Collection[int] = ()) -> tuple[int, float]:
+    """``greedy_token``, and its probability under the adjusted logits at temperature 1 (how
     sure the model is of it)."""
     raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
-    penalised = apply_penalties(raw, params, prompt_tokens, output_tokens)  # [V]
+    penalised = adjust_logits(raw, params, prompt_tokens, output_tokens, eos_ids)  # [V]
     top = torch.argmax(penalised)
     # softmax: one op (logsumexp is several, each a parallel region: 5 against 17-25 us at 4096 tokens)
     return int(top), float(torch.softmax(penalised, dim=-1)[top])
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams, prompt_tokens: Sequence[int],
-                 output_tokens: Sequence[int]) -> torch.Tensor:
-    """The distribution [V] a sampled ``sample_token`` draws from after this history: penalties,
-    temperature, top-k, top-p, min-p. Speculative decoding accepts and resamples against it, so
-    its output has exactly the distribution of plain sampling."""
+                 output_tokens: Sequence[int], eos_ids: Collection[int] = ()) -> torch.Tensor:
+    """The distribution [V] a sampled ``sample_token`` draws from after this history: bias,
+    ``min_tokens``' mask, penalties, temperature, top-k, top-p, min-p. Speculative decoding
+    accepts and resamples against it, so its output has exactly the distribution of plain
+    sampling."""
     raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
-    return _filtered_probs(apply_penalties(raw, params, prompt_tokens, output_tokens), params)
+    return _filtered_probs(adjust_logits(raw, params, prompt_tokens, output_tokens, eos_ids), params)
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, params: SamplingParams) -> TokenLogprob | None:
@@ -250,18 +288,41 @@ def _top_logprobs(logprobs: torch.Tensor, n: int) -> tuple[tuple[int, float], ..
     return tuple(zip(ids[order[:n]].tolist(), values[:n].tolist()))
 
 
+def logprob_entries(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """For each row ``i`` of ``logits`` ``[M, V]`` (raw, any device), ``tokens[i]``'s logprob
+    under it and the ``top`` best alternatives (best first, ties to the lower id): what
+    ``sample_token`` reports for a token chosen from each row, computed for all rows at once
+    (the prompt's logprobs)."""
+    logprobs = torch.log_softmax(logits.detach().float(), dim=-1)  # [M, V]
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=logprobs.device)  # [M]
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()  # [M]
+    if top == 0:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
+    # on the CPU a cut-off per row (``topk``) is cheaper than sorting every row
+    tops = [_top_logprobs(row, top) for row in logprobs] if logprobs.is_cpu else _sorted_tops(logprobs, top)
+    return [TokenLogprob(t, lp, best) for t, lp, best in zip(tokens, chosen, tops)]
+
+
+def _sorted_tops(logprobs: torch.Tensor, n: int) -> list[tuple[tuple[int, float], ...]]:
+    """``_top_logprobs`` of every row of ``logprobs`` ``[M, V]`` at once, where they are: a stable
+    sort keeps equal values in id order, and only the ``n`` best of each row come to the host."""
+    values, order = logprobs.sort(dim=-1, descending=True, stable=True)  # [M, V]
+    return [tuple(zip(i, v)) for i, v in zip(order[:, :n].tolist(), values[:, :n].tolist())]
+
+
 def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
     prompt_tokens: Sequence[Sequence[int]],
     output_tokens: Sequence[Sequence[int]],
+    eos_ids: Collection[int] = (),
 ) -> list[SampleResult | None]:
     """One ``SampleResult`` per row of ``logits`` [B, V], each as ``sample_token`` gives alone;
     None for a row whose logits hold a NaN or +inf or no finite value (nothing to sample from).
 
-    On the CPU, rows that are greedy with no penalties and no logprobs share one vectorised
-    argmax (the same first-maximum rule as ``sample_token``) and every other row is sampled on
+    On the CPU, rows that are greedy with no bias, ``min_tokens``, penalties or logprobs share
+    one vectorised argmax (the same first-maximum rule as ``sample_token``) and every other row is sampled on
     its own. On a GPU every row is sampled there with its logprobs
     (``batch_sampling.sample_on_device``: the same picks) and one transfer brings the ids,
     the logprobs and the check of the logits to the host: never the logits themselves.
@@ -275,7 +336,7 @@ def sample_batch(
         )
     rows = logits.detach()  # [B, V]
     if _on_device(rows):
-        picked = batch_sampling.sample_on_device(rows, params, generators, prompt_tokens, output_tokens)
+        picked = batch_sampling.sample_on_device(rows, params, generators, prompt_tokens, output_tokens, eos_ids)
         return [None if r is None else SampleResult(*r) for r in picked]
     rows = rows.float()
     # one pass: the row maximum is NaN when any logit is, +inf when one is, -inf when none is finite
@@ -286,7 +347,8 @@ def sample_batch(
     for i in range(batch):
         if i not in results:
             results[i] = None if not usable[i] else sample_token(
-                rows[i], params[i], generators[i], prompt_tokens=prompt_tokens[i], output_tokens=output_tokens[i])
+                rows[i], params[i], generators[i], prompt_tokens=prompt_tokens[i], output_tokens=output_tokens[i],
+                eos_ids=eos_ids)
     return [results[i] for i in range(batch)]
 
 
@@ -299,7 +361,7 @@ def _is_plain_greedy(params: SamplingParams) -> bool:
     """True when a row's token is just the argmax of its logits, with nothing to report."""
     return (params.greedy and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and not params.logprobs
-            and params.top_logprobs == 0)
+            and params.top_logprobs == 0 and not params.logit_bias and params.min_tokens == 0)
 
 
 class StopMatcher:
@@ -308,13 +370,17 @@ class StopMatcher:
     ``feed`` returns the text that is safe to emit: everything except a trailing piece that could
     still grow into a stop string, which is held back until the next feed settles it. When a stop
     string completes, the text before its earliest occurrence is returned with ``stopped=True``
-    and the stop string itself is never emitted. ``flush`` hands back the held text when
-    generation ends for another reason.
+    and the stop string itself is never emitted; with ``include`` (vLLM's
+    ``include_stop_str_in_output``) the text runs to the end of that stop string instead (of the
+    shortest, when several begin there: it completed first). A feed that is not ``armed`` (the
+    output is still shorter than ``min_tokens``) matches nothing: a stop string completed then
+    is emitted as text, as vLLM checks none before ``min_tokens``. ``flush`` hands back the held
+    text when generation ends for another reason.
     """
 
-    __slots__ = ("_stops", "_held", "_stopped")
+    __slots__ = ("_stops", "_held", "_stopped", "_include")
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include: bool = False) -> None:
         if isinstance(stop, str):
             raise TypeError("stop must be a sequence of strings, not a single string")
         if not all(isinstance(s, str) and s for s in stop):
@@ -322,6 +388,7 @@ class StopMatcher:
         self._stops = tuple(stop)
         self._held = ""
         self._stopped = False
+        self._include = include
 
     @property
     def stopped(self) -> bool:
@@ -331,17 +398,17 @@ class StopMatcher:
     def __repr__(self) -> str:
         return f"StopMatcher(stops={self._stops!r}, held={self._held!r}, stopped={self._stopped})"
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def feed(self, text: str, armed: bool = True) -> tuple[str, bool]:
         """Newly detokenised ``text`` in; (text safe to emit now, whether a stop string ended it)."""
         if self._stopped:
             raise RuntimeError("StopMatcher.feed called after a stop string was matched")
         if not self._stops:
             return text, False
         buffer = self._held + text
-        cut = _earliest_stop(buffer, self._stops)
-        if cut is not None:
+        found = _earliest_stop(buffer, self._stops) if armed else None
+        if found is not None:
             self._held, self._stopped = "", True
-            return buffer[:cut], True
+            return buffer[:found[1] if self._include else found[0]], True
         keep = _partial_stop_suffix(buffer, self._stops)
         self._held = buffer[len(buffer) - keep:]
         return buffer[:len(buffer) - keep], False
@@ -352,9 +419,10 @@ class StopMatcher:
         return held
 
 
-def _earliest_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Where the earliest stop string in ``text`` begins, or None when none occurs."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _earliest_stop(text: str, stops: Sequence[str]) -> tuple[int, int] | None:
+    """(start, end) of the earliest stop string in ``text`` (the shortest of those that begin
+    there), or None when none occurs."""
+    found = [(i, i + len(s)) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
     return min(found) if found else None
 
 

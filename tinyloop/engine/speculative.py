@@ -38,6 +38,11 @@ One ``Speculator.run`` serves every speculative sequence of an engine step, batc
    row by row (a tree is stored in preorder, the draft's greedy chain right after the root);
    then the KV is truncated past the path, freeing whole blocks.
 
+Under a grammar (structured outputs, ``grammar/drafts.py``) the drafts are chosen under its mask
+(a chain walks the matcher along and back; a chain ends where the grammar is complete) and each
+verified node's logits are masked at the grammar's state after its path, so acceptance chooses
+what plain constrained decoding chooses.
+
 Only the verifier decides what is emitted, so drafts change the speed, never the output. Two
 settings would break that and are refused by ``Engine.validate``: a cache window below the loops
 (a token would read its predecessors' slots as filled by the same loop of the verify forward,
@@ -58,9 +63,10 @@ from tinyloop.engine.acceptance import DraftTree, Verdict, accept_chain_sampled,
 from tinyloop.engine.draft_tree import Candidate, TreeGrowth
 from tinyloop.engine.modes import Core
 from tinyloop.engine.output import Emission
-from tinyloop.engine.sampling import apply_penalties, draw, greedy_token_prob, target_probs, token_logprob
+from tinyloop.engine.sampling import adjust_logits, draw, greedy_token_prob, target_probs, token_logprob
 from tinyloop.engine.sequence import Sequence
 from tinyloop.errors import KVCacheExhausted
+from tinyloop.grammar.drafts import DraftGrammar
 from tinyloop.model.kvcache import SeqKV
 from tinyloop.model.looped import ForwardOutput, RowSpec
 from tinyloop.requests import GenerationResult
@@ -85,10 +91,13 @@ class _Job:
     forks: list[SeqKV] = field(default_factory=list)
     growth: TreeGrowth | None = None  # a tree's nodes while drafting (None for a chain)
     tree: DraftTree | None = None
+    grammar: DraftGrammar | None = None  # a constrained sequence's grammar: masks drafts and verifier
 
     def __post_init__(self) -> None:
         if self.width > 1:
             self.growth = TreeGrowth(_pending(self.seq), self.width)
+        if self.seq.matcher is not None:
+            self.grammar = DraftGrammar(self.seq.matcher)
 
     def draft_tree(self) -> DraftTree:
         if self.growth is not None:
@@ -198,6 +207,8 @@ class Speculator:
                 for fork in job.forks:
                     fork.free()
                 job.forks = []
+                if job.grammar is not None:
+                    job.grammar.restore()  # the matcher back where the sequence is
 
     def _extend(self, job: _Job, fed: list[tuple[_Row, torch.Tensor]]) -> list[_Row]:
         """Choose the next draft token(s) from the logits of a job's rows just fed; the rows to
@@ -205,25 +216,33 @@ class Speculator:
         seq = job.seq
         if job.growth is None:  # a chain: one row, one token
             [(row, logits)] = fed
+            if job.grammar is not None:
+                logits = job.grammar.chain_row(logits)  # what the grammar refuses at -inf
             params = seq.request.sampling
             branch = job.branches[0]
             history = [*seq.output, *branch]
+            eos = self.engine.eos_ids
             if job.sampled_chain:
-                q = target_probs(logits, params, seq.prompt, history)
+                q = target_probs(logits, params, seq.prompt, history, eos)
                 token = draw(q, seq.generator)
                 job.draft_probs.append(q)
                 sure = float(q[token])
             else:
-                token, sure = greedy_token_prob(logits, params, seq.prompt, history)
+                token, sure = greedy_token_prob(logits, params, seq.prompt, history, eos)
             branch.append(token)
-            if len(branch) >= job.depth or sure < self.engine.draft_min_prob:
-                counters(seq).stopped_unsure += len(branch) < job.depth
+            ended = job.grammar is not None and job.grammar.chain_token(token)  # the grammar is complete
+            if len(branch) >= job.depth or sure < self.engine.draft_min_prob or ended:
+                counters(seq).stopped_unsure += len(branch) < job.depth and not ended
+                if job.grammar is not None:
+                    job.grammar.chain_end(logits.shape[-1])
                 return []
             return [_Row(job, row.kv, 0, token, row.start + 1)]
         growth = job.growth
         parents = [row for row, _ in fed]
         added = growth.grow([row.node for row in parents],
-                            [_top_tokens(lg, seq, job.width, growth.path(row.node)) for row, lg in fed])
+                            [_top_tokens(lg if job.grammar is None else job.grammar.node_row(lg, growth.path(row.node)),
+                                         seq, job.width, growth.path(row.node), self.engine.eos_ids)
+                             for row, lg in fed])
         if parents[0].start + 1 - job.start >= job.depth:  # the new level is the last one
             return []
         return self._fork(job, parents, added)
@@ -280,7 +299,11 @@ class Speculator:
         """Accept against the verifier's ``logits`` [T, V], fix the KV, count, emit."""
         seq, tree = job.seq, job.tree
         assert tree is not None
-        verdict = self._accept(job, tree, logits)
+        raw = logits  # what logprobs are reported from: the logits before a grammar's mask
+        if job.grammar is not None:  # each node's logits masked at the grammar's state after its path
+            raw = logits.clone() if seq.request.sampling.logprobs or seq.request.sampling.top_logprobs else logits
+            job.grammar.verify(logits, tree.paths())
+        verdict = self._accept(job, tree, logits, self.engine.eos_ids)
         n = len(verdict.path)
         seq.kv.length = job.start + len(tree)
         wanted = list(range(1, n + 1))
@@ -296,19 +319,19 @@ class Speculator:
             count.adapt(full=len(tree) - 1 == job.depth, all_accepted=n == len(tree) - 1)
         seq.last_loops = seq.loops
         params = seq.request.sampling
-        return [(tok, token_logprob(logits[node], tok, params))
+        return [(tok, token_logprob(raw[node], tok, params))
                 for tok, node in zip(verdict.tokens, verdict.nodes)]
 
     @staticmethod
-    def _accept(job: _Job, tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    def _accept(job: _Job, tree: DraftTree, logits: torch.Tensor, eos_ids: frozenset[int]) -> Verdict:
         seq = job.seq
         params = seq.request.sampling
         if params.greedy:
-            return accept_greedy(tree, logits, params, seq.prompt, seq.output)
+            return accept_greedy(tree, logits, params, seq.prompt, seq.output, eos_ids)
         if job.width == 1:
             return accept_chain_sampled(tree, logits, job.draft_probs, params, seq.prompt,
-                                        seq.output, seq.generator)
-        return accept_tree_sampled(tree, logits, params, seq.prompt, seq.output, seq.generator)
+                                        seq.output, seq.generator, eos_ids)
+        return accept_tree_sampled(tree, logits, params, seq.prompt, seq.output, seq.generator, eos_ids)
 
 
 def _pending(seq: Sequence) -> int:
@@ -316,19 +339,22 @@ def _pending(seq: Sequence) -> int:
     return seq.pending
 
 
-def _top_tokens(logits: torch.Tensor, seq: Sequence, k: int, path: list[int]) -> list[Candidate]:
-    """The ``k`` most likely draft tokens after the pending one and ``path``, penalties applied
-    (temperature and the filters keep the order), with their log-probabilities at the request's
-    temperature (1 for greedy), which rank them against other nodes' children."""
+def _top_tokens(logits: torch.Tensor, seq: Sequence, k: int, path: list[int],
+                eos_ids: frozenset[int]) -> list[Candidate]:
+    """The ``k`` most likely draft tokens after the pending one and ``path``, bias, ``min_tokens``
+    and penalties applied (temperature and the filters keep the order), with their
+    log-probabilities at the request's temperature (1 for greedy), which rank them against other
+    nodes' children."""
     raw = logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
     params = seq.request.sampling
-    penalised = apply_penalties(raw, params, seq.prompt, [*seq.output, *path])  # [V]
+    penalised = adjust_logits(raw, params, seq.prompt, [*seq.output, *path], eos_ids)  # [V]
     scaled = penalised
     if not params.greedy:
         scaled = (penalised - penalised.max()) / max(params.temperature, torch.finfo(torch.float32).tiny)
     logprobs = torch.log_softmax(scaled, dim=-1)  # [V]
     top = torch.topk(penalised, k).indices
-    return [(int(t), float(logprobs[t])) for t in top]
+    # a token at -inf (refused by a grammar, kept out by min_tokens) could never be accepted
+    return [(int(t), float(logprobs[t])) for t in top if penalised[t] > float("-inf")]
 
 
 def _branch(kv: SeqKV, length: int, end: int) -> SeqKV:
