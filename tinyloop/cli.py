@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from tinyloop.errors import ConfigError, TinyLoopError
-from tinyloop.model.artifact import inspect_artifact, save_artifact
+from tinyloop.model.artifact import KEY_TOKENIZER, inspect_artifact, save_artifact
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.presets import PRESETS, init_model, param_count
-from tinyloop.tokenizer import Tokenizer, default_tokenizer, gpt2_tokenizer
+from tinyloop.tokenizer import Tokenizer, default_tokenizer, export_hf_tokenizer, gpt2_tokenizer
 from tinyloop.vocabulary import KV_MODES, KVMode, kv_slots_per_token
 
 __all__ = ["main", "build_parser"]
@@ -217,6 +217,45 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
+# -- export-tokenizer ------------------------------------------------------------------------
+
+
+def _add_export_tokenizer(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("export-tokenizer", help="write an artifact's tokenizer as a Hugging Face tokenizer folder",
+                       description="Write tokenizer.json, tokenizer_config.json and special_tokens_map.json, "
+                                   "which transformers.AutoTokenizer.from_pretrained(DIR) loads offline "
+                                   "(header only: no weight is read).")
+    p.add_argument("artifact", type=Path, help="the .tinyloop artifact")
+    p.add_argument("dir", type=Path, help="folder to write (made when missing)")
+    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+    p.set_defaults(func=cmd_export_tokenizer)
+
+
+def cmd_export_tokenizer(args: argparse.Namespace) -> int:
+    info = inspect_artifact(args.artifact)  # checks the whole header; reads no tensor
+    if args.dir.exists() and not args.dir.is_dir():
+        raise ConfigError(f"{args.dir}: exists and is not a folder")
+    if args.dir.is_dir() and any(args.dir.iterdir()) and not args.force:
+        raise ConfigError(f"{args.dir}: folder is not empty (--force writes into it)")
+    special = info["special_tokens"]
+    tokenizer = Tokenizer.from_json(_header_tokenizer(args.artifact), bos_id=special["bos_id"],
+                                    eos_id=special["eos_id"], eos_ids=special["eos_ids"])
+    paths = export_hf_tokenizer(tokenizer, args.dir, chat_template=info["chat_template"] or tokenizer.chat_template,
+                                model_max_length=info["config"]["max_position"], pad_id=special["pad_id"])
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+def _header_tokenizer(path: Path) -> str:
+    """The artifact's tokenizer JSON, read from the safetensors header (the header was checked)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        text: str = f.metadata()[KEY_TOKENIZER]
+    return text
+
+
 # -- generate --------------------------------------------------------------------------------
 
 
@@ -307,13 +346,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from tinyloop.server import check_device, serve
+    from tinyloop.server import check_default_loops, check_device, serve
     from tinyloop.settings import Settings
 
     overrides = {f.name: getattr(args, f.name) for f in Settings.fields()}
     settings = Settings.from_env(**overrides)
     for device in dict.fromkeys(settings.engine_devices):  # before the server starts (or detaches):
         check_device(device)  # a plain error and status 2
+    check_default_loops(settings)
     if args.detach:
         return _detach(args, settings)
 
@@ -367,7 +407,7 @@ def _detach(args: argparse.Namespace, settings: Any) -> int:
 
 # -- entry point -----------------------------------------------------------------------------
 
-_COMMANDS = (_add_init, _add_convert, _add_inspect, _add_generate, _add_serve)
+_COMMANDS = (_add_init, _add_convert, _add_inspect, _add_export_tokenizer, _add_generate, _add_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ __all__ = [
     "Constraint",
     "CONSTRAINT_KINDS",
     "MAX_LOGIT_BIAS",
+    "MAX_LOGIT_BIAS_TOKENS",
 ]
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]

@@ -25,9 +25,10 @@ from tinyloop.http.factory import attach, create_app
 from tinyloop.http.serve import serve_http
 from tinyloop.http.service import ServedModel
 from tinyloop.model.artifact import read_config
+from tinyloop.model.config import ModelConfig
 from tinyloop.settings import Settings
 
-__all__ = ["serve", "load_engine", "load_engines", "lazy_app", "check_device"]
+__all__ = ["serve", "load_engine", "load_engines", "lazy_app", "check_device", "check_default_loops"]
 
 log = logging.getLogger("tinyloop")
 
@@ -52,6 +53,23 @@ def check_device(device: str) -> None:
                           f"{torch.cuda.device_count()} CUDA device(s) visible")
 
 
+def check_default_loops(settings: Settings, config: ModelConfig | None = None) -> None:
+    """ConfigError unless the settings' ``default_loops`` (when set) is one the model may run:
+    at most ``config.max_loops`` (``config``: the model's; read from the artifact's header when
+    not given, and not checked here for a Hugging Face directory, whose config is read once
+    converted, in ``load_engine``)."""
+    if settings.default_loops is None:
+        return
+    if config is None:
+        path = settings.resolve_model_path()
+        if is_hf_dir(path):
+            return
+        config = read_config(path)
+    if settings.default_loops > config.max_loops:
+        raise ConfigError(f"default loops {settings.default_loops} (--default-loops / TINYLOOP_DEFAULT_LOOPS) "
+                          f"exceeds the model's max_loops {config.max_loops}")
+
+
 def load_engine(settings: Settings) -> Engine:
     """The engine the settings describe (the bundled demo model when no path is set), with the
     KV cache mode of the KV flags. A Hugging Face model directory is converted first (once: the
@@ -62,8 +80,11 @@ def load_engine(settings: Settings) -> Engine:
     if is_hf_dir(path):
         options["name"] = path.resolve().name  # the model's id: the directory's name
         path = converted_artifact(path, Path(settings.cache_dir) if settings.cache_dir else None)
-    max_position = read_config(path).max_position
+    config = read_config(path)
+    check_default_loops(settings, config)
+    max_position = config.max_position
     engine = Engine.load(path, max_seq_len=settings.context_for(max_position), **options,
+                       default_loops=settings.default_loops,
                        device=settings.device, dtype=_DTYPES.get(settings.dtype or "", None),
                        kv_cache_mb=settings.kv_cache_mb, block_size=settings.kv_block_size,
                        prefill_chunk=settings.prefill_chunk, kv_mode=settings.kv_mode,
@@ -111,7 +132,8 @@ async def serve(settings: Settings, *, engine: Engine | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Load the model, start the runtime and serve HTTP until a signal or ``shutdown_trigger``.
 
-    Reports the bound addresses (``http://host:port``) through ``task_status``.
+    Reports the bound addresses (``http://host:port``) through ``task_status``. An ``engine``
+    given is served as built (its default loops are its own, not ``settings.default_loops``).
     """
     engines = [engine] if engine is not None else await trio.to_thread.run_sync(load_engines, settings)
     model = ServedModel.from_engine(engines[0], settings)

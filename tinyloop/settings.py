@@ -44,6 +44,9 @@ class Settings:
                                    "max prompt + generated tokens per request (default: the model's context, "
                                    "at least 2048, down to what the KV cache holds for one sequence at the "
                                    "default loops)")
+    default_loops: int | None = _opt(None, "TINYLOOP_DEFAULT_LOOPS",
+                                     "loops a request runs at when it names none; a request's own loops still "
+                                     "win (default: the model's default_loops; at most its max_loops)")
     device: str = _opt("cpu", "TINYLOOP_DEVICE", "cpu or cuda")
     engines: int = _opt(1, "TINYLOOP_ENGINES",
                         "engines under the one scheduler, each with its own batch, KV pool and prefix cache "
@@ -133,6 +136,8 @@ class Settings:
                      "max_draft_nodes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.default_loops is not None and self.default_loops < 1:
+            raise ConfigError("default_loops must be >= 1")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads must be >= 1")
         if self.kernel_threads is not None and self.kernel_threads < 1:

@@ -39,6 +39,9 @@ __all__ = [
     "render_chat",
     "default_tokenizer",
     "gpt2_tokenizer",
+    "hf_tokenizer_config",
+    "export_hf_tokenizer",
+    "HF_TOKENIZER_FILES",
 ]
 
 CHATML_TEMPLATE = (
@@ -173,14 +176,19 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        """Render ``messages`` with ``template`` (default: this tokenizer's ``chat_template``)."""
+        """Render ``messages`` with ``template`` (default: this tokenizer's ``chat_template``),
+        ``tools`` and extra template ``variables`` (module ``render_chat``)."""
         return render_chat(
             messages,
             template=self.chat_template if template is None else template,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            tools=tools,
+            variables=variables,
         )
 
     def __repr__(self) -> str:
@@ -249,6 +257,11 @@ class StreamingDetokenizer:
         return f"StreamingDetokenizer(pending={self.pending!r})"
 
 
+# Names a template gets from the renderer itself; ``variables`` may not replace them.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                     "raise_exception"})
+
+
 def render_chat(
     messages: Sequence[Mapping[str, Any]],
     *,
@@ -256,18 +269,29 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str = EOS_TOKEN,
     eos_token: str = EOS_TOKEN,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    variables: Mapping[str, Any] | None = None,
 ) -> str:
-    """Render chat ``messages`` (``{"role", "content"}``) into one prompt string.
+    """Render chat ``messages`` (``{"role", "content"}``, plus ``tool_calls``, ``tool_call_id``
+    and ``name`` where a turn has them) into one prompt string.
 
-    Uses the variables HF chat templates expect (``messages``, ``add_generation_prompt``,
-    ``bos_token``, ``eos_token``, ``raise_exception``), in a sandbox since templates may
-    come from users. Any failure to compile or render raises ``TokenizerError``.
+    Uses the variables HF chat templates expect (``messages``, ``tools``, ``add_generation_prompt``,
+    ``bos_token``, ``eos_token``, ``raise_exception``) as transformers' ``apply_chat_template``
+    passes them (``tools`` is None when no tools are given), plus ``variables`` (e.g. Ouro's
+    ``enable_thinking``), in a sandbox since templates may come from users. Any failure to
+    compile or render raises ``TokenizerError``.
     """
+    extra = dict(variables or {})
+    clash = sorted(RESERVED_TEMPLATE_NAMES & extra.keys())
+    if clash:
+        raise TokenizerError(f"chat_template_kwargs may not set {', '.join(clash)}")
     normalized = [_normalize_message(m, i) for i, m in enumerate(messages)]
     compiled = _compile_template(template)
     try:
         return compiled.render(
+            **extra,
             messages=normalized,
+            tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
@@ -469,3 +493,58 @@ def _package_files(package: str, pip_name: str) -> Traversable:
         return importlib.resources.files(package)
     files: Traversable = reader.files()
     return files
+
+
+# -- for Hugging Face tools ------------------------------------------------------------------
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_ADDED_TOKEN_FIELDS = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def hf_tokenizer_config(tokenizer: Tokenizer, *, chat_template: str, model_max_length: int,
+                        pad_id: int | None = None) -> dict[str, Any]:
+    """``tokenizer``'s ``tokenizer_config.json`` for transformers' ``PreTrainedTokenizerFast`` (the
+    object vLLM serves as ``/tokenizer_info``): BOS and EOS as TinyLoop uses them; nothing added
+    around a text, since ``encode`` adds no BOS or EOS and the model is fed none; no clean-up of
+    spaces on decode (``decode`` gives the tokens' exact bytes); the chat template; and every
+    added token under ``added_tokens_decoder``, keyed by id, as transformers writes it."""
+    document = json.loads(tokenizer.to_json())
+    added = document.get("added_tokens") or []
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "pad_token": None if pad_id is None else tokenizer.id_to_token(pad_id),
+        "unk_token": (document.get("model") or {}).get("unk_token"),
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": chat_template,
+        "added_tokens_decoder": {str(t["id"]): {k: t[k] for k in _ADDED_TOKEN_FIELDS} for t in added},
+    }
+
+
+def export_hf_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike[str], *, chat_template: str,
+                        model_max_length: int, pad_id: int | None = None) -> list[Path]:
+    """Write ``HF_TOKENIZER_FILES`` for ``tokenizer`` into ``directory`` (made when missing; files
+    of those names replaced, others left), so that ``transformers.AutoTokenizer.from_pretrained``
+    loads it offline; returns the paths written. ``tokenizer_config.json`` is
+    ``hf_tokenizer_config``'s."""
+    config = hf_tokenizer_config(tokenizer, chat_template=chat_template, model_max_length=model_max_length,
+                                 pad_id=pad_id)
+    special = {k: config[k] for k in _SPECIAL_TOKEN_KEYS if config[k] is not None}
+    texts = dict(zip(HF_TOKENIZER_FILES, (tokenizer.to_json(), _json_file(config), _json_file(special))))
+    folder = Path(directory)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in texts.items():
+            (folder / name).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise TokenizerError(f"cannot write tokenizer files to {os.fspath(folder)!r}: {exc}") from exc
+    return [folder / name for name in texts]
+
+
+def _json_file(data: Mapping[str, Any]) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"

@@ -137,7 +137,8 @@ async def test_completion_with_stats_model_info_runtime(stream: bool) -> None:
             else:
                 assert out["choices"] == [{"index": 0, "text": "Loaderififif", "logprobs": None,
                                            "finish_reason": "length"}]
-                assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+                assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10,
+                                        "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 # (request fields, finish_reason, LM Studio stop_reason) on tiny_engine(max_seq_len=64)

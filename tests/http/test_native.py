@@ -24,7 +24,7 @@ from tinyloop.settings import Settings
 
 PROMPT = "Once upon a time"
 RESULT_FIELDS = {"id", "tokens", "text", "finish_reason", "prompt_tokens", "completion_tokens",
-                 "wall_ms", "stop_reason", "logprobs", "loops", "mean_loops", "time_to_first_token_ms"}
+                 "wall_ms", "stop_reason", "logprobs", "loops", "mean_loops", "time_to_first_token_ms", "cached_tokens"}
 
 
 @asynccontextmanager
@@ -323,7 +323,7 @@ async def test_generate_beam_search() -> None:
             assert tok == {"tokens": srv.model.tokenizer.encode(text), "count": len(tok["tokens"]),
                            "max_model_len": srv.model.max_seq_len}
             back = (await client.post("/detokenize", json={"tokens": tok["tokens"]})).json()
-            assert back == {"text": text}
+            assert back == {"text": text, "prompt": text}
             messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
             chat = (await client.post("/tokenize", json={"messages": messages})).json()
             rendered = srv.model.tokenizer.render_chat(messages, template=srv.model.chat_template)

@@ -239,17 +239,21 @@ async def test_tinyloop_knobs_through_extra_body_change_the_output() -> None:
 async def test_unsupported_parameters_are_bad_requests_naming_them() -> None:
     with trio.fail_after(30):
         async with running_server() as srv, async_client(srv) as client:
-            with pytest.raises(openai.BadRequestError) as tools:
+            with pytest.raises(openai.BadRequestError) as audio:
                 await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
-                                                     extra_body={"tools": []})
-            with pytest.raises(openai.BadRequestError) as bias:
-                await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1,
-                                                logit_bias={"5": 10})
-    for err, param in ((tools.value, "tools"), (bias.value, "logit_bias")):
+                                                     extra_body={"audio": {"voice": "alloy"}})
+            with pytest.raises(openai.BadRequestError) as suffix:
+                await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, suffix="end")
+            with pytest.raises(openai.BadRequestError) as three:
+                await client.chat.completions.create(
+                    model="tiny", messages=MESSAGES, max_tokens=1,
+                    extra_body={"frobnicate": 1, "audio": {"voice": "alloy"}, "prediction": {"type": "content"}})
+    for err, param in ((audio.value, "audio"), (suffix.value, "suffix"), (three.value, "frobnicate")):
         assert err.status_code == 400
         assert isinstance(err.body, dict) and err.body["param"] == param == err.param
         assert err.code == "unsupported_parameter" and err.type == "invalid_request_error"
         assert param in err.message
+    assert all(f"'{name}'" in three.value.message for name in ("frobnicate", "audio", "prediction"))
 
 
 async def test_unknown_model_is_not_found() -> None:

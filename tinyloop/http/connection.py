@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 from typing import Any
 
 import h11
@@ -102,12 +103,33 @@ async def _send_json_error_response(self: H11Protocol, status_code: int) -> None
     await self._send_h11_event(h11.EndOfMessage())
 
 
+_SEND_H11_EVENT = H11Protocol._send_h11_event
+
+
+async def _send_with_reason(self: H11Protocol, event: Any) -> None:
+    """hypercorn's ``_send_h11_event``, with the status line's reason phrase filled in
+    (``HTTP/1.1 400 Bad Request``, not ``HTTP/1.1 400 ``: some clients show or log it)."""
+    if isinstance(event, (h11.Response, h11.InformationalResponse)) and not event.reason:
+        try:
+            phrase = HTTPStatus(event.status_code).phrase.encode()
+        except ValueError:
+            phrase = b""
+        if phrase:
+            event = type(event)(status_code=event.status_code, headers=event.headers,
+                                http_version=event.http_version, reason=phrase)
+    await _SEND_H11_EVENT(self, event)
+
+
 def install_protocol_errors() -> None:
-    """Make hypercorn's HTTP/1.1 protocol errors carry the error object (idempotent).
+    """Make hypercorn's HTTP/1.1 protocol errors carry the error object, and every response a
+    reason phrase (idempotent).
 
     hypercorn has no hook for these responses, so its ``H11Protocol._send_error_response`` is
-    replaced (same signature, same status and ``Connection: close``; only the body differs).
-    Checked by tests/reliability/test_smuggling.py for the pinned hypercorn versions.
+    replaced (same signature, same status and ``Connection: close``; only the body differs), and
+    its ``_send_h11_event`` wrapped. Checked by tests/reliability/test_smuggling.py and
+    tests/http/test_compat.py for the pinned hypercorn versions.
     """
     if getattr(H11Protocol, "_send_error_response", None) is not _send_json_error_response:
         H11Protocol._send_error_response = _send_json_error_response  # type: ignore[method-assign]
+    if H11Protocol._send_h11_event is not _send_with_reason:
+        H11Protocol._send_h11_event = _send_with_reason  # type: ignore[method-assign]

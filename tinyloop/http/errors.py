@@ -55,8 +55,15 @@ def error_response(err: ApiError) -> Response:
 
 
 def from_validation(exc: ValidationError) -> ApiError:
-    """The first problem of a pydantic error, naming its field."""
-    first = exc.errors()[0]
+    """The first problem of a pydantic error, naming its field; unsupported fields come first,
+    every one of them named in one message (``param`` is the first)."""
+    errors = exc.errors()
+    extra = [".".join(str(p) for p in e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
+    if len(extra) > 1:
+        names = ", ".join(f"'{name}'" for name in extra)
+        return ApiError(400, f"Unsupported parameters: {names} are not supported by this server.",
+                        param=extra[0], code="unsupported_parameter")
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     param = ".".join(str(p) for p in first["loc"]) or None
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, FieldError):

@@ -9,16 +9,21 @@ from tinyloop.http.service import ServedModel, describe
 from tinyloop.requests import GenerationResult, TokenLogprob
 from tinyloop.tokenizer import Tokenizer
 
-__all__ = ["usage", "chat_logprobs", "completion_logprobs", "lmstudio_extras", "draft_stats", "STOP_REASONS"]
+__all__ = ["usage", "chat_logprobs", "completion_logprobs", "echo_logprobs", "prompt_logprobs", "lmstudio_extras",
+           "draft_stats", "STOP_REASONS"]
 
 STOP_REASONS = {"eos": "eosFound", "stop_token": "eosFound", "stop_string": "stopStringFound",
                 "length": "maxPredictedTokensReached", "cancelled": "userStopped"}
 
 
-def usage(results: list[GenerationResult]) -> dict[str, int]:
-    prompt = results[0].prompt_tokens if results else 0
+def usage(results: list[GenerationResult], n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage of ``results`` (``n`` choices a prompt, prompt-major): each prompt counted
+    once, with the prompt tokens whose KV came from the prefix cache (``cached_tokens``)."""
+    firsts = results[::max(n, 1)]
+    prompt = sum(r.prompt_tokens for r in firsts)
     completion = sum(r.completion_tokens for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
 
 
 def _token(tok: Tokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -41,17 +46,63 @@ def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob] | None) -> dict[str, A
 
 
 def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """Legacy completions' logprobs: each token's ``top_logprobs`` holds the N best and the
+    sampled token too when it is not among them (as OpenAI and vLLM; ``logprobs: 0`` gives the
+    sampled token alone)."""
     if lps is None:
         return None
-    tokens, values, tops, offsets = [], [], [], []
-    for lp in lps:
-        text, _ = _token(tok, lp.token_id)
+    return _legacy(tok, [(lp.token_id, lp) for lp in lps], offset)
+
+
+def _legacy(tok: Tokenizer, entries: list[tuple[int, TokenLogprob | None]], offset: int) -> dict[str, Any]:
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for token_id, lp in entries:
+        text, _ = _token(tok, token_id)
         offsets.append(offset)
         offset += len(text)
         tokens.append(text)
-        values.append(lp.logprob)
-        tops.append({_token(tok, tid)[0]: v for tid, v in lp.top})
+        values.append(None if lp is None else lp.logprob)
+        if lp is None:
+            tops.append(None)
+            continue
+        top = {_token(tok, tid)[0]: v for tid, v in lp.top}
+        top.setdefault(text, lp.logprob)
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_logprobs(tok: Tokenizer, prompt: list[int], prompt_lps: list[TokenLogprob | None] | None,
+                  lps: list[TokenLogprob] | None) -> dict[str, Any]:
+    """An echo's logprobs: the prompt's tokens first (the first one's ``null``: nothing
+    predicts it), then the completion's, one list, offsets running across both."""
+    scored = prompt_lps if prompt_lps is not None else [None] * len(prompt)
+    entries = [(t, lp) for t, lp in zip(prompt, scored)] + [(lp.token_id, lp) for lp in lps or ()]
+    return _legacy(tok, entries, 0)
+
+
+def prompt_logprobs(tok: Tokenizer, lps: list[TokenLogprob | None] | None, n: int) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {"logprob",
+    "rank", "decoded_token"}}`` for the token itself and the ``n`` best (``rank``: 1 for the
+    best, None for the token itself when it is not among them)."""
+    if lps is None:
+        return None
+    out: list[Any] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(tid): {"logprob": v, "rank": r + 1, "decoded_token": _token(tok, tid)[0]}
+                 for r, (tid, v) in enumerate(lp.top[:n])}
+        if str(lp.token_id) not in entry:
+            ranks = [tid for tid, _ in lp.top]
+            entry[str(lp.token_id)] = {"logprob": lp.logprob,
+                                       "rank": ranks.index(lp.token_id) + 1 if lp.token_id in ranks else None,
+                                       "decoded_token": _token(tok, lp.token_id)[0]}
+        out.append(entry)
+    return out
 
 
 def draft_stats(result: GenerationResult) -> dict[str, Any]:

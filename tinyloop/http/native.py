@@ -1,13 +1,13 @@
 """TinyLoop's native routes: ``/generate`` with every knob (and beam search, ``num_beams > 1``,
 whose result adds ``beam_score``), its self-speculative variants (chain and tree, same response
-plus the draft counts), tokenizer."""
+plus the draft counts), tokenizer (``/tokenize``, ``/detokenize`` and vLLM's ``/tokenizer_info``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from collections.abc import AsyncGenerator, Callable
-from functools import partial
+from functools import lru_cache, partial
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
@@ -27,13 +27,14 @@ from tinyloop.http.schemas import (
 )
 from tinyloop.http.service import DONE, collect, make_requests, new_id, parse_body, served, sse, sse_response, start_all
 from tinyloop.requests import GenerationChunk, GenerationResult
+from tinyloop.tokenizer import Tokenizer, hf_tokenizer_config
 
-__all__ = ["blueprint"]
+__all__ = ["blueprint", "TokenizeBody"]
 
 blueprint = Blueprint("native", __name__)
 
 
-_OPTIONAL_FIELDS = ("draft_tokens", "accepted_draft_tokens", "rejected_draft_tokens", "beam_score")
+_OPTIONAL_FIELDS = ("draft_tokens", "accepted_draft_tokens", "rejected_draft_tokens", "beam_score", "prompt_logprobs")
 
 
 def result_json(rid: str, r: GenerationResult) -> dict[str, Any]:
@@ -68,6 +69,11 @@ async def _generate(body: GenerateBase, mode: str, rename: dict[str, str] | None
     s = served()
     text = body.prompt is not None
     tokens = await s.model.encode_prompt(body.prompt if body.prompt is not None else body.prompt_tokens or [])
+    constraint = body.constraint()
+    if constraint is not None:  # structured output: checked up front, blamed on its own field
+        param = body.constraint_param()
+        fields["constraint"] = await s.model.check_constraint(constraint, param)
+        rename = {"response_format": param, **(rename or {})}
     reqs = make_requests(body, s.model, tokens, prompt_param="prompt" if text else "prompt_tokens",
                          max_tokens=body.max_tokens, seed=body.sample_seed, stop=tuple(body.stop or ()),
                          logprobs=body.logprobs or body.top_logprobs > 0,
@@ -127,18 +133,45 @@ async def _speculate(body: SpeculativeRequest, mode: str, **fields: Any) -> Resp
                            draft_ahead=body.draft_ahead, **fields)
 
 
+class TokenizeBody(TokenizeRequest):
+    """``/tokenize``'s body: ``TokenizeRequest`` and vLLM's ``add_special_tokens`` (lm-eval sends
+    false). True asks for the prompt's tokens as the completion routes run them, special tokens
+    added around it included; false for the text's own tokens alone. TinyLoop adds none (a text
+    prompt reaches the model as ``Tokenizer.encode`` gives it, no BOS, and the tokenizer it exports
+    declares none), so both give the same ids today. A chat's tokens are its rendered template's."""
+
+    add_special_tokens: bool = True
+
+
 @blueprint.post("/tokenize")
 async def tokenize() -> Response:
     s = served()
-    body: TokenizeRequest = await parse_body(TokenizeRequest)
+    body: TokenizeBody = await parse_body(TokenizeBody)
     s.model.check_name(body.model)
     if body.messages is not None:
         tokens = await s.model.encode_chat(body.messages)
+    elif body.add_special_tokens:
+        tokens = await s.model.encode_prompt(body.prompt or "")
     else:
         prompt = body.prompt or ""
         tokens = await off_loop(s.model.tokenizer.encode, prompt, size=len(prompt))
     return await json_response({"tokens": tokens, "count": len(tokens),
                                 "max_model_len": s.model.max_seq_len}, size=len(tokens))
+
+
+@blueprint.get("/tokenizer_info")
+@blueprint.get("/v1/tokenizer_info")
+async def tokenizer_info() -> Response:
+    """vLLM's ``/tokenizer_info`` (lm-eval's ``tokenizer_backend=remote`` reads ``eos_token``,
+    ``bos_token``, ``pad_token`` and ``chat_template`` from it): the ``tokenizer_config.json`` that
+    ``tinyloop export-tokenizer`` writes, with the served context as ``model_max_length``."""
+    m = served().model
+    return jsonify(_tokenizer_config(m.tokenizer, m.chat_template, m.max_seq_len))
+
+
+@lru_cache(maxsize=4)
+def _tokenizer_config(tokenizer: Tokenizer, chat_template: str, max_seq_len: int) -> dict[str, Any]:
+    return hf_tokenizer_config(tokenizer, chat_template=chat_template, model_max_length=max_seq_len)
 
 
 @blueprint.post("/detokenize")
@@ -152,7 +185,7 @@ async def detokenize() -> Response:
                        param="tokens", code="invalid_value")
     text = await off_loop(partial(s.model.tokenizer.decode, skip_special=False), body.tokens,
                           size=len(body.tokens))
-    return await json_response({"text": text}, size=len(text))
+    return await json_response({"text": text, "prompt": text}, size=len(text))
 
 
 async def json_response(data: dict[str, Any], size: int) -> Response:

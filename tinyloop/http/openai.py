@@ -1,10 +1,15 @@
 """OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
 
-Chat and text completions are one pipeline (parse, tokenise, check, admit, then JSON or SSE)
-over a ``Flavour`` that says how the prompt is built and how a choice looks. ``install`` adds the
-four routes to a blueprint: here under ``/v1``; LM Studio's ``/api/v0`` routes are the same with
-``lmstudio=True`` (its model card, and ``stats``, ``model_info`` and ``runtime`` on each
-response, on the final chunk when streaming).
+Chat and text completions are one pipeline (parse, build the prompts, check, admit, then JSON or
+SSE) over a ``Flavour`` that says how the prompts are built and how a choice looks. A text
+completion may carry several prompts (a list of strings or of token-id lists): each is a group
+of ``n`` choices, ``index = prompt * n + choice`` as OpenAI numbers them, all admitted together
+(all or none). ``install`` adds the four routes to a blueprint: here under ``/v1``; LM Studio's
+``/api/v0`` routes are the same with ``lmstudio=True`` (its model card, and ``stats``,
+``model_info`` and ``runtime`` on each response, on the final chunk when streaming).
+
+What a chat reply becomes (reasoning split off, tool calls parsed) is ``chat.py``'s; the echo
+and prompt logprobs of a text completion are ``formats.py``'s.
 """
 
 from __future__ import annotations
@@ -18,10 +23,22 @@ from typing import Any
 from quart import Blueprint, Response, jsonify
 
 from tinyloop.actors.stream import RequestStream
-from tinyloop.http.formats import chat_logprobs, completion_logprobs, lmstudio_extras, model_card, usage
-from tinyloop.http.schemas import ChatCompletionRequest, CompletionRequest, Sampling
+from tinyloop.errors import TokenizerError
+from tinyloop.http.chat import ChatPlan, Reply, plan_chat
+from tinyloop.http.errors import ApiError
+from tinyloop.http.formats import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    lmstudio_extras,
+    model_card,
+    prompt_logprobs,
+    usage,
+)
+from tinyloop.http.schemas import ChatCompletionRequest, CompletionRequest, OpenAIBase
 from tinyloop.http.service import (
     DONE,
+    Choices,
     ServedModel,
     collect,
     interleave,
@@ -33,10 +50,27 @@ from tinyloop.http.service import (
     sse_response,
     start_all,
 )
-from tinyloop.requests import GenerationResult, TokenLogprob
+from tinyloop.requests import Constraint, GenerationResult, TokenLogprob
 from tinyloop.tokenizer import Tokenizer
 
 __all__ = ["CHAT", "TEXT", "Flavour", "blueprint", "complete", "install"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt of a body: its tokens, and its text (what ``echo`` repeats)."""
+
+    tokens: list[int]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A body made ready: its prompts, the constraint on the output, how replies are shaped."""
+
+    prompts: list[Prompt]
+    constraint: Constraint | None
+    reply: Callable[[], Reply]  # a new reply shaper per choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,37 +82,55 @@ class Flavour:
     object: str  # of the response
     chunk_object: str  # of each streamed chunk
     prompt_param: str  # the field a prompt error names
-    tokens: Callable[[ServedModel, Any], Awaitable[list[int]]]  # the body's prompt, tokenised
+    plan: Callable[[ServedModel, Any], Awaitable[Plan]]
     max_tokens: Callable[[Any], tuple[int | None, str]]  # the limit (None, -1: to the context end), its field
     logprobs: Callable[[Any], tuple[bool, int]]  # whether logprobs are asked, how many alternatives
     render_logprobs: Callable[[Tokenizer, list[TokenLogprob] | None, int], dict[str, Any] | None]
-    message: Callable[[str], dict[str, Any]]  # a whole choice's content
-    delta: Callable[[str | None], dict[str, Any]]  # a streamed choice's new text (None: the last chunk)
     opening: dict[str, Any] | None = None  # each choice's first streamed chunk, before any token
+
+
+async def _chat_plan(model: ServedModel, body: ChatCompletionRequest) -> Plan:
+    chat: ChatPlan = await plan_chat(model, body)
+    return Plan([Prompt(chat.tokens, chat.prompt_text)], chat.constraint, chat.reply)
+
+
+async def _text_plan(model: ServedModel, body: CompletionRequest) -> Plan:
+    prompts = []
+    for p in body.prompts():
+        tokens = await model.encode_prompt(p)
+        prompts.append(Prompt(tokens, p if isinstance(p, str) else _echoed(model, tokens) if body.echo else ""))
+    return Plan(prompts, body.constraint(), Reply.text)
+
+
+def _echoed(model: ServedModel, tokens: list[int]) -> str:
+    """The text of a token prompt, for ``echo`` (400 naming ``prompt`` for an id past the vocabulary)."""
+    try:
+        return model.tokenizer.decode(tokens, skip_special=False)
+    except TokenizerError as exc:
+        raise ApiError(400, str(exc), param="prompt", code="invalid_value") from None
+
+
+def _max_tokens(body: Any) -> tuple[int | None, str]:
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
 
 
 CHAT = Flavour(
     ChatCompletionRequest, "chatcmpl", "chat.completion", "chat.completion.chunk", "messages",
-    tokens=lambda model, body: model.encode_chat(body.messages),
-    max_tokens=lambda body: (body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens
-    else (body.max_tokens, "max_tokens"),
+    plan=_chat_plan, max_tokens=_max_tokens,
     logprobs=lambda body: (body.logprobs, body.top_logprobs or 0),
     render_logprobs=lambda tok, lps, offset: chat_logprobs(tok, lps),
-    message=lambda text: {"message": {"role": "assistant", "content": text}},
-    delta=lambda text: {"delta": {} if text is None else {"content": text}},
     opening={"delta": {"role": "assistant", "content": ""}})
 
 TEXT = Flavour(
     CompletionRequest, "cmpl", "text_completion", "text_completion", "prompt",
-    tokens=lambda model, body: model.encode_prompt(body.prompt),
-    max_tokens=lambda body: (body.max_tokens, "max_tokens"),
+    plan=_text_plan, max_tokens=_max_tokens,
     logprobs=lambda body: (body.logprobs is not None, body.logprobs or 0),
-    render_logprobs=completion_logprobs,
-    message=lambda text: {"text": text},
-    delta=lambda text: {"text": text or ""})
+    render_logprobs=completion_logprobs)
 
 
-def speculation(body: Sampling) -> dict[str, Any]:
+def speculation(body: OpenAIBase) -> dict[str, Any]:
     """The request fields of ``body.speculation``: a chain, or a tree with several branches."""
     spec = body.speculation
     if spec is None:
@@ -94,66 +146,111 @@ def choice(index: int, content: dict[str, Any], logprobs: Any, finish: str | Non
 Extras = Callable[[GenerationResult], dict[str, Any]]
 
 
+def _prompt_logprobs_wanted(flavour: Flavour, body: Any) -> int | None:
+    """How many alternatives each prompt token's logprob needs (None: not asked): an echo
+    with logprobs asks as many as the completion's, vLLM's ``prompt_logprobs`` its own."""
+    wanted = [body.prompt_logprobs] if body.prompt_logprobs is not None else []
+    if flavour is TEXT and body.echo and body.logprobs is not None:
+        wanted.append(body.logprobs)
+    return max(wanted) if wanted else None
+
+
 async def complete(flavour: Flavour, *, lmstudio: bool) -> Response:
     """One chat or text completion: JSON, or SSE when ``stream``."""
     s = served()
     body = await parse_body(flavour.schema)
     s.model.check_name(body.model)
-    tokens = await flavour.tokens(s.model, body)
+    plan = await flavour.plan(s.model, body)
     max_tokens, max_tokens_param = flavour.max_tokens(body)
     want_lp, top_lp = flavour.logprobs(body)
-    reqs = make_requests(body, s.model, tokens, prompt_param=flavour.prompt_param, max_tokens=max_tokens,
-                         max_tokens_param=max_tokens_param, n=body.n, seed=body.seed,
-                         stop=body.stop_list(), logprobs=want_lp, top_logprobs=top_lp,
-                         **speculation(body))
+    fields = {**speculation(body), "prompt_logprobs": _prompt_logprobs_wanted(flavour, body)}
+    if plan.constraint is not None:
+        fields["constraint"] = await s.model.check_constraint(plan.constraint)
+    groups = [make_requests(body, s.model, p.tokens, prompt_param=flavour.prompt_param, max_tokens=max_tokens,
+                            max_tokens_param=max_tokens_param, n=body.n, seed=body.seed,
+                            stop=body.stop_list(), logprobs=want_lp, top_logprobs=top_lp, **fields)
+              for p in plan.prompts]
+    reqs = Choices([r for g in groups for r in g.requests], groups[0].blame)
     streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms, streaming=body.stream)
     head = {"id": new_id(flavour.id_prefix), "created": int(time.time()), "model": s.model.id}
     context_limited = max_tokens in (None, -1)
+    echo = [p for p in plan.prompts for _ in range(body.n)] if flavour is TEXT and body.echo else None
 
     def extras(result: GenerationResult) -> dict[str, Any]:
         return lmstudio_extras(s.model, result, s.settings.commit, context_limited) if lmstudio else {}
 
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(flavour, s.model.tokenizer, streams, head, include_usage, extras)
+        opts = body.stream_options
+        events = _events(flavour, s.model.tokenizer, streams, head, plan, echo, body.n,
+                         bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats), extras)
         return sse_response(events, streams, {"X-Accel-Buffering": "no"})
     results = await collect(streams)
     tok = s.model.tokenizer
-    choices = [choice(i, flavour.message(r.text), flavour.render_logprobs(tok, r.logprobs, 0) if want_lp
-                      else None, r.finish_reason) for i, r in enumerate(results)]
-    return jsonify({**head, "object": flavour.object, "system_fingerprint": None, "choices": choices,
-                    "usage": usage(results), **extras(results[0])})
+    choices = []
+    for i, r in enumerate(results):
+        content, finish = plan.reply().whole(r.text, r.finish_reason)
+        logprobs = flavour.render_logprobs(tok, r.logprobs, 0) if want_lp else None
+        if echo is not None:
+            content = {"text": echo[i].text + content["text"]}
+            if want_lp:
+                logprobs = echo_logprobs(tok, echo[i].tokens, r.prompt_logprobs, r.logprobs)
+        c = choice(i, content, logprobs, finish)
+        if body.prompt_logprobs is not None and flavour is TEXT:
+            c["prompt_logprobs"] = prompt_logprobs(tok, r.prompt_logprobs, body.prompt_logprobs)
+        choices.append(c)
+    out = {**head, "object": flavour.object, "system_fingerprint": None, "choices": choices,
+           "usage": usage(results, body.n)}
+    if body.prompt_logprobs is not None and flavour is CHAT:  # vLLM: one list for the chat's one prompt
+        out["prompt_logprobs"] = prompt_logprobs(tok, results[0].prompt_logprobs, body.prompt_logprobs)
+    return jsonify({**out, **extras(results[0])})
 
 
 async def _events(flavour: Flavour, tok: Tokenizer, streams: list[RequestStream], head: dict[str, Any],
-                  include_usage: bool, extras: Extras) -> AsyncGenerator[bytes, None]:
+                  plan: Plan, echo: list[Prompt] | None, n: int, include_usage: bool, continuous: bool,
+                  extras: Extras) -> AsyncGenerator[bytes, None]:
     """The SSE body: every choice's chunks, interleaved as they decode (what piled up for a slow
-    connection goes out in one write), then the usage chunk when asked for, then [DONE]."""
+    connection goes out in one write), then the usage chunk when asked for, then [DONE]. With
+    ``continuous`` (vLLM's ``continuous_usage_stats``) every chunk carries its choice's usage so far."""
     base = {**head, "object": flavour.chunk_object, "system_fingerprint": None}
+    prompt_sizes = [len(p.tokens) for p in plan.prompts for _ in range(n)]
+    produced = [0] * len(streams)
 
     def chunk(index: int, content: dict[str, Any], logprobs: Any = None, finish: str | None = None,
               **extra: Any) -> bytes:
-        return sse({**base, "choices": [choice(index, content, logprobs, finish)], "usage": None, **extra})
+        so_far = None
+        if continuous:
+            so_far = {"prompt_tokens": prompt_sizes[index], "completion_tokens": produced[index],
+                      "total_tokens": prompt_sizes[index] + produced[index]}
+        return sse({**base, "choices": [choice(index, content, logprobs, finish)], "usage": so_far, **extra})
 
+    replies = [plan.reply() for _ in streams]
     if flavour.opening is not None:
         yield b"".join(chunk(i, flavour.opening) for i in range(len(streams)))
-    offsets = [0] * len(streams)  # text so far, per choice (text logprobs' offsets)
+    if echo is not None:
+        yield b"".join(chunk(i, {"text": p.text}) for i, p in enumerate(echo))
+    offsets = [len(p.text) for p in echo] if echo is not None else [0] * len(streams)  # text so far, per choice
     async with aclosing(interleave(streams)) as turns:
         async for i, burst in turns:
-            events = []
+            events: list[bytes] = []
             for c in burst:
+                produced[i] += 1
                 lp = None if c.logprob is None else flavour.render_logprobs(tok, [c.logprob], offsets[i])
                 offsets[i] += len(c.text)
-                if c.text or lp is not None:
-                    events.append(chunk(i, flavour.delta(c.text), lp))
+                deltas = replies[i].feed(c.text)
+                if lp is not None and not deltas:
+                    deltas = [replies[i].empty()]
+                events.extend(chunk(i, d, lp if k == 0 else None) for k, d in enumerate(deltas))
             if not burst:  # choice i ended
                 result = streams[i].result
                 assert result is not None
-                events.append(chunk(i, flavour.delta(None), None, result.finish_reason, **extras(result)))
+                tail, finish = replies[i].finish(result.finish_reason)
+                events.extend(chunk(i, d) for d in tail)
+                events.append(chunk(i, replies[i].last(), None, finish, **extras(result)))
             if events:
                 yield b"".join(events)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage([st.result for st in streams if st.result is not None])})
+        done = [st.result for st in streams if st.result is not None]
+        yield sse({**base, "choices": [], "usage": usage(done, n)})
     yield DONE
 
 

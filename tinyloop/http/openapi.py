@@ -8,13 +8,13 @@ from typing import Any
 from pydantic import BaseModel
 
 import tinyloop
+from tinyloop.http.native import TokenizeBody
 from tinyloop.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
     SpeculativeRequest,
-    TokenizeRequest,
     TreeSpeculativeRequest,
 )
 
@@ -33,13 +33,15 @@ _POSTS: dict[str, tuple[type[BaseModel], str]] = {
     "/generate": (GenerateRequest, "Native generation with every loop knob (SSE when stream)"),
     "/generate/speculative": (SpeculativeRequest, "Chain self-speculative decoding"),
     "/generate/tree_speculative": (TreeSpeculativeRequest, "Tree self-speculative decoding"),
-    "/tokenize": (TokenizeRequest, "Text or chat messages to token ids"),
+    "/tokenize": (TokenizeBody, "Text or chat messages to token ids"),
     "/detokenize": (DetokenizeRequest, "Token ids to text"),
 }
 _GETS = {"/v1/models": "List models", "/v1/models/{model}": "One model",
          "/api/v0/models": "List models (LM Studio shape)", "/api/v0/models/{model}": "One model (LM Studio)",
          "/healthz": "Health probe (text)", "/health": "Health probe (text), vLLM's path",
-         "/metrics": "Prometheus metrics (text)"}
+         "/metrics": "Prometheus metrics (text)",
+         "/tokenizer_info": "The tokenizer's tokenizer_config.json (vLLM's route, lm-eval's remote tokenizer)",
+         "/v1/tokenizer_info": "The tokenizer's tokenizer_config.json, under /v1"}
 
 
 def _errors() -> dict[str, Any]:

@@ -23,7 +23,7 @@ from tinyloop.errors import ConfigError, RequestError
 from tinyloop.http.bodies import decode_body, off_loop
 from tinyloop.http.errors import ApiError, from_exception
 from tinyloop.limits import KVLimits, ModelLimits
-from tinyloop.requests import GenerationChunk, GenerationRequest, GenerationResult, SamplingParams
+from tinyloop.requests import Constraint, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams
 from tinyloop.settings import Settings
 from tinyloop.tokenizer import Tokenizer
 from tinyloop.vocabulary import ExitRule
@@ -32,6 +32,8 @@ __all__ = [
     "DONE",
     "Served",
     "ServedModel",
+    "ChatOptions",
+    "Choices",
     "collect",
     "interleave",
     "make_requests",
@@ -95,14 +97,36 @@ class ServedModel:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model",
                            code="model_not_found")
 
-    async def encode_chat(self, messages: Sequence[Any]) -> list[int]:
-        """The chat rendered with the template and tokenised (in a worker thread when long)."""
-        turns = [{"role": m.role, "content": m.text()} for m in messages]
-        size = sum(len(t["content"]) for t in turns) + 16 * len(turns)
-        return await off_loop(self._encode_chat, turns, size=size)
+    async def encode_chat(self, messages: Sequence[Any], chat: ChatOptions | None = None) -> list[int]:
+        """The chat (``ChatMessage``s) rendered with the template and tokenised (in a worker thread when long)."""
+        return await self.encode_text(await self.render_chat([m.turn() for m in messages], chat))
 
-    def _encode_chat(self, turns: list[dict[str, str]]) -> list[int]:
-        return self.tokenizer.encode(self.tokenizer.render_chat(turns, template=self.chat_template))
+    async def render_chat(self, turns: list[dict[str, Any]], chat: ChatOptions | None = None) -> str:
+        """The chat's prompt text: the turns (``ChatMessage.turn``) through the template, with
+        ``chat``'s tools, template variables and generation prompt (in a worker thread when long)."""
+        size = sum(len(str(t.get("content") or "")) for t in turns) + 16 * len(turns)
+        return await off_loop(self._render_chat, turns, chat or ChatOptions(), size=size)
+
+    def _render_chat(self, turns: list[dict[str, Any]], chat: ChatOptions) -> str:
+        return self.tokenizer.render_chat(turns, template=self.chat_template, tools=chat.tools,
+                                          add_generation_prompt=chat.add_generation_prompt,
+                                          variables=chat.variables)
+
+    async def encode_text(self, text: str) -> list[int]:
+        """``text`` tokenised (in a worker thread when long)."""
+        return await off_loop(self.tokenizer.encode, text, size=len(text))
+
+    async def check_constraint(self, constraint: Constraint, param: str = "response_format") -> Constraint:
+        """``constraint`` checked up front (a bad schema, regex or grammar is a 400 naming
+        ``param``); compiled grammars are cached, so the engine's compile is a cache hit. A big
+        source compiles in a worker thread (llguidance releases the GIL meanwhile)."""
+        from tinyloop.grammar import validate
+
+        try:
+            await off_loop(validate, constraint, self.tokenizer, size=len(constraint.source), inline=2048)
+        except RequestError as exc:
+            raise ApiError(400, f"Invalid value for '{param}': {exc}", param=param, code="invalid_value") from None
+        return constraint
 
     async def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Text tokenised (in a worker thread when long), or the token ids as given (the
@@ -110,6 +134,17 @@ class ServedModel:
         if isinstance(prompt, str):
             return await off_loop(self.tokenizer.encode, prompt, size=len(prompt))
         return list(prompt)
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a chat becomes a prompt beyond its messages: the tools handed to the template
+    (``tools=`` as transformers passes them; None: none), whether the assistant's turn is
+    opened, and extra template variables (vLLM's ``chat_template_kwargs``)."""
+
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    variables: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _parameters(engine: Any) -> int | None:
@@ -154,12 +189,17 @@ async def parse_body(model: type[Any]) -> Any:
 
 def sampling_from(body: Any, *, seed: int | None, stop: tuple[str, ...], logprobs: bool,
                   top_logprobs: int) -> SamplingParams:
+    """The body's sampling fields (``top_k`` -1 is vLLM's "off", as 0; the OpenAI routes'
+    ``logit_bias``, ``min_tokens`` and ``include_stop_str_in_output`` where the body has them)."""
+    bias = body.bias() if hasattr(body, "bias") else ()
     return SamplingParams(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), min_p=body.min_p,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, seed=seed, stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-        logprobs=logprobs, top_logprobs=top_logprobs)
+        logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=bias,
+        min_tokens=getattr(body, "min_tokens", 0),
+        include_stop_str_in_output=getattr(body, "include_stop_str_in_output", False))
 
 
 def exit_rule(body: Any) -> ExitRule | None:
@@ -192,7 +232,7 @@ def make_requests(body: Any, model: ServedModel, tokens: list[int], *, prompt_pa
     if not tokens:
         raise ApiError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
     room = model.limits.max_seq_len - len(tokens)
-    if room < 1:  # the prompt's fault, whatever max_tokens says
+    if room < 1 and max_tokens != 0:  # the prompt's fault, whatever max_tokens says (0: only scored)
         raise ApiError(400, f"the prompt is {len(tokens)} tokens; this model's context is "
                        f"{model.limits.max_seq_len} tokens, prompt and completion together",
                        param=prompt_param, code="context_length_exceeded")
