@@ -255,3 +255,26 @@ async def test_echo_with_logprobs_and_no_tokens_scores_the_prompt_as_a_forward_d
             glp = gen.choices[0].logprobs
             assert glp is not None and glp.tokens is not None and len(glp.tokens) == len(prompts[1]) + 3
             assert gen.choices[0].text.startswith(tok.decode(prompts[1]))
+
+
+async def test_a_thinking_templates_reply_goes_to_reasoning_content_whole_and_streamed() -> None:
+    from tests.http.test_reasoning import OURO_THINKING_TEMPLATE
+
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "chat_template_kwargs": {"enable_thinking": True}}
+    with trio.fail_after(60):
+        async with running_server(engine=tiny_engine(chat_template=OURO_THINKING_TEMPLATE)) as srv, \
+                httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
+            raw = (await http.post("/v1/completions", json={
+                "prompt": srv.model.tokenizer.render_chat(MESSAGES, template=OURO_THINKING_TEMPLATE,
+                                                          variables={"enable_thinking": True}),
+                "max_tokens": 8, "temperature": 0, "ignore_eos": True})).json()["choices"][0]["text"]
+            thinking = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+            off = (await http.post("/v1/chat/completions", json={
+                **body, "chat_template_kwargs": {"enable_thinking": False}})).json()["choices"][0]["message"]
+            events = sse_events((await http.post("/v1/chat/completions", json={**body, "stream": True})).text)
+    # the prompt opened <think>: the reply, with no </think> in it, is all reasoning
+    assert "</think>" not in raw and thinking["reasoning_content"] == raw.strip() and not thinking["content"]
+    assert "reasoning_content" not in off  # no <think> opened: plain content
+    streamed = "".join(c["delta"].get("reasoning_content", "") for e in events[:-1] for c in e["choices"])
+    assert streamed == thinking["reasoning_content"]
