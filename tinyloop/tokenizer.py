@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -42,6 +43,7 @@ __all__ = [
     "hf_tokenizer_config",
     "export_hf_tokenizer",
     "HF_TOKENIZER_FILES",
+    "template_variables",
 ]
 
 CHATML_TEMPLATE = (
@@ -445,15 +447,30 @@ class _GenerationTags(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-@functools.lru_cache(maxsize=32)
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in a sandbox configured as HF's ``apply_chat_template`` is."""
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The sandbox chat templates compile in, configured as HF's ``apply_chat_template`` is."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTags]
     )
     env.globals["raise_exception"] = _raise_from_template
+    return env
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandbox (``_environment``)."""
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
+    except jinja2.TemplateError as exc:
+        raise TokenizerError(f"chat template does not compile: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=32)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads from its caller (``tools``, ``enable_thinking``, ...),
+    parsed in the same sandbox, not rendered; ``TokenizerError`` when it does not parse."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
     except jinja2.TemplateError as exc:
         raise TokenizerError(f"chat template does not compile: {exc}") from exc
 

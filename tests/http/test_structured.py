@@ -10,14 +10,12 @@ from typing import Annotated, Any, Literal
 import httpx
 import openai
 import pytest
-import torch
 import trio
 from pydantic import BaseModel, Field
 
+from tests.engine.test_prompt_logprobs import reference
 from tests.http.conftest import running_server, sse_events, tiny_engine
 from tests.http.test_openai_sdk import async_client
-from tinyloop.model.context import FullContext
-from tinyloop.model.looped import RowSpec
 
 pytestmark = pytest.mark.filterwarnings(
     r"ignore:Async generator '(openai|httpx2|httpcore2)\.[\w.]+' was garbage collected:ResourceWarning")
@@ -218,15 +216,6 @@ async def test_logit_bias_forces_and_forbids_tokens() -> None:
             assert bad.value.param == "logit_bias"
 
 
-def _teacher_forced(srv: Any, tokens: list[int]) -> torch.Tensor:
-    """log_softmax of one uncached forward over ``tokens`` at the default loops: ``[T, V]``."""
-    model, loops = srv.engine.model, srv.engine.default_loops
-    with torch.inference_mode():
-        out = model(torch.tensor([tokens]), FullContext(model.rope, 1, len(tokens)),
-                    [RowSpec(loops=loops, window=loops)], last_only=False)
-    return torch.log_softmax(out.logits[0].float(), dim=-1)
-
-
 async def test_echo_with_logprobs_and_no_tokens_scores_the_prompt_as_a_forward_does() -> None:
     with trio.fail_after(60):
         async with running_server() as srv, async_client(srv) as client:
@@ -241,7 +230,7 @@ async def test_echo_with_logprobs_and_no_tokens_scores_the_prompt_as_a_forward_d
                 assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
                 assert choice.text == tok.decode(ids, skip_special=False) and len(lp.token_logprobs) == len(ids)
                 assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-                ref = _teacher_forced(srv, ids)
+                ref = reference(srv.engine, ids, srv.engine.default_loops)
                 expected = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
                 assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
                 assert again_choice.logprobs is not None

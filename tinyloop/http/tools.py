@@ -33,14 +33,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
-import jinja2.meta
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from tinyloop.errors import RequestError
+from tinyloop.errors import RequestError, TokenizerError
 from tinyloop.http.textscan import Stripped, partial_suffix
 from tinyloop.requests import Constraint
-from tinyloop.tokenizer import _GenerationTags
+from tinyloop.tokenizer import template_variables
 
 __all__ = [
     "MAX_TOOL_CALLS",
@@ -99,10 +95,9 @@ def template_supports_tools(template: str) -> bool:
     so a mention of "tools" in its text or a ``{% set tools %}`` does not count. A template
     that does not parse supports nothing (rendering it fails anyway).
     """
-    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols", _GenerationTags])
     try:
-        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
-    except jinja2.TemplateError:
+        return "tools" in template_variables(template)
+    except TokenizerError:
         return False
 
 
