@@ -146,3 +146,12 @@ def test_the_readme_documents_every_setting_with_its_flag() -> None:
         env, flag = f.metadata["env"], "--" + f.name.replace("_", "-")
         flags = {flag, "--model"} if f.name == "model_path" else {flag}  # the serve parser's alias
         assert any(row.startswith(f"| `{env}` |") and any(f"`{x}`" in row for x in flags) for row in rows), env
+
+
+def test_convert_takes_the_json_size_caps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hf = Path(__file__).parent / "data" / "checkpoints" / "huginn-tiny"
+    assert main(["convert", str(hf), str(tmp_path / "a.tinyloop"), "--max-json-mb", "0.0001"]) != 0
+    assert "--max-json-mb raises it" in capsys.readouterr().err
+    assert main(["convert", str(hf), str(tmp_path / "b.tinyloop"), "--max-tokenizer-mb", "0.001"]) != 0
+    assert "--max-tokenizer-mb raises it" in capsys.readouterr().err
+    assert main(["convert", str(hf), str(tmp_path / "c.tinyloop")]) == 0

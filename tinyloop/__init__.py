@@ -34,7 +34,7 @@ _EXPORTS: dict[str, str] = {
     "Settings": "tinyloop.settings",
     "Tokenizer": "tinyloop.tokenizer",
     **{name: "tinyloop.errors" for name in (
-        "AdmissionRejected", "ArtifactError", "ConfigError", "EngineBroken", "EngineError",
+        "AdmissionRejected", "ArtifactError", "ChatTemplateError", "ConfigError", "EngineBroken", "EngineError",
         "KVCacheExhausted", "PromptTooLongError", "QueueFullError", "RequestError", "SchedulerError",
         "SchedulerShutdown", "TinyLoopError", "TokenizerError")},
 }
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from tinyloop.engine.engine import Engine as Engine
     from tinyloop.errors import AdmissionRejected as AdmissionRejected
     from tinyloop.errors import ArtifactError as ArtifactError
+    from tinyloop.errors import ChatTemplateError as ChatTemplateError
     from tinyloop.errors import ConfigError as ConfigError
     from tinyloop.errors import EngineBroken as EngineBroken
     from tinyloop.errors import EngineError as EngineError

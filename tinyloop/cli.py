@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,18 +115,26 @@ def _add_convert(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                         "retrofit; Ouro starts from the embeddings)")
     p.add_argument("--max-position", type=int,
                    help="longest sequence (default: the checkpoint's block_size / max_position_embeddings)")
+    p.add_argument("--max-tokenizer-mb", type=float, default=64.0,
+                   help="the largest tokenizer.json accepted, in MiB (default: 64)")
+    p.add_argument("--max-json-mb", type=float, default=16.0,
+                   help="the largest of the other JSON files accepted (config.json, tokenizer_config.json, "
+                        "generation_config.json, the shard index), in MiB (default: 16)")
     p.set_defaults(func=cmd_convert)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from tinyloop.convert import convert
+    from tinyloop.convert import FileLimits, convert
 
     def progress(done: int, total: int, name: str) -> None:
         if sys.stderr.isatty():
             print(f"\r[{done}/{total}] {name[:60]:<60}", end="" if done < total else "\n",
                   file=sys.stderr, flush=True)
 
-    result = convert(args.hf_dir, args.out, dtype=args.dtype, family=args.family,
+    if not (args.max_tokenizer_mb > 0 and args.max_json_mb > 0):
+        raise ConfigError("--max-tokenizer-mb and --max-json-mb must be > 0")
+    limits = FileLimits(tokenizer_bytes=int(args.max_tokenizer_mb * 2**20), json_bytes=int(args.max_json_mb * 2**20))
+    result = convert(args.hf_dir, args.out, dtype=args.dtype, family=args.family, limits=limits,
                      state_init=args.state_init, max_position=args.max_position, progress=progress)
     print(f"wrote {result.path} ({result.family}, {result.tensors} tensors, {result.dtype})")
     return 0
@@ -322,7 +330,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     p = sub.add_parser("serve", help="run the HTTP server",
                        description="Serve the OpenAI, LM Studio and native APIs. Every flag is also "
-                                   "a TINYLOOP_* environment variable; a flag beats the variable.")
+                                   "a TINYLOOP_* environment variable; a flag beats the variable.",
+                       epilog="SIGTERM, SIGINT or SIGHUP drains: new requests are refused, in-flight ones get "
+                              "--graceful-timeout seconds, then the server exits 0. A second signal forces the "
+                              "shutdown: open streams end with a 'shutting down' error event and [DONE], and the "
+                              "server exits with 128 + that signal's number (143 for SIGTERM, 130 for SIGINT).")
     hints = get_type_hints(Settings)
     for f in Settings.fields():
         flag = "--" + f.name.replace("_", "-")
@@ -365,8 +377,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
             binds = await nursery.start(announce)
             print(f"TinyLoop serving on {', '.join(binds)}", file=sys.stderr, flush=True)
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    except BaseException as exc:
+        status = _stopped_by_signal(exc)
+        if status is None:
+            raise
+        return status
     return 0
+
+
+def _stopped_by_signal(exc: BaseException) -> int | None:
+    """The exit status of a serve a signal ended without draining, None for any other error:
+    128 + the signal that forced the shutdown (``ShutdownForced``), or 130 for a Ctrl-C that
+    came while no signal receiver was open (while the model loads), which raises
+    KeyboardInterrupt. Either says so in one line, without a traceback."""
+    from tinyloop.http.serve import ShutdownForced
+
+    leaves = list(_leaves(exc))
+    if not all(isinstance(e, ShutdownForced | KeyboardInterrupt) for e in leaves):
+        return None
+    forced = next((e for e in leaves if isinstance(e, ShutdownForced)), None)
+    status = forced.exit_status if forced is not None else 130
+    print(f"TinyLoop stopped: {forced or 'interrupted'} (exit status {status})", file=sys.stderr, flush=True)
+    return status
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    """The exceptions of a (nested) exception group, or ``exc`` itself."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
 
 
 def _detach(args: argparse.Namespace, settings: Any) -> int:

@@ -6,6 +6,7 @@ The tree::
     ├── ConfigError              a model config or setting is invalid
     ├── ArtifactError            a .tinyloop file is missing, truncated or inconsistent
     ├── TokenizerError           a tokenizer cannot be built or used
+    │   └── ChatTemplateError    the model's chat template fails or overruns its limits
     ├── RequestError             a request is invalid before any work is done
     │   └── PromptTooLongError   prompt + max_tokens exceeds max_seq_len
     ├── EngineError              model work failed while running a request
@@ -16,7 +17,8 @@ The tree::
         ├── AdmissionRejected    the SLO cannot be met (carries predicted_wait_ms)
         └── SchedulerShutdown    submitted after shutdown began
 
-HTTP maps RequestError to 400, SchedulerError to 503 and EngineError to 500.
+HTTP maps RequestError to 400, SchedulerError to 503, and EngineError and ChatTemplateError (the
+model's fault, not the request's) to 500.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "ConfigError",
     "ArtifactError",
     "TokenizerError",
+    "ChatTemplateError",
     "RequestError",
     "PromptTooLongError",
     "EngineError",
@@ -56,6 +59,13 @@ class ArtifactError(TinyLoopError):
 
 class TokenizerError(TinyLoopError):
     """Raised when a tokenizer cannot be built, or a token id is outside its vocabulary."""
+
+
+class ChatTemplateError(TokenizerError):
+    """Raised when the model's chat template cannot make a prompt: it is too big or does not
+    compile, fails while rendering, or overruns its ``RenderLimits`` (output, one value, work,
+    time). The template's fault, not the request's: HTTP answers 500. A template refusing
+    the messages with its own ``raise_exception`` is a plain ``TokenizerError`` instead."""
 
 
 class RequestError(TinyLoopError, ValueError):

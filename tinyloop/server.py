@@ -17,6 +17,7 @@ from quart_trio import QuartTrio
 
 from tinyloop.actors.runtime import open_runtime
 from tinyloop.convert.cache import converted_artifact, is_hf_dir
+from tinyloop.convert.hfdir import FileLimits
 from tinyloop.cpu import kernels
 from tinyloop.engine.engine import Engine
 from tinyloop.errors import ConfigError
@@ -28,7 +29,7 @@ from tinyloop.model.artifact import read_config
 from tinyloop.model.config import ModelConfig
 from tinyloop.settings import Settings
 
-__all__ = ["serve", "load_engine", "load_engines", "lazy_app", "check_device", "check_default_loops"]
+__all__ = ["serve", "load_engine", "load_engines", "lazy_app", "check_device", "check_default_loops", "served_model"]
 
 log = logging.getLogger("tinyloop")
 
@@ -79,7 +80,9 @@ def load_engine(settings: Settings) -> Engine:
     options = {}
     if is_hf_dir(path):
         options["name"] = path.resolve().name  # the model's id: the directory's name
-        path = converted_artifact(path, Path(settings.cache_dir) if settings.cache_dir else None)
+        path = converted_artifact(path, Path(settings.cache_dir) if settings.cache_dir else None,
+                                  FileLimits(tokenizer_bytes=int(settings.max_tokenizer_mb * 2**20),
+                                             json_bytes=int(settings.max_json_mb * 2**20)))
     config = read_config(path)
     check_default_loops(settings, config)
     max_position = config.max_position
@@ -126,6 +129,15 @@ def load_engines(settings: Settings) -> list[Engine]:
     return engines
 
 
+def served_model(engine: Engine, settings: Settings) -> ServedModel:
+    """What the HTTP layer serves of ``engine``, once its chat templates rendered a sample chat
+    (ConfigError naming the template otherwise: a model whose template fails, or does not end
+    in time, on an ordinary chat is refused at load rather than on every request)."""
+    model = ServedModel.from_engine(engine, settings)
+    model.check_chat_templates()
+    return model
+
+
 async def serve(settings: Settings, *, engine: Engine | None = None,
                 shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
                 handle_signals: bool = True,
@@ -136,7 +148,7 @@ async def serve(settings: Settings, *, engine: Engine | None = None,
     given is served as built (its default loops are its own, not ``settings.default_loops``).
     """
     engines = [engine] if engine is not None else await trio.to_thread.run_sync(load_engines, settings)
-    model = ServedModel.from_engine(engines[0], settings)
+    model = await trio.to_thread.run_sync(served_model, engines[0], settings)
     async with open_runtime(engines, settings) as rt:
         await serve_http(rt, model, settings, shutdown_trigger=shutdown_trigger,
                          handle_signals=handle_signals, task_status=task_status)
@@ -151,10 +163,11 @@ def lazy_app() -> QuartTrio:
 
     async def run_runtime(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         engines = await trio.to_thread.run_sync(load_engines, settings)
+        model = await trio.to_thread.run_sync(served_model, engines[0], settings)
         with trio.CancelScope() as cancel:
             scope["cancel"] = cancel
             async with open_runtime(engines, settings) as rt:
-                attach(app, rt, ServedModel.from_engine(engines[0], settings), settings)
+                attach(app, rt, model, settings)
                 task_status.started()
                 await trio.sleep_forever()
 

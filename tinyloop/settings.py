@@ -38,6 +38,14 @@ class Settings:
     cache_dir: str | None = _opt(None, "TINYLOOP_CACHE_DIR",
                                  "where a Hugging Face model directory given as the model is kept once "
                                  "converted (default: $XDG_CACHE_HOME/tinyloop or ~/.cache/tinyloop)")
+    max_tokenizer_mb: float = _opt(64.0, "TINYLOOP_MAX_TOKENIZER_MB",
+                                   "the largest tokenizer.json a Hugging Face model directory may hold, in MiB")
+    max_json_mb: float = _opt(16.0, "TINYLOOP_MAX_JSON_MB",
+                              "the largest of a model directory's other JSON files (config.json, "
+                              "tokenizer_config.json, generation_config.json, the shard index), in MiB")
+    chat_template_timeout: float = _opt(5.0, "TINYLOOP_CHAT_TEMPLATE_TIMEOUT",
+                                        "seconds one chat-template render may take (then a 500 "
+                                        "chat_template_error)")
     served_model_name: str | None = _opt(None, "TINYLOOP_SERVED_MODEL_NAME",
                                          "model id shown to clients (default: the artifact's file name)")
     max_seq_len: int | None = _opt(None, "TINYLOOP_MAX_SEQ_LEN",
@@ -124,6 +132,9 @@ class Settings:
     commit: str | None = _opt(None, "TINYLOOP_COMMIT", "commit string reported in LM Studio's runtime.commit")
     keep_alive_timeout: float = _opt(30.0, "TINYLOOP_KEEP_ALIVE_TIMEOUT",
                                      "seconds an idle keep-alive connection stays open")
+    send_timeout: float = _opt(60.0, "TINYLOOP_SEND_TIMEOUT",
+                               "seconds a response waits for its client to take more of it (nginx's send_timeout); "
+                               "then the request is cancelled and the connection reset")
     allowed_hosts: str | None = _opt(None, "TINYLOOP_ALLOWED_HOSTS",
                                      "comma-separated Host names accepted besides localhost names "
                                      "and the bound address (* accepts any)")
@@ -160,6 +171,11 @@ class Settings:
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.keep_alive_timeout <= 0:
             raise ConfigError("keep_alive_timeout must be > 0")
+        if not self.send_timeout > 0:
+            raise ConfigError("send_timeout must be > 0")
+        for name in ("max_tokenizer_mb", "max_json_mb", "chat_template_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0")
         if not 0 <= self.draft_min_prob <= 1:
             raise ConfigError("draft_min_prob must be in [0, 1]")
         if self.draft_weights not in ("same", "int8"):

@@ -18,6 +18,7 @@ import importlib.resources
 import importlib.util
 import json
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -28,10 +29,10 @@ import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers
 
 from tinyloop.errors import TokenizerError
+from tinyloop.template_sandbox import BoundedSandbox, ChatTemplateError, RenderLimits, compile_bounded, render_bounded
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -44,6 +45,8 @@ __all__ = [
     "export_hf_tokenizer",
     "HF_TOKENIZER_FILES",
     "template_variables",
+    "split_chat_templates",
+    "MAX_NAMED_TEMPLATES",
 ]
 
 CHATML_TEMPLATE = (
@@ -65,7 +68,8 @@ END_OF_TURN_TOKEN = "<|im_end|>"
 
 
 class Tokenizer:
-    """A byte-level BPE tokenizer; immutable once built except for ``chat_template``.
+    """A byte-level BPE tokenizer; immutable once built except for ``chat_template`` and
+    ``chat_templates``.
 
     Safe to share between tasks and threads for reading: encoding and decoding keep no
     per-call state on the object.
@@ -99,6 +103,8 @@ class Tokenizer:
             turn_ends = {self.eos_id, *(self._token_id(i) for i in eos_ids)}
         self.eos_ids: frozenset[int] = frozenset(turn_ends)  # a chat turn ends at <|im_end|>
         self.chat_template = chat_template
+        # the model's other named templates beside the default (HF's list form: ``tool_use``, ...)
+        self.chat_templates: dict[str, str] = {}
 
     @classmethod
     def from_json(cls, text: str, *, bos_id: int | None = None, eos_id: int | None = None,
@@ -180,9 +186,11 @@ class Tokenizer:
         template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         variables: Mapping[str, Any] | None = None,
+        limits: RenderLimits | None = None,
+        stop: threading.Event | None = None,
     ) -> str:
         """Render ``messages`` with ``template`` (default: this tokenizer's ``chat_template``),
-        ``tools`` and extra template ``variables`` (module ``render_chat``)."""
+        ``tools`` and extra template ``variables``, under ``limits`` (module ``render_chat``)."""
         return render_chat(
             messages,
             template=self.chat_template if template is None else template,
@@ -191,6 +199,8 @@ class Tokenizer:
             eos_token=self.eos_token,
             tools=tools,
             variables=variables,
+            limits=limits,
+            stop=stop,
         )
 
     def __repr__(self) -> str:
@@ -259,6 +269,37 @@ class StreamingDetokenizer:
         return f"StreamingDetokenizer(pending={self.pending!r})"
 
 
+MAX_NAMED_TEMPLATES = 16  # entries of a chat_template list (real models have two or three)
+
+
+def split_chat_templates(value: object) -> tuple[str, dict[str, str]]:
+    """HF's ``chat_template`` field as the default template and the other named ones: a string
+    (or None: "") is the default; a list of ``{"name", "template"}`` objects, transformers' form
+    for models with a ``tool_use`` (or ``rag``, ...) template, gives its ``default`` entry and the
+    rest by name. ``TokenizerError`` naming the entry when the list is malformed."""
+    if value is None or isinstance(value, str):
+        return value or "", {}
+    if not isinstance(value, list):
+        raise TokenizerError("chat_template must be a string or a list of {name, template} objects, "
+                             f"got {type(value).__name__}")
+    if len(value) > MAX_NAMED_TEMPLATES:
+        raise TokenizerError(f"chat_template lists {len(value)} templates; at most {MAX_NAMED_TEMPLATES}")
+    named: dict[str, str] = {}
+    for i, entry in enumerate(value):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        template = entry.get("template") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name or not isinstance(template, str):
+            raise TokenizerError(f"chat_template[{i}] must be an object with a non-empty string 'name' and a "
+                                 "string 'template'")
+        if name in named:
+            raise TokenizerError(f"chat_template[{i}] repeats the name {name!r}")
+        named[name] = template
+    if "default" not in named:
+        raise TokenizerError(f"chat_template lists {', '.join(map(repr, named)) or 'no templates'} but no "
+                             "'default' one, which chats without tools use")
+    return named.pop("default"), named
+
+
 # Names a template gets from the renderer itself; ``variables`` may not replace them.
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
                                      "raise_exception"})
@@ -273,6 +314,8 @@ def render_chat(
     eos_token: str = EOS_TOKEN,
     tools: Sequence[Mapping[str, Any]] | None = None,
     variables: Mapping[str, Any] | None = None,
+    limits: RenderLimits | None = None,
+    stop: threading.Event | None = None,
 ) -> str:
     """Render chat ``messages`` (``{"role", "content"}``, plus ``tool_calls``, ``tool_call_id``
     and ``name`` where a turn has them) into one prompt string.
@@ -280,8 +323,14 @@ def render_chat(
     Uses the variables HF chat templates expect (``messages``, ``tools``, ``add_generation_prompt``,
     ``bos_token``, ``eos_token``, ``raise_exception``) as transformers' ``apply_chat_template``
     passes them (``tools`` is None when no tools are given), plus ``variables`` (e.g. Ouro's
-    ``enable_thinking``), in a sandbox since templates may come from users. Any failure to
-    compile or render raises ``TokenizerError``.
+    ``enable_thinking``). The template is the model's, code nobody here wrote: it runs in
+    ``template_sandbox``'s sandbox, under ``limits`` (output, values, work and time; default
+    ``RenderLimits()``), and ``stop`` set from another thread ends it early.
+
+    Raises ``TokenizerError`` for what the caller sent (a bad message, ``variables`` naming a
+    reserved variable, the template's ``raise_exception`` refusing the messages) and
+    ``ChatTemplateError`` for the template's own failures (it does not compile, it fails while
+    rendering, it overruns ``limits``).
     """
     extra = dict(variables or {})
     clash = sorted(RESERVED_TEMPLATE_NAMES & extra.keys())
@@ -289,19 +338,14 @@ def render_chat(
         raise TokenizerError(f"chat_template_kwargs may not set {', '.join(clash)}")
     normalized = [_normalize_message(m, i) for i, m in enumerate(messages)]
     compiled = _compile_template(template)
+    names = {"messages": normalized, "tools": list(tools) if tools else None,
+             "add_generation_prompt": add_generation_prompt, "bos_token": bos_token, "eos_token": eos_token}
     try:
-        return compiled.render(
-            **extra,
-            messages=normalized,
-            tools=list(tools) if tools else None,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-        )
-    except TokenizerError:
+        return render_bounded(compiled, {**extra, **names}, limits or RenderLimits(), stop)
+    except TokenizerError:  # ChatTemplateError, or raise_exception refusing the messages
         raise
-    except Exception as exc:  # a user template can fail in any way; all are the template's fault
-        raise TokenizerError(f"chat template failed to render: {exc}") from exc
+    except Exception as exc:  # a template can fail in any way; all are the template's fault
+        raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
 
 
 @functools.lru_cache(maxsize=1)
@@ -447,32 +491,25 @@ class _GenerationTags(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
+def _environment() -> BoundedSandbox:
     """The sandbox chat templates compile in, configured as HF's ``apply_chat_template`` is."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTags]
-    )
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTags])
     env.globals["raise_exception"] = _raise_from_template
     return env
 
 
 @functools.lru_cache(maxsize=32)
 def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the sandbox (``_environment``)."""
-    try:
-        return _environment().from_string(source)
-    except jinja2.TemplateError as exc:
-        raise TokenizerError(f"chat template does not compile: {exc}") from exc
+    """Compile a chat template in the sandbox (``_environment``); ``ChatTemplateError`` when
+    it is too big or does not compile."""
+    return compile_bounded(_environment(), source)
 
 
 @functools.lru_cache(maxsize=32)
 def template_variables(source: str) -> frozenset[str]:
     """The variables a chat template reads from its caller (``tools``, ``enable_thinking``, ...),
-    parsed in the same sandbox, not rendered; ``TokenizerError`` when it does not parse."""
-    try:
-        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
-    except jinja2.TemplateError as exc:
-        raise TokenizerError(f"chat template does not compile: {exc}") from exc
+    parsed in the same sandbox, not rendered; ``ChatTemplateError`` when it does not compile."""
+    return frozenset(jinja2.meta.find_undeclared_variables(_compile_template(source).environment.parse(source)))
 
 
 def _raise_from_template(message: str) -> NoReturn:

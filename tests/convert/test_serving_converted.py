@@ -142,3 +142,17 @@ def test_the_context_follows_the_model_down_to_what_the_kv_cache_holds(
     assert "TINYLOOP_KV_CACHE_MB" in caplog.text
     req = GenerationRequest(prompt_tokens=(1, 2, 3), max_tokens=capped.max_seq_len - 3)
     assert capped.kv_blocks_needed(req) <= capped.pool.num_blocks  # a full-context request fits
+
+
+def test_a_kv_cache_that_holds_no_sequence_at_the_default_loops_refuses_the_model() -> None:
+    """Not a server that answers healthy and refuses every request naming max_tokens: the load
+    fails, naming the default loops and the KV cache size."""
+    from tinyloop.engine.engine import Engine
+    from tinyloop.errors import ConfigError
+    from tinyloop.model.presets import PRESETS, init_model
+    from tinyloop.tokenizer import default_tokenizer
+
+    model = init_model(PRESETS["tiny"].replace(default_loops=16), seed=0)
+    with pytest.raises(ConfigError, match=r"default_loops 16 .*kv_cache_mb"):
+        Engine(model, default_tokenizer(), kv_cache_mb=0.01)
+    assert Engine(model, default_tokenizer(), kv_cache_mb=1).max_seq_len > 0

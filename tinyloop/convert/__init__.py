@@ -16,15 +16,15 @@ from typing import Any
 import torch
 
 from tinyloop.convert import huginn, ouro, retrofit
-from tinyloop.convert.hfdir import HFDir
+from tinyloop.convert.hfdir import FileLimits, HFDir
 from tinyloop.convert.writer import write_streaming
 from tinyloop.errors import ConfigError, TokenizerError
 from tinyloop.model.artifact import artifact_metadata
 from tinyloop.model.config import ModelConfig, StateInit
-from tinyloop.model.presets import empty_model
-from tinyloop.tokenizer import Tokenizer
+from tinyloop.model.presets import state_shapes
+from tinyloop.tokenizer import Tokenizer, split_chat_templates
 
-__all__ = ["FAMILIES", "ConvertResult", "convert", "detect_family"]
+__all__ = ["FAMILIES", "ConvertResult", "FileLimits", "convert", "detect_family"]
 
 FAMILIES = ("huginn", "ouro", "retrofit")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,13 +54,15 @@ def detect_family(config: dict[str, Any]) -> str:
 
 def convert(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str | None = None,
             family: str = "auto", state_init: StateInit = "randn", max_position: int | None = None,
-            progress: Callable[[int, int, str], None] | None = None) -> ConvertResult:
-    """Convert ``hf_dir`` to the artifact ``out``; ``dtype`` defaults to the checkpoint's."""
+            progress: Callable[[int, int, str], None] | None = None,
+            limits: FileLimits | None = None) -> ConvertResult:
+    """Convert ``hf_dir`` to the artifact ``out``; ``dtype`` defaults to the checkpoint's.
+    ``limits``: the most bytes each JSON file of ``hf_dir`` may hold (``hfdir.FileLimits``)."""
     if family != "auto" and family not in FAMILIES:
         raise ConfigError(f"family must be auto or one of {', '.join(FAMILIES)}; got {family!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
-    with HFDir(Path(hf_dir)) as hf:
+    with HFDir(Path(hf_dir), limits or FileLimits()) as hf:
         detected = detect_family(hf.config)
         if family not in ("auto", detected):
             raise ConfigError(f"{hf.root}: is a {detected} checkpoint, not {family}")
@@ -74,8 +76,7 @@ def convert(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtyp
         else:
             config = huginn.huginn_config(hf.config, state_init=state_init, max_position=max_position)
             plan_of, specials_of, embed = huginn.huginn_plan, huginn.huginn_special_tokens, "transformer.wte.weight"
-        expected = {name: tuple(t.shape) for name, t in empty_model(config).state_dict().items()}
-        plan = plan_of(hf, config, expected)
+        plan = plan_of(hf, config, state_shapes(config))  # every tensor checked against the file: nothing built
         try:
             probe = Tokenizer.from_json(hf.tokenizer_json, eos_id=0)
         except TokenizerError as exc:
@@ -84,9 +85,10 @@ def convert(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtyp
         special = specials_of(hf, probe.token_to_id)
         tokenizer = Tokenizer.from_json(hf.tokenizer_json, bos_id=special["bos_id"], eos_id=special["eos_id"],
                                         eos_ids=special["eos_ids"])
-        template = hf.tokenizer_config.get("chat_template") or ""
-        if not isinstance(template, str):
-            raise ConfigError(f"{hf.root / 'tokenizer_config.json'}: chat_template must be a string")
+        try:  # a string, or HF's list of named templates (the default one, tool_use, ...)
+            template, tokenizer.chat_templates = split_chat_templates(hf.tokenizer_config.get("chat_template"))
+        except TokenizerError as exc:
+            raise ConfigError(f"{hf.root / 'tokenizer_config.json'}: {exc}") from None
         target = DTYPES[dtype] if dtype else _checkpoint_dtype(hf, embed)
         out_path = Path(out)
         metadata = artifact_metadata(out_path, config, tokenizer, template, special,

@@ -13,13 +13,15 @@ import os
 from pathlib import Path
 
 from tinyloop.convert import convert
+from tinyloop.convert.hfdir import FileLimits
 
 __all__ = ["converted_artifact", "default_cache_dir", "is_hf_dir"]
 
 
 def is_hf_dir(path: Path) -> bool:
-    """Whether ``path`` is a Hugging Face model directory (one with a ``config.json``)."""
-    return path.is_dir() and (path / "config.json").is_file()
+    """Whether ``path`` is a Hugging Face model directory (one with a ``config.json``: any entry of
+    that name, so that one which is not a regular file is refused by the converter, by name)."""
+    return path.is_dir() and os.path.lexists(path / "config.json")
 
 
 def default_cache_dir() -> Path:
@@ -35,15 +37,16 @@ def _key(hf_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def converted_artifact(hf_dir: Path, cache_dir: Path | None = None) -> Path:
+def converted_artifact(hf_dir: Path, cache_dir: Path | None = None, limits: FileLimits | None = None) -> Path:
     """The artifact for ``hf_dir``: converted now if the cache does not hold it yet (written to a
-    partial file first, so an interrupted conversion is never taken for a finished one)."""
+    partial file first, so an interrupted conversion is never taken for a finished one);
+    ``limits``: the JSON files' caps (``hfdir.FileLimits``)."""
     cache_dir = cache_dir or default_cache_dir()
     out = cache_dir / f"{hf_dir.resolve().name}-{_key(hf_dir)}.tinyloop"
     if out.is_file():
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
-    convert(hf_dir, partial)
+    convert(hf_dir, partial, limits=limits)
     os.replace(partial, out)
     return out

@@ -1,8 +1,13 @@
-"""What every checkpoint family's mapping shares: config integers, shape and name checks, and
-the special tokens read from ``tokenizer_config.json`` / ``generation_config.json``."""
+"""What every checkpoint family's mapping shares: config integers and floats, shape and name
+checks, and the special tokens read from ``tokenizer_config.json`` / ``generation_config.json``.
+
+``config_int`` and ``config_float`` check a ``config.json`` value against the ``ModelConfig``
+field it becomes (``SIZE_LIMITS``; finite floats), so a refusal names the key the file holds.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
@@ -10,19 +15,52 @@ import torch
 
 from tinyloop.convert.hfdir import HFDir
 from tinyloop.errors import ArtifactError, ConfigError
+from tinyloop.model.artifact import some_names
+from tinyloop.model.config import SIZE_LIMITS
 
-__all__ = ["check_names", "check_shape", "check_tied_head", "config_int", "special_tokens"]
+__all__ = ["check_names", "check_shape", "check_tied_head", "config_float", "config_int", "config_section",
+           "special_tokens"]
 
 
-def config_int(cfg: dict[str, Any], *keys: str, default: int | None = None) -> int:
-    """The first of ``keys`` that ``config.json`` holds as an integer (else ``default``)."""
+def config_int(cfg: dict[str, Any], *keys: str, field: str, default: int | None = None) -> int:
+    """The first of ``keys`` that ``config.json`` holds (absent or null: the next, then
+    ``default``), an integer in the range of the ``ModelConfig`` field ``field`` it becomes."""
     for key in keys:
         value = cfg.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"config.json: {key} must be an integer, got {value!r}")
+        low, high = SIZE_LIMITS[field]
+        if not low <= value <= high:
+            bound = f"at least {low}" if value < low else f"at most {high}"
+            raise ConfigError(f"config.json: {key} is {value}; TinyLoop needs {bound} (its {field})")
+        return value
     if default is not None:
         return default
     raise ConfigError(f"config.json: needs an integer {' or '.join(keys)}")
+
+
+def config_float(cfg: dict[str, Any], key: str, default: float, *, where: str = "") -> float:
+    """``config.json``'s number ``key`` (``where``: the object it sits in, as ``init_values.``),
+    finite and > 0, else ``default`` when absent or null. JSON's ``NaN`` and ``Infinity``, which
+    Python's parser accepts, are refused here by the key's name."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"config.json: {where}{key} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def config_section(cfg: dict[str, Any], key: str) -> dict[str, Any]:
+    """``config.json``'s object ``key`` (absent or null: empty)."""
+    value = cfg.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"config.json: {key} must be an object, got {value!r}")
+    return value
 
 
 def check_shape(name: str, found: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -35,10 +73,10 @@ def check_names(hf: HFDir, used: Iterable[str], dropped: Collection[str], family
     used = set(used)
     unknown = sorted(set(hf.tensors) - used - set(dropped))
     if unknown:
-        raise ArtifactError(f"checkpoint has tensor(s) the {family} converter does not know: {', '.join(unknown)}")
+        raise ArtifactError(f"checkpoint has tensor(s) the {family} converter does not know: {some_names(unknown)}")
     missing = sorted(used - set(hf.tensors))
     if missing:
-        raise ArtifactError(f"checkpoint is missing tensor(s): {', '.join(missing)}")
+        raise ArtifactError(f"checkpoint is missing tensor(s): {some_names(missing)}")
 
 
 def check_tied_head(hf: HFDir, head: str, embed: str, why: str, rows: int = 4096) -> None:

@@ -5,11 +5,19 @@
 tensors of ``model.safetensors`` or of the shards ``model.safetensors.index.json`` names, so a
 converter can ask for one tensor (or rows of one) at a time. Every failure is a ``ConfigError``
 naming the file.
+
+A model directory is untrusted input: every file read from it must be a regular file (opened
+without blocking, so a FIFO is refused rather than waited on) that lies inside the directory
+once its symlinks are resolved (or in the hub cache's ``blobs`` folder beside a
+``snapshots/<revision>`` directory, where the hub keeps the files its snapshots link to), and
+a JSON file is read up to its cap (``FileLimits``) and no further.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,10 +29,28 @@ from safetensors import safe_open
 
 from tinyloop.errors import ConfigError
 
-__all__ = ["HFDir", "TensorInfo"]
+__all__ = ["MAX_JSON_BYTES", "MAX_TOKENIZER_BYTES", "FileLimits", "HFDir", "TensorInfo"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# Published tokenizer.json files take 2-20 MB (Gemma-3's, 262k tokens: 33 MB); the artifact
+# embeds the tokenizer in a header safetensors caps at 100 MB.
+MAX_TOKENIZER_BYTES = 64 << 20
+# config.json, tokenizer_config.json and generation_config.json take kilobytes (the largest,
+# a tokenizer_config listing every added token, about 2 MB); a shard index about 100 bytes
+# per tensor (DeepSeek-V3's 91k tensors: 9 MB).
+MAX_JSON_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class FileLimits:
+    """The most bytes each kind of JSON file of a model directory may hold."""
+
+    tokenizer_bytes: int = MAX_TOKENIZER_BYTES  # tokenizer.json
+    json_bytes: int = MAX_JSON_BYTES  # every other JSON file (configs, the shard index)
+
+    def cap(self, name: str) -> int:
+        return self.tokenizer_bytes if name == "tokenizer.json" else self.json_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,17 +63,42 @@ class TensorInfo:
     dtype: str
 
 
-def _json_file(path: Path, *, required: bool) -> dict[str, Any]:
-    if not path.exists() and not required:
-        return {}
+def _size(n: int) -> str:
+    if n < 2**20:
+        return f"{n} bytes"
+    return f"{n / 2**20:.1f} MiB" if n % 2**20 else f"{n >> 20} MiB"
+
+
+def _resolved(path: Path) -> Path:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return path.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise ConfigError(f"{path}: cannot resolve: {exc}") from None
+
+
+def _regular_fd(path: Path, real: Path) -> int:
+    """A read-only descriptor on ``real`` (``path`` resolved), refused unless a regular file.
+    ``O_NONBLOCK``: opening a FIFO would otherwise wait for a writer."""
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ConfigError(f"{path}: missing (a Hugging Face model directory needs it)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot open: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"{path}: not a regular file; refused")
+    return fd
+
+
+def _read_capped(path: Path, real: Path, cap: int, flag: str) -> bytes:
+    """At most ``cap`` bytes of ``path``; ``ConfigError`` naming the cap when it holds more."""
+    with os.fdopen(_regular_fd(path, real), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = b"" if size > cap else f.read(cap + 1)  # + 1: a file that grew while read
+    if size > cap or len(data) > cap:
+        raise ConfigError(f"{path}: {_size(max(size, len(data)))} is more than the {_size(cap)} a {path.name} may "
+                          f"take ({flag} raises it)")
     return data
 
 
@@ -56,35 +107,82 @@ class HFDir:
     """One model directory; use as a context manager so the shards are closed afterwards."""
 
     root: Path
+    limits: FileLimits = field(default_factory=FileLimits)
     config: dict[str, Any] = field(init=False)
     tokenizer_json: str = field(init=False)
     tokenizer_config: dict[str, Any] = field(init=False)
     generation_config: dict[str, Any] = field(init=False)
     tensors: dict[str, TensorInfo] = field(init=False)
+    _roots: tuple[Path, ...] = field(init=False, repr=False)  # where the directory's files may lie
+    _real: dict[Path, Path] = field(init=False, repr=False)  # each shard -> its file, links resolved
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
         if not self.root.is_dir():
             raise ConfigError(f"{self.root}: not a directory (expected a Hugging Face model directory)")
-        self.config = _json_file(self.root / "config.json", required=True)
+        real_root = _resolved(self.root)
+        hub_blobs = (real_root.parent.parent / "blobs",) if real_root.parent.name == "snapshots" else ()
+        self._roots, self._real = (real_root, *hub_blobs), {}
+        self.config = self._json("config.json", required=True)
         try:
-            self.tokenizer_json = (self.root / "tokenizer.json").read_text(encoding="utf-8")
-        except OSError as exc:
+            self.tokenizer_json = self._read("tokenizer.json").decode("utf-8")
+        except UnicodeDecodeError as exc:
             raise ConfigError(f"{self.root / 'tokenizer.json'}: cannot read: {exc}") from exc
-        self.tokenizer_config = _json_file(self.root / "tokenizer_config.json", required=False)
-        self.generation_config = _json_file(self.root / "generation_config.json", required=False)
+        self.tokenizer_config = self._json("tokenizer_config.json", required=False)
+        self.generation_config = self._json("generation_config.json", required=False)
         self.tensors = self._index()
+
+    def _inside(self, path: Path) -> Path | None:
+        """``path`` with its links resolved, or None when that lies outside the directory."""
+        real = _resolved(path)
+        return real if any(real.is_relative_to(root) for root in self._roots) else None
+
+    def _read(self, name: str) -> bytes:
+        """The bytes of the directory's file ``name`` (at most its cap, a regular file inside)."""
+        path = self.root / name
+        real = self._inside(path)
+        if real is None:
+            raise ConfigError(f"{path}: links to a file outside the model directory; refused")
+        flag = "--max-tokenizer-mb" if name == "tokenizer.json" else "--max-json-mb"
+        return _read_capped(path, real, self.limits.cap(name), flag)
+
+    def _json(self, name: str, *, required: bool) -> dict[str, Any]:
+        path = self.root / name
+        if not required and not os.path.lexists(path):
+            return {}
+        try:
+            data = json.loads(self._read(name).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read JSON: {exc}") from exc
+        except RecursionError:
+            raise ConfigError(f"{path}: cannot read JSON: nested too deeply") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return data
 
     def _shards(self) -> list[Path]:
         index = self.root / INDEX
-        if index.exists():
-            weight_map = _json_file(index, required=True).get("weight_map")
+        if os.path.lexists(index):
+            weight_map = self._json(INDEX, required=True).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConfigError(f"{index}: has no weight_map")
-            return [self.root / name for name in sorted(set(weight_map.values()))]
-        if (self.root / SINGLE).exists():
-            return [self.root / SINGLE]
+            names = set(weight_map.values())
+            if not all(isinstance(name, str) and name for name in names):
+                raise ConfigError(f"{index}: weight_map must map tensor names to shard file names")
+            return [self._shard(self.root / name, f"{index}: weight_map names {name!r}") for name in sorted(names)]
+        if os.path.lexists(self.root / SINGLE):
+            return [self._shard(self.root / SINGLE, str(self.root / SINGLE))]
         raise ConfigError(f"{self.root}: no {SINGLE} and no {INDEX}")
+
+    def _shard(self, path: Path, named: str) -> Path:
+        """``path`` once it is known to be a regular file inside the directory (``named``: what
+        names it, for the error). Neither its content nor its kind is reported when it is not."""
+        real = self._inside(path)
+        if real is None:
+            raise ConfigError(f"{named}, outside the model directory; refused")
+        os.close(_regular_fd(path, real))
+        self._real[path] = real
+        return path
 
     def _index(self) -> dict[str, TensorInfo]:
         tensors: dict[str, TensorInfo] = {}
@@ -97,14 +195,13 @@ class HFDir:
                     tensors[name] = TensorInfo(name, shard, tuple(part.get_shape()), str(part.get_dtype()))
         return tensors
 
-    @staticmethod
     @contextmanager
-    def _opened(shard: Path) -> Iterator[Any]:
+    def _opened(self, shard: Path) -> Iterator[Any]:
         """A shard's memory map, open only while it is read: the pages a read touched count in
         the process's resident memory until the map is closed, so keeping every shard open
         would hold the whole checkpoint by the end of a conversion."""
         try:
-            handle = safe_open(str(shard), framework="pt")
+            handle = safe_open(str(self._real[shard]), framework="pt")
         except Exception as exc:  # safetensors' own error types for a missing or corrupt file
             raise ConfigError(f"{shard}: cannot open safetensors file: {exc}") from exc
         with handle:

@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from tinyloop.convert.common import check_names, check_shape, check_tied_head, config_int, special_tokens
+from tinyloop.convert.common import (
+    check_names,
+    check_shape,
+    check_tied_head,
+    config_float,
+    config_int,
+    config_section,
+    special_tokens,
+)
 from tinyloop.convert.hfdir import HFDir
 from tinyloop.convert.writer import PlannedTensor
 from tinyloop.errors import ConfigError
@@ -56,26 +64,28 @@ def huginn_config(cfg: dict[str, Any], *, state_init: StateInit = "randn",
     for key, value in _FIXED.items():
         if key in cfg and cfg[key] != value:
             raise ConfigError(f"config.json: {key} is {cfg[key]!r}; the Huginn converter supports only {value!r}")
-    hidden = config_int(cfg, "n_embd")
-    heads = config_int(cfg, "num_attention_heads", "n_heads")
-    init = cfg.get("init_values") or {}
-    embed_scale = float(init.get("embed_scale", hidden ** 0.5))
-    std = float(init.get("std", (2 / (5 * hidden)) ** 0.5))
-    loops = config_int(cfg, "mean_recurrence")
-    kv_heads = config_int(cfg, "num_key_value_heads", default=heads)
+    hidden = config_int(cfg, "n_embd", field="hidden")
+    heads = config_int(cfg, "num_attention_heads", "n_heads", field="heads")
+    init = config_section(cfg, "init_values")
+    embed_scale = config_float(init, "embed_scale", hidden ** 0.5, where="init_values.")
+    std = config_float(init, "std", (2 / (5 * hidden)) ** 0.5, where="init_values.")
+    loops = config_int(cfg, "mean_recurrence", field="default_loops")
+    kv_heads = config_int(cfg, "num_key_value_heads", field="kv_heads", default=heads)
     if kv_heads != heads:
         raise ConfigError(f"config.json: num_key_value_heads {kv_heads} != {heads} heads; Huginn is full MHA")
     return ModelConfig(
-        vocab_size=config_int(cfg, "padded_vocab_size", "vocab_size"), hidden=hidden, heads=heads,
-        kv_heads=kv_heads, head_dim=config_int(cfg, "head_dim", default=hidden // heads),
-        intermediate=config_int(cfg, "intermediate_size"), n_prelude=config_int(cfg, "n_layers_in_prelude"),
-        n_core=config_int(cfg, "n_layers_in_recurrent_block"), n_coda=config_int(cfg, "n_layers_in_coda"),
-        default_loops=loops, max_loops=max(64, loops), max_position=max_position or config_int(cfg, "block_size"),
+        vocab_size=config_int(cfg, "padded_vocab_size", "vocab_size", field="vocab_size"), hidden=hidden,
+        heads=heads, kv_heads=kv_heads, head_dim=config_int(cfg, "head_dim", field="head_dim", default=hidden // heads),
+        intermediate=config_int(cfg, "intermediate_size", field="intermediate"),
+        n_prelude=config_int(cfg, "n_layers_in_prelude", field="n_prelude"),
+        n_core=config_int(cfg, "n_layers_in_recurrent_block", field="n_core"),
+        n_coda=config_int(cfg, "n_layers_in_coda", field="n_coda"), default_loops=loops, max_loops=max(64, loops),
+        max_position=max_position or config_int(cfg, "block_size", field="max_position"),
         block_style="sandwich", injection="concat_linear", state_init=state_init,
-        state_init_std=std * embed_scale, loop_norm="final_only", rope_theta=float(cfg.get("rope_base", 50000)),
+        state_init_std=std * embed_scale, loop_norm="final_only", rope_theta=config_float(cfg, "rope_base", 50000.0),
         rope_style="interleaved",
         rope_tables="float32", rope_compute="float32", norm_order="cast_then_weight",  # the reference's numerics
-        norm_eps=float(cfg.get("norm_eps", 1e-6)), tie_embeddings=True,
+        norm_eps=config_float(cfg, "norm_eps", 1e-6), tie_embeddings=True,
         embed_scale=embed_scale, qk_bias=bool(cfg.get("qk_bias", False)), fused_qkv=True,
     )
 

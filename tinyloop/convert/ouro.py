@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tinyloop.convert.common import check_names, check_shape, config_int, special_tokens
+from tinyloop.convert.common import check_names, check_shape, config_float, config_int, special_tokens
 from tinyloop.convert.hfdir import HFDir
 from tinyloop.convert.writer import PlannedTensor
 from tinyloop.errors import ConfigError
@@ -54,20 +54,21 @@ def ouro_config(cfg: dict[str, Any], *, max_position: int | None = None) -> Mode
     for key, value in _FIXED.items():
         if key in cfg and cfg[key] != value:
             raise ConfigError(f"config.json: {key} is {cfg[key]!r}; the Ouro converter supports only {value!r}")
-    hidden = config_int(cfg, "hidden_size")
-    heads = config_int(cfg, "num_attention_heads")
-    loops = config_int(cfg, "total_ut_steps", default=4)
+    hidden = config_int(cfg, "hidden_size", field="hidden")
+    heads = config_int(cfg, "num_attention_heads", field="heads")
+    loops = config_int(cfg, "total_ut_steps", field="default_loops", default=4)
     return ModelConfig(
-        vocab_size=config_int(cfg, "vocab_size"), hidden=hidden, heads=heads,
-        kv_heads=config_int(cfg, "num_key_value_heads", default=heads),
-        head_dim=config_int(cfg, "head_dim", default=hidden // heads),
-        intermediate=config_int(cfg, "intermediate_size"), n_prelude=0,
-        n_core=config_int(cfg, "num_hidden_layers"), n_coda=0, default_loops=loops, max_loops=max(16, loops),
-        max_position=max_position or config_int(cfg, "max_position_embeddings"),
+        vocab_size=config_int(cfg, "vocab_size", field="vocab_size"), hidden=hidden, heads=heads,
+        kv_heads=config_int(cfg, "num_key_value_heads", field="kv_heads", default=heads),
+        head_dim=config_int(cfg, "head_dim", field="head_dim", default=hidden // heads),
+        intermediate=config_int(cfg, "intermediate_size", field="intermediate"), n_prelude=0,
+        n_core=config_int(cfg, "num_hidden_layers", field="n_core"), n_coda=0, default_loops=loops,
+        max_loops=max(16, loops),
+        max_position=max_position or config_int(cfg, "max_position_embeddings", field="max_position"),
         block_style="peri_ln", injection="none", state_init="embed", loop_norm="every_loop",
-        rope_theta=float(cfg.get("rope_theta", 10000.0)), rope_style="half",
+        rope_theta=config_float(cfg, "rope_theta", 10000.0), rope_style="half",
         rope_tables="float32", norm_order="cast_then_weight",  # the reference's numerics
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=False, fused_qkv=False, exit_gate=True,
+        norm_eps=config_float(cfg, "rms_norm_eps", 1e-6), tie_embeddings=False, fused_qkv=False, exit_gate=True,
     )
 
 

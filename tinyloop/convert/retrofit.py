@@ -30,7 +30,15 @@ from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any
 
-from tinyloop.convert.common import check_names, check_shape, check_tied_head, config_int, special_tokens
+from tinyloop.convert.common import (
+    check_names,
+    check_shape,
+    check_tied_head,
+    config_float,
+    config_int,
+    config_section,
+    special_tokens,
+)
 from tinyloop.convert.hfdir import HFDir
 from tinyloop.convert.writer import PlannedTensor
 from tinyloop.errors import ConfigError
@@ -67,18 +75,18 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any]:
     scaling = cfg.get("rope_scaling")
     if scaling is None:
         return {}
-    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    if kind != "llama3":
+    if not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get("type")) != "llama3":
         raise ConfigError(f"config.json: rope_scaling {scaling!r}; the retrofit converter supports only "
                           "rope_type 'llama3'")
-    try:
-        return {"rope_scaling": "llama3", "rope_scaling_factor": float(scaling["factor"]),
-                "rope_low_freq_factor": float(scaling["low_freq_factor"]),
-                "rope_high_freq_factor": float(scaling["high_freq_factor"]),
-                "rope_original_max_position": int(scaling["original_max_position_embeddings"])}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"config.json: rope_scaling needs factor, low_freq_factor, high_freq_factor and "
-                          f"original_max_position_embeddings: {exc}") from exc
+    needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if any(scaling.get(key) is None for key in needed):
+        raise ConfigError(f"config.json: rope_scaling needs {', '.join(needed)}")
+    return {"rope_scaling": "llama3",
+            "rope_scaling_factor": config_float(scaling, "factor", 0.0, where="rope_scaling."),
+            "rope_low_freq_factor": config_float(scaling, "low_freq_factor", 0.0, where="rope_scaling."),
+            "rope_high_freq_factor": config_float(scaling, "high_freq_factor", 0.0, where="rope_scaling."),
+            "rope_original_max_position": config_int(scaling, "original_max_position_embeddings",
+                                                     field="rope_original_max_position")}
 
 
 def retrofit_config(cfg: dict[str, Any], names: Collection[str], *, state_init: StateInit = "randn",
@@ -88,31 +96,32 @@ def retrofit_config(cfg: dict[str, Any], names: Collection[str], *, state_init: 
         if key in cfg and cfg[key] != value:
             raise ConfigError(f"config.json: {key} is {cfg[key]!r}; the retrofit converter supports only {value!r}")
     olmo = _is_olmo(names)
-    hidden = config_int(cfg, "n_embd")
-    heads = config_int(cfg, "num_attention_heads", "n_heads")
-    head_dim = config_int(cfg, "head_dim", default=hidden // heads)
+    hidden = config_int(cfg, "n_embd", field="hidden")
+    heads = config_int(cfg, "num_attention_heads", "n_heads", field="heads")
+    head_dim = config_int(cfg, "head_dim", field="head_dim", default=hidden // heads)
     if not olmo and head_dim * heads != hidden:  # the Llama reference splits q at n_embd
         raise ConfigError(f"config.json: head_dim {head_dim} x {heads} heads != n_embd {hidden}")
-    init = cfg.get("init_values") or {}
-    embed_scale = float(init.get("embed_scale", hidden ** 0.5))
-    std = float(init.get("std", (2 / (5 * hidden)) ** 0.5))
-    loops = config_int(cfg, "mean_recurrence")
-    theta = cfg.get("rope_theta", cfg.get("rope_base"))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
-        raise ConfigError("config.json: rope_theta must be a number")
+    init = config_section(cfg, "init_values")
+    embed_scale = config_float(init, "embed_scale", hidden ** 0.5, where="init_values.")
+    std = config_float(init, "std", (2 / (5 * hidden)) ** 0.5, where="init_values.")
+    loops = config_int(cfg, "mean_recurrence", field="default_loops")
+    theta = config_float(cfg, "rope_theta", 0.0) or config_float(cfg, "rope_base", 0.0)
+    if not theta:
+        raise ConfigError("config.json: needs a number rope_theta")
     tied = bool(cfg.get("tie_embeddings", cfg.get("tie_word_embeddings", False)))
     return ModelConfig(
-        vocab_size=config_int(cfg, "padded_vocab_size", "vocab_size"), hidden=hidden, heads=heads,
-        kv_heads=config_int(cfg, "num_key_value_heads", default=heads), head_dim=head_dim,
-        intermediate=config_int(cfg, "intermediate_size"), n_prelude=config_int(cfg, "n_layers_in_prelude"),
-        n_core=config_int(cfg, "n_layers_in_recurrent_block"), n_coda=config_int(cfg, "n_layers_in_coda"),
-        default_loops=loops, max_loops=max(64, loops),
-        max_position=max_position or config_int(cfg, "max_position_embeddings", "block_size"),
+        vocab_size=config_int(cfg, "padded_vocab_size", "vocab_size", field="vocab_size"), hidden=hidden,
+        heads=heads, kv_heads=config_int(cfg, "num_key_value_heads", field="kv_heads", default=heads),
+        head_dim=head_dim, intermediate=config_int(cfg, "intermediate_size", field="intermediate"),
+        n_prelude=config_int(cfg, "n_layers_in_prelude", field="n_prelude"),
+        n_core=config_int(cfg, "n_layers_in_recurrent_block", field="n_core"),
+        n_coda=config_int(cfg, "n_layers_in_coda", field="n_coda"), default_loops=loops, max_loops=max(64, loops),
+        max_position=max_position or config_int(cfg, "max_position_embeddings", "block_size", field="max_position"),
         block_style="post_ln" if olmo else "pre_ln", injection="concat_linear", state_init=state_init,
-        state_init_std=std * embed_scale, loop_norm="none", rope_theta=float(theta), rope_style="half",
+        state_init_std=std * embed_scale, loop_norm="none", rope_theta=theta, rope_style="half",
         **_rope_scaling(cfg), rope_tables="float32", rope_compute="float32" if olmo else "input",
         norm_order="cast_then_weight",  # the reference's numerics
-        norm_eps=float(cfg.get("norm_eps", 1e-6)), tie_embeddings=tied, embed_scale=embed_scale,
+        norm_eps=config_float(cfg, "norm_eps", 1e-6), tie_embeddings=tied, embed_scale=embed_scale,
         qk_norm=olmo, fused_qkv=True,
     )
 

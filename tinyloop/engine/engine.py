@@ -32,7 +32,7 @@ from tinyloop.engine import blocking
 from tinyloop.engine.batch import Batch
 from tinyloop.engine.device_stream import new_stream, on_stream
 from tinyloop.engine.graphs import DecodeGraphs
-from tinyloop.engine.kv_budget import KVAccounting, KVBudget, pool_blocks
+from tinyloop.engine.kv_budget import KVAccounting, KVBudget, context_fits, pool_blocks
 from tinyloop.engine.output import accept_token
 from tinyloop.engine.prefill import advance, prefill_chunks
 from tinyloop.engine.prefix_cache import PrefixCache, PrefixEntries
@@ -113,7 +113,7 @@ class Engine(KVAccounting, PrefixEntries):
         self.kv_mode = KVMode.parse(kv_mode)  # full, int4, h-mode, ... (kvmode.py)
         blocks = pool_blocks(self.config, self.kv_mode, self.dtype, self.max_seq_len, kv_cache_mb, block_size)
         if max_seq_len is None:  # the model's context, down to what one sequence at the default loops fits
-            fits = blocks // slot_count(self.config, self.config.default_loops, self.config.default_loops) * block_size
+            fits = context_fits(self.config, blocks, block_size)
             if fits < self.max_seq_len:
                 self.max_seq_len, self.context_capped_by_kv = fits, True
         self._open_pool(blocks, block_size, prefix_caching)

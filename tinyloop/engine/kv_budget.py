@@ -13,13 +13,14 @@ import torch
 
 from tinyloop.engine.prefix_cache import PrefixCache, prefix_request
 from tinyloop.engine.sequence import Sequence
+from tinyloop.errors import ConfigError
 from tinyloop.limits import KVLimits, ModelLimits, Resolved
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.kvcache import KVDemand, KVPool, KVPoolStats, slot_count
 from tinyloop.requests import GenerationRequest
 from tinyloop.vocabulary import ExitRule, KVMode
 
-__all__ = ["DEFAULT_KV_BUDGET_MB", "KVAccounting", "KVBudget", "pool_blocks"]
+__all__ = ["DEFAULT_KV_BUDGET_MB", "KVAccounting", "KVBudget", "context_fits", "pool_blocks"]
 
 DEFAULT_KV_BUDGET_MB = 1024
 
@@ -41,6 +42,19 @@ def pool_blocks(config: ModelConfig, kv_mode: KVMode, dtype: torch.dtype, max_se
     else:
         budget = int(kv_cache_mb * 2**20)
     return max(1, budget // per_block)
+
+
+def context_fits(config: ModelConfig, blocks: int, block_size: int) -> int:
+    """Tokens one sequence at the model's default loops may hold in a pool of ``blocks``;
+    ``ConfigError`` when not one block's worth: such a model would serve "healthy" and refuse
+    every request."""
+    slots = slot_count(config, config.default_loops, config.default_loops)
+    fits = blocks // slots * block_size
+    if fits < 1:
+        raise ConfigError(f"one sequence at the model's default_loops {config.default_loops} needs {slots} KV "
+                          f"blocks of {block_size} tokens but the KV cache holds {blocks}: raise kv_cache_mb "
+                          "(TINYLOOP_KV_CACHE_MB) or lower the default loops")
+    return fits
 
 
 class KVBudget:

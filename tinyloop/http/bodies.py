@@ -1,8 +1,9 @@
 """Request bodies without stalling the event loop: decoding, checking and the text limits.
 
-A big body (JSON parsing, pydantic validation) and a long text (tokenising, chat-template
-rendering, detokenising) are worked on in a worker thread, so the event loop keeps serving
-streams meanwhile; small ones stay on the loop, where they cost less than the hop to a thread.
+A big body (JSON parsing, pydantic validation) and a long text (tokenising, detokenising) are
+worked on in a worker thread, so the event loop keeps serving streams meanwhile; small ones stay
+on the loop, where they cost less than the hop to a thread. A chat template always renders in a
+worker thread (``ServedModel.render_chat``): its cost is the model's, not the request's size.
 At most ``TEXT_THREADS`` such jobs run at once (a ``trio.CapacityLimiter``): many big bodies
 wait for a thread in turn rather than taking every thread Trio lends.
 

@@ -150,9 +150,10 @@ async def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan
 
     Tools reach a template that reads ``tools`` as transformers passes them, with the history's
     call arguments as objects; a template without tool support (the demo's ChatML) gets the
-    default tool prompt in the system message and the history's calls and results as text."""
-    template = model.chat_template
+    default tool prompt in the system message and the history's calls and results as text. A
+    model with a ``tool_use`` template renders a chat with tools through it."""
     tools = [t.model_dump(exclude_none=True) for t in body.active_tools()]
+    template = model.template_for(bool(tools))
     turns = [m.turn() for m in body.messages]
     native = template_supports_tools(template)
     if native:
@@ -162,7 +163,7 @@ async def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan
         if tools:
             turns = with_tool_prompt(turns, tools)
     options = ChatOptions(tools=tools if native and tools else None, add_generation_prompt=body.add_generation_prompt,
-                          variables=body.chat_template_kwargs or {})
+                          variables=body.chat_template_kwargs or {}, template=template)
     text = await model.render_chat(turns, options)
     tokens = await model.encode_text(text)
     constraint = body.constraint()

@@ -13,21 +13,40 @@
   (RFC 9112 section 6.1).
 * **Protocol errors.** hypercorn answers what h11 cannot parse (400, 431, 501) with an empty
   body; ``install_protocol_errors`` makes that body the error object the routes send.
+* **Clients that stop reading.** hypercorn's trio worker writes every byte under a shielded
+  cancel scope with no deadline: once a client's receive window is full, the write waits
+  forever, holding the connection, the request and everything the engine makes for it (its
+  result channel and KV grow to ``max_tokens``), and no shutdown deadline can end it.
+  ``install_protocol_errors`` bounds each write by its config's ``Writes`` (nginx's
+  ``send_timeout``): a client that takes nothing for ``send_timeout`` seconds has its
+  connection reset, which cancels its request.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import socket
+import struct
 from http import HTTPStatus
 from typing import Any
 
 import h11
 import trio
+from hypercorn.config import Config
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.tcp_server import TCPServer
 
 from tinyloop.http.errors import error_body
 
-__all__ = ["ConnectionGuard", "install_protocol_errors", "json_error_parts"]
+__all__ = ["ConnectionGuard", "ServerConfig", "Writes", "install_protocol_errors", "json_error_parts"]
+
+DEFAULT_SEND_TIMEOUT = 60.0  # Settings.send_timeout's default: for a plain hypercorn Config
+# Over TLS (no socket to ask), each piece of a write gets its own send_timeout, so a client that
+# keeps reading, however slowly, is not cut; there a client is cut once it took less than this in
+# send_timeout seconds. Over plain TCP any byte the kernel takes counts.
+WRITE_PIECE = 16 * 1024
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -120,16 +139,134 @@ async def _send_with_reason(self: H11Protocol, event: Any) -> None:
     await _SEND_H11_EVENT(self, event)
 
 
-def install_protocol_errors() -> None:
-    """Make hypercorn's HTTP/1.1 protocol errors carry the error object, and every response a
-    reason phrase (idempotent).
+class Writes:
+    """The bound on every write of one server to its clients: ``send_timeout`` seconds without
+    progress (nginx's ``send_timeout``: the time between two successful writes, not for the
+    whole response), and none past ``close_at`` (shutdown's deadline). No
+    trio object at construction; the cancel scopes of the writes in progress are kept so that
+    ``close_by`` reaches them too."""
 
-    hypercorn has no hook for these responses, so its ``H11Protocol._send_error_response`` is
-    replaced (same signature, same status and ``Connection: close``; only the body differs), and
-    its ``_send_h11_event`` wrapped. Checked by tests/reliability/test_smuggling.py and
-    tests/http/test_compat.py for the pinned hypercorn versions.
+    def __init__(self, send_timeout: float) -> None:
+        self.send_timeout = send_timeout
+        self.close_at = math.inf  # trio clock
+        self._scopes: set[trio.CancelScope] = set()
+
+    def __repr__(self) -> str:
+        return (f"<Writes send_timeout={self.send_timeout:g}s close_at={self.close_at:g} "
+                f"{len(self._scopes)} in progress>")
+
+    def close_by(self, deadline: float) -> None:
+        """No write, in progress or later, may last past ``deadline`` (trio clock)."""
+        self.close_at = min(self.close_at, deadline)
+        for scope in self._scopes:
+            scope.deadline = min(scope.deadline, self.close_at)
+
+    async def send_all(self, stream: trio.abc.SendStream, data: bytes) -> bool:
+        """Write ``data`` as hypercorn does, shielded (a write cut half way would leave the
+        response corrupt), but with a deadline that every byte the client takes moves on;
+        False once it ran out (the stream is then in an unknown state: the caller resets the
+        connection). On a plain TCP stream each ``send`` the kernel accepts counts as progress
+        (nginx's rule: the time between two successful writes); on another stream (TLS), each
+        ``WRITE_PIECE`` bytes written."""
+        view = memoryview(data)
+        sock = stream.socket if isinstance(stream, trio.SocketStream) else None
+        sent = 0
+        while True:
+            deadline = min(trio.current_time() + self.send_timeout, self.close_at)
+            scope = trio.CancelScope(shield=True, deadline=deadline)
+            self._scopes.add(scope)
+            try:
+                with scope:
+                    if sock is None:
+                        await stream.send_all(view[sent:sent + WRITE_PIECE])
+                        sent += min(WRITE_PIECE, len(view) - sent)
+                    elif len(view) == 0:
+                        await trio.lowlevel.checkpoint()
+                    else:
+                        sent += await _socket_send(sock, view[sent:])
+            finally:
+                self._scopes.discard(scope)
+            if scope.cancelled_caught:
+                return False
+            if sent >= len(view):
+                return True
+
+
+async def _socket_send(sock: trio.socket.SocketType, data: memoryview) -> int:
+    """What one ``send`` wrote, its errors as ``SocketStream.send_all`` reports them."""
+    try:
+        return await sock.send(data)
+    except OSError as exc:
+        raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+
+
+class ServerConfig(Config):
+    """hypercorn's config plus the server's ``Writes`` (read by the patched ``TCPServer``)."""
+
+    def __init__(self, send_timeout: float = DEFAULT_SEND_TIMEOUT) -> None:
+        super().__init__()
+        self.writes = Writes(send_timeout)
+
+
+async def _protocol_send(self: TCPServer, event: Event) -> None:
+    """hypercorn's ``TCPServer.protocol_send`` with each write bounded (``Writes``). A write
+    that ran out resets the connection (an abortive close, as nginx's
+    ``reset_timedout_connection``: the kernel drops the unsent bytes at once instead of
+    offering them to a client that reads nothing) and tells the protocol it closed, which
+    sends the app ``http.disconnect``: the request is cancelled."""
+    if not isinstance(event, RawData):
+        await _PROTOCOL_SEND(self, event)
+        return
+    writes = self.config.writes if isinstance(self.config, ServerConfig) else Writes(DEFAULT_SEND_TIMEOUT)
+    async with self.send_lock:
+        try:
+            if await writes.send_all(self.stream, event.data):
+                return
+            why = ("shutdown's deadline passed" if trio.current_time() >= writes.close_at
+                   else f"it took no more of the response for {writes.send_timeout:g} s")
+            with trio.CancelScope(shield=True):
+                peer = await _reset(self.stream)
+                await self.config.log.info(f"reset the connection from {peer}: {why}")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        await self.protocol.handle(Closed())
+
+
+async def _reset(stream: Any) -> str:
+    """Close the TCP connection under ``stream`` (a socket stream, or the one under TLS) with
+    a reset; the peer's address, for the log."""
+    transport: trio.SocketStream = getattr(stream, "transport_stream", stream)
+    try:
+        host, port = transport.socket.getpeername()[:2]
+        peer = f"{host}:{port}"
+    except (OSError, ValueError):
+        peer = "a client"
+    try:
+        transport.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:  # already closed: nothing left to reset
+        pass
+    await transport.aclose()
+    return peer
+
+
+_PROTOCOL_SEND = TCPServer.protocol_send
+
+
+def install_protocol_errors() -> None:
+    """Make hypercorn's HTTP/1.1 protocol errors carry the error object, every response a
+    reason phrase, and every write a deadline (idempotent).
+
+    hypercorn has no hook for these, so its ``H11Protocol._send_error_response`` is replaced
+    (same signature, same status and ``Connection: close``; only the body differs), its
+    ``_send_h11_event`` wrapped, and its trio ``TCPServer.protocol_send`` replaced (the same
+    but for the deadline: ``Writes``; a plain ``Config``, as ``hypercorn 'tinyloop.http:app'``
+    makes, gets the default ``send_timeout``). Checked by tests/reliability/test_smuggling.py,
+    tests/http/test_compat.py and tests/reliability/test_send_timeout.py for the pinned
+    hypercorn versions.
     """
     if getattr(H11Protocol, "_send_error_response", None) is not _send_json_error_response:
         H11Protocol._send_error_response = _send_json_error_response  # type: ignore[method-assign]
     if H11Protocol._send_h11_event is not _send_with_reason:
         H11Protocol._send_h11_event = _send_with_reason  # type: ignore[method-assign]
+    if TCPServer.protocol_send is not _protocol_send:
+        TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]

@@ -4,7 +4,8 @@ hypercorn cancels every connection ``graceful_timeout`` seconds after shutdown b
 still running then would end with a bare TCP close. ``Drain.begin`` records a cut-off shortly
 before that deadline; each SSE writer waits for its next chunk inside ``Drain.watch``, whose
 cancel scope expires at the cut-off, and then ends the stream in-band (error event, ``[DONE]``)
-while the connection can still carry it.
+while the connection can still carry it. ``Drain.force`` (a second signal) moves the cut-off to
+now: every open stream ends that way at once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Drain:
 
     def __init__(self) -> None:
         self.cut_at = math.inf  # trio clock
+        self.reason = "the server's graceful timeout ends this stream"  # told in the error event
         self._scopes: set[trio.CancelScope] = set()
 
     @staticmethod
@@ -32,7 +34,15 @@ class Drain:
         return min(1.0, graceful_timeout / 4)
 
     def begin(self, graceful_timeout: float) -> None:
-        self.cut_at = trio.current_time() + graceful_timeout - self.margin(graceful_timeout)
+        self._cut(trio.current_time() + graceful_timeout - self.margin(graceful_timeout))
+
+    def force(self) -> None:
+        """Cut every stream now: the shutdown was forced."""
+        self.reason = "the shutdown was forced, which ends this stream"
+        self._cut(trio.current_time())
+
+    def _cut(self, at: float) -> None:
+        self.cut_at = min(self.cut_at, at)
         for scope in self._scopes:
             scope.deadline = min(scope.deadline, self.cut_at)
 

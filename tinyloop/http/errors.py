@@ -22,6 +22,7 @@ from tinyloop.errors import (
     TokenizerError,
 )
 from tinyloop.http.schemas import FieldError
+from tinyloop.template_sandbox import ChatTemplateError
 
 __all__ = ["ApiError", "error_response", "error_body", "from_exception", "from_validation"]
 
@@ -83,6 +84,8 @@ def from_exception(exc: BaseException) -> ApiError:
             return ApiError(400, str(exc), param=exc.param, code="context_length_exceeded")
         case RequestError():
             return ApiError(400, str(exc), param=exc.param, code="invalid_value")
+        case ChatTemplateError():  # the model's template failed or overran: not the request's fault
+            return ApiError(500, f"the model's {exc}", code="chat_template_error")  # "the model's chat template ..."
         case TokenizerError():
             return ApiError(400, str(exc), code="invalid_value")
         case AdmissionRejected():

@@ -42,6 +42,9 @@ def create_app(runtime: Runtime | None, model: ServedModel | None = None,
     app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60, MAX_CONTENT_LENGTH=settings.max_body_bytes,
                       JSON_SORT_KEYS=False, PROVIDE_AUTOMATIC_OPTIONS=True)
     app.json.sort_keys = False  # type: ignore[attr-defined]
+    # werkzeug answers a path with an empty segment (/v1//models) with a 308 to the merged path
+    # and an HTML body that no error handler sees: matched as sent, it is a 404 error object.
+    app.url_map.merge_slashes = False
     app.asgi_app = ConnectionGuard(app.asgi_app)  # type: ignore[method-assign,assignment]
     app.extensions[DRAIN_KEY] = Drain()
     if runtime is not None and model is not None:
@@ -93,10 +96,13 @@ def _install_security(app: QuartTrio, settings: Settings) -> None:
             return None
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), settings.api_key.encode()):
-            return error_response(ApiError(401, "Incorrect or missing API key: send "
-                                           "'Authorization: Bearer <key>'.", code="invalid_api_key"))
-        return None
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), settings.api_key.encode()):
+            return None
+        # RFC 6750 section 3: the scheme to use; with a bearer token that is not the key, why
+        challenge = 'Bearer error="invalid_token"' if scheme.lower() == "bearer" else "Bearer"
+        return error_response(ApiError(401, "Incorrect or missing API key: send "
+                                       "'Authorization: Bearer <key>'.", code="invalid_api_key",
+                                       headers={"WWW-Authenticate": challenge}))
 
     @app.before_request
     async def require_json() -> Response | None:
@@ -179,7 +185,8 @@ def _install_errors(app: QuartTrio) -> None:
     @app.errorhandler(HTTPException)
     async def http_error(err: HTTPException) -> Response:
         status = err.code or 500
-        messages = {404: f"Not found: {request.method} {request.path}",
+        empty = " (the path has an empty segment: '//')" if "//" in request.path else ""
+        messages = {404: f"Not found: {request.method} {request.path}{empty}",
                     405: f"Method {request.method} is not allowed on {request.path}",
                     413: "The request body is larger than the server accepts."}
         allowed = getattr(err, "valid_methods", None)  # a 405 must say what is allowed (RFC 9110)

@@ -7,6 +7,7 @@ queued), hands ``GenerationRequest``s to the runtime and formats what comes back
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
@@ -19,12 +20,14 @@ from quart import Response, current_app, g, request
 
 from tinyloop.actors.runtime import Runtime
 from tinyloop.actors.stream import RequestStream
-from tinyloop.errors import ConfigError, RequestError
-from tinyloop.http.bodies import decode_body, off_loop
+from tinyloop.errors import ConfigError, RequestError, TokenizerError
+from tinyloop.http.bodies import decode_body, off_loop, text_limiter
 from tinyloop.http.errors import ApiError, from_exception
+from tinyloop.http.tools import template_supports_tools
 from tinyloop.limits import KVLimits, ModelLimits
 from tinyloop.requests import Constraint, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams
 from tinyloop.settings import Settings
+from tinyloop.template_sandbox import ChatTemplateError, RenderLimits
 from tinyloop.tokenizer import Tokenizer
 from tinyloop.vocabulary import ExitRule
 
@@ -39,6 +42,7 @@ __all__ = [
     "make_requests",
     "new_id",
     "parse_body",
+    "render_limits",
     "served",
     "sse",
     "sse_response",
@@ -53,7 +57,9 @@ class ServedModel:
     """What clients see of the model: its id, tokenizer, limits and a description.
 
     ``limits`` (built from the numbers, the model's exit rule and its KV pool) checks every
-    generation request once, before anything is queued."""
+    generation request once, before anything is queued. ``chat_template`` is the model's
+    default template, ``chat_templates`` its other named ones (``tool_use``: for chats with
+    tools); every render runs under ``render_limits``."""
 
     id: str
     tokenizer: Tokenizer
@@ -70,6 +76,8 @@ class ServedModel:
     kv: KVLimits | None = None  # the KV pool (None: the KV worst case is left to the engine)
     parameters: int | None = None  # the model's parameter count (None: not known)
     gate: bool = False  # the model has an exit gate although its own rule is not ``gate`` (Ouro)
+    chat_templates: Mapping[str, str] = field(default_factory=dict, hash=False)  # named, beside the default
+    render_limits: RenderLimits = field(default_factory=RenderLimits)  # what one chat template render may spend
     limits: ModelLimits = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -78,8 +86,10 @@ class ServedModel:
             max_loops=self.max_loops, exit=self.exit, kv=self.kv, gate=self.gate))
 
     @classmethod
-    def from_engine(cls, engine: Any, settings: Settings, name: str | None = None) -> ServedModel:
-        """Describe a loaded ``Engine`` (its KV mode, or the settings' for an engine without one)."""
+    def from_engine(cls, engine: Any, settings: Settings, name: str | None = None, *,
+                    render_seconds: float | None = None) -> ServedModel:
+        """Describe a loaded ``Engine`` (its KV mode, or the settings' for an engine without one);
+        its chat templates render under ``render_limits(settings, render_seconds)``."""
         cfg = engine.config
         limits = ModelLimits.from_engine(engine)
         kv_mode = getattr(engine, "kv_mode", None)
@@ -90,7 +100,9 @@ class ServedModel:
                    vocab_size=limits.vocab_size, arch=f"tinyloop-{style}",
                    quant=str(engine.dtype).removeprefix("torch."),
                    kv_cache_mode=settings.kv_cache_mode if kv_mode is None else kv_mode.name,
-                   exit=limits.exit, kv=limits.kv, parameters=_parameters(engine), gate=limits.gate)
+                   exit=limits.exit, kv=limits.kv, parameters=_parameters(engine), gate=limits.gate,
+                   chat_templates=dict(getattr(engine.tokenizer, "chat_templates", {})),
+                   render_limits=render_limits(settings, render_seconds))
 
     def check_name(self, name: str | None) -> None:
         if name is not None and name != self.id:
@@ -101,16 +113,57 @@ class ServedModel:
         """The chat (``ChatMessage``s) rendered with the template and tokenised (in a worker thread when long)."""
         return await self.encode_text(await self.render_chat([m.turn() for m in messages], chat))
 
+    def template_for(self, tools: bool) -> str:
+        """The template a chat renders with: the ``tool_use`` one when the request has tools and
+        the model has one (as transformers picks), else the default."""
+        return self.chat_templates.get("tool_use", self.chat_template) if tools else self.chat_template
+
     async def render_chat(self, turns: list[dict[str, Any]], chat: ChatOptions | None = None) -> str:
         """The chat's prompt text: the turns (``ChatMessage.turn``) through the template, with
-        ``chat``'s tools, template variables and generation prompt (in a worker thread when long)."""
-        size = sum(len(str(t.get("content") or "")) for t in turns) + 16 * len(turns)
-        return await off_loop(self._render_chat, turns, chat or ChatOptions(), size=size)
+        ``chat``'s tools, template variables and generation prompt.
 
-    def _render_chat(self, turns: list[dict[str, Any]], chat: ChatOptions) -> str:
-        return self.tokenizer.render_chat(turns, template=self.chat_template, tools=chat.tools,
+        Always in a worker thread, however short the chat: the template is the model's code, and
+        its cost depends on it, not on the chat (``render_limits`` bounds it). A caller cancelled
+        meanwhile (the client left) returns at once and the render stops at its next check."""
+        stop = threading.Event()
+        try:
+            return await trio.to_thread.run_sync(self._render_chat, turns, chat or ChatOptions(), stop,
+                                                 limiter=text_limiter(), abandon_on_cancel=True)
+        finally:
+            stop.set()
+
+    def _render_chat(self, turns: list[dict[str, Any]], chat: ChatOptions, stop: threading.Event | None = None,
+                     limits: RenderLimits | None = None) -> str:
+        template = self.chat_template if chat.template is None else chat.template
+        return self.tokenizer.render_chat(turns, template=template, tools=chat.tools,
                                           add_generation_prompt=chat.add_generation_prompt,
-                                          variables=chat.variables)
+                                          variables=chat.variables, limits=limits or self.render_limits, stop=stop)
+
+    def check_chat_templates(self, limits: RenderLimits | None = None) -> None:
+        """Render a sample chat (``SAMPLE_CHAT``) through each of the model's templates under
+        ``limits`` (default ``SAMPLE_LIMITS``), as requests will: without tools, and with ``SAMPLE_TOOL`` where the
+        template reads ``tools`` (the ``tool_use`` one only with it). ConfigError, naming the
+        template and the problem, when one fails, overruns or refuses every sample (some take
+        no system turn, so the chat without one is tried next). Run it once, at load."""
+        for name, template in {"default": self.chat_template, **self.chat_templates}.items():
+            offered = [SAMPLE_TOOL] if template_supports_tools(template) else None
+            try:
+                for tools in ([] if name == "tool_use" else [None]) + ([offered] if offered else []):
+                    self._sample_render(ChatOptions(tools=tools, template=template), limits or SAMPLE_LIMITS)
+            except TokenizerError as exc:
+                raise ConfigError(f"the model's chat template {name!r} cannot serve chats: {exc}") from exc
+
+    def _sample_render(self, options: ChatOptions, limits: RenderLimits) -> None:
+        refusal: TokenizerError | None = None
+        for turns in (SAMPLE_CHAT, SAMPLE_CHAT[1:]):
+            try:
+                self._render_chat(list(turns), options, limits=limits)
+                return
+            except ChatTemplateError:
+                raise
+            except TokenizerError as exc:  # the template's raise_exception: try the next sample
+                refusal = exc
+        raise ChatTemplateError(f"it refuses every sample chat ({refusal})")
 
     async def encode_text(self, text: str) -> list[int]:
         """``text`` tokenised (in a worker thread when long)."""
@@ -140,11 +193,34 @@ class ServedModel:
 class ChatOptions:
     """How a chat becomes a prompt beyond its messages: the tools handed to the template
     (``tools=`` as transformers passes them; None: none), whether the assistant's turn is
-    opened, and extra template variables (vLLM's ``chat_template_kwargs``)."""
+    opened, extra template variables (vLLM's ``chat_template_kwargs``) and the template
+    (None: the model's default; ``ServedModel.template_for`` picks)."""
 
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     variables: Mapping[str, Any] = field(default_factory=dict)
+    template: str | None = None
+
+
+# What a model's chat templates must render at load (``ServedModel.check_chat_templates``).
+SAMPLE_CHAT: tuple[dict[str, str], ...] = (
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy?"},
+)
+SAMPLE_TOOL: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_weather", "description": "Today's weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+SAMPLE_LIMITS = RenderLimits(chars=256 * 1024, seconds=1.0)  # a legitimate template needs a millisecond
+
+
+def render_limits(settings: Settings, seconds: float | None = None) -> RenderLimits:
+    """What one chat template render may spend: twice the most text a request may bring (its
+    body or its prompt characters, whichever limit is larger) and ``seconds`` (default: the
+    settings' ``chat_template_timeout``)."""
+    return RenderLimits(chars=2 * max(settings.max_prompt_chars, settings.max_body_bytes),
+                        seconds=settings.chat_template_timeout if seconds is None else seconds)
 
 
 def _parameters(engine: Any) -> int | None:
@@ -363,7 +439,9 @@ def sse_guard(events: AsyncGenerator[bytes, None],
     from tinyloop.http.drain import DRAIN_KEY, Drain
 
     drain: Drain = current_app.extensions.get(DRAIN_KEY) or Drain()
-    cut_off = SchedulerShutdown("shutting down: the server's graceful timeout ends this stream")
+
+    def cut_off() -> SchedulerShutdown:
+        return SchedulerShutdown(f"shutting down: {drain.reason}")
 
     async def guarded() -> AsyncIterator[bytes]:
         try:
@@ -373,13 +451,13 @@ def sse_guard(events: AsyncGenerator[bytes, None],
                 while True:
                     if all(s.ready for s in streams):  # no wait for the engine: no scope needed
                         if trio.current_time() >= drain.cut_at:
-                            raise cut_off
+                            raise cut_off()
                         chunk = await anext(events, None)
                     else:
                         with drain.watch() as cut:  # no yield inside the scope
                             chunk = await anext(events, None)
                         if cut.cancelled_caught:
-                            raise cut_off
+                            raise cut_off()
                     if chunk is None:
                         return
                     yield chunk

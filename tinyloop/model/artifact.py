@@ -7,6 +7,8 @@ strings) carries::
     tinyloop.config           ModelConfig JSON
     tinyloop.tokenizer        HF tokenizer JSON
     tinyloop.chat_template    Jinja source ("" when none)
+    tinyloop.chat_templates   {name: Jinja source} JSON of the other named templates (optional;
+                              ``tool_use``, ...: HF's list form of ``chat_template``)
     tinyloop.special_tokens   {"bos_id", "eos_id", "eos_ids", "pad_id"} JSON
 
 Everything is checked against the header before a tensor is read, and every failure is an
@@ -33,11 +35,11 @@ from safetensors.torch import save_file
 from tinyloop.errors import ArtifactError, ConfigError, TinyLoopError
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.looped import LoopedLM
-from tinyloop.model.presets import empty_model
-from tinyloop.tokenizer import Tokenizer
+from tinyloop.model.presets import empty_model, state_shapes
+from tinyloop.tokenizer import MAX_NAMED_TEMPLATES, Tokenizer
 
-__all__ = ["FORMAT_VERSION", "Artifact", "artifact_metadata", "save_artifact", "load_artifact", "inspect_artifact",
-           "read_config"]
+__all__ = ["FORMAT_VERSION", "MAX_HEADER_BYTES", "Artifact", "artifact_metadata", "save_artifact", "load_artifact",
+           "inspect_artifact", "read_config", "some_names"]
 
 FORMAT_VERSION = 1
 
@@ -45,6 +47,7 @@ KEY_VERSION = "tinyloop.format_version"
 KEY_CONFIG = "tinyloop.config"
 KEY_TOKENIZER = "tinyloop.tokenizer"
 KEY_CHAT_TEMPLATE = "tinyloop.chat_template"
+KEY_CHAT_TEMPLATES = "tinyloop.chat_templates"  # optional: written only when the tokenizer has named ones
 KEY_SPECIAL = "tinyloop.special_tokens"
 REQUIRED_KEYS = (KEY_VERSION, KEY_CONFIG, KEY_TOKENIZER, KEY_CHAT_TEMPLATE, KEY_SPECIAL)
 
@@ -52,7 +55,7 @@ REQUIRED_KEYS = (KEY_VERSION, KEY_CONFIG, KEY_TOKENIZER, KEY_CHAT_TEMPLATE, KEY_
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
 }
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit: a longer header does not load
 
 
 @dataclass(frozen=True)
@@ -112,14 +115,18 @@ def save_artifact(path: str | os.PathLike[str], model: LoopedLM, tokenizer: Toke
 
 def artifact_metadata(path: Path, config: ModelConfig, tokenizer: Tokenizer, chat_template: str,
                       special: Mapping[str, Any], extra_metadata: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The safetensors metadata of an artifact (``extra_metadata`` may not override our keys)."""
+    """The safetensors metadata of an artifact (``extra_metadata`` may not override our keys);
+    the tokenizer's named ``chat_templates`` are stored beside ``chat_template``, the default."""
     metadata = {
         KEY_VERSION: str(FORMAT_VERSION),
         KEY_CONFIG: config.to_json(),
         KEY_TOKENIZER: tokenizer.to_json(),
         KEY_CHAT_TEMPLATE: chat_template,
+        KEY_CHAT_TEMPLATES: json.dumps(tokenizer.chat_templates) if tokenizer.chat_templates else "",
         KEY_SPECIAL: json.dumps(dict(special)),
     }
+    if not tokenizer.chat_templates:
+        del metadata[KEY_CHAT_TEMPLATES]  # reserved all the same: extra_metadata may not set it
     for key, value in (extra_metadata or {}).items():
         if key in metadata:
             raise ArtifactError(f"{path}: extra metadata may not override {key!r}")
@@ -161,7 +168,7 @@ def _read_header(path: Path) -> _Header:
             if len(prefix) < 8:
                 raise ArtifactError(f"{path}: not a safetensors file (only {size} bytes)")
             (n,) = struct.unpack("<Q", prefix)
-            if n > _MAX_HEADER or n > size - 8:
+            if n > MAX_HEADER_BYTES or n > size - 8:
                 raise ArtifactError(f"{path}: not a safetensors file, or truncated "
                                     f"(header length {n}, file size {size})")
             raw = f.read(n)
@@ -173,7 +180,7 @@ def _read_header(path: Path) -> _Header:
         raise ArtifactError(f"{path}: cannot read artifact: {exc}") from exc
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise ArtifactError(f"{path}: not a safetensors file (header is not JSON)") from None
     if not isinstance(header, dict):
         raise ArtifactError(f"{path}: not a safetensors file (header is not a JSON object)")
@@ -242,27 +249,36 @@ def _special(path: Path, header: _Header, config: ModelConfig) -> dict[str, Any]
     return dict(special)
 
 
-def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(t.shape) for name, t in empty_model(config).state_dict().items()}
+def some_names(names: list[str], first: int = 10) -> str:
+    """``names`` for an error message: the first ``first`` of them, and how many in all."""
+    shown = ", ".join(names[:first])
+    return shown if len(names) <= first else f"{shown}, ... ({len(names)} in all)"
 
 
 def _check_tensors(path: Path, header: _Header, config: ModelConfig) -> None:
-    """The header's tensors are exactly the model's: names, shapes, floating dtypes."""
-    expected = _expected_shapes(config)
+    """The header's tensors are exactly the model's: names, shapes, floating dtypes, and each
+    one's bytes in the file what its shape and dtype take (worked out from the config alone:
+    nothing is built before the file is known to hold the model)."""
+    expected = state_shapes(config)
     missing = [name for name in expected if name not in header.tensors]
     if missing:
-        raise ArtifactError(f"{path}: missing tensor(s): {', '.join(missing)}")
+        raise ArtifactError(f"{path}: missing tensor(s): {some_names(missing)}")
     unexpected = sorted(set(header.tensors) - set(expected))
     if unexpected:
-        raise ArtifactError(f"{path}: unexpected tensor(s): {', '.join(unexpected)}")
+        raise ArtifactError(f"{path}: unexpected tensor(s): {some_names(unexpected)}")
     for name, shape in expected.items():
-        found = tuple(header.tensors[name]["shape"])
+        entry = header.tensors[name]
+        found = tuple(entry["shape"])
         if found != shape:
             raise ArtifactError(f"{path}: tensor {name} has shape {list(found)}, "
                                 f"expected {list(shape)}")
-        if header.tensors[name]["dtype"] not in _DTYPES:
-            raise ArtifactError(f"{path}: tensor {name} has dtype {header.tensors[name]['dtype']}, "
+        if entry["dtype"] not in _DTYPES:
+            raise ArtifactError(f"{path}: tensor {name} has dtype {entry['dtype']}, "
                                 f"expected one of {', '.join(_DTYPES)}")
+        start, end = entry["data_offsets"]
+        if end - start != math.prod(shape) * _DTYPES[entry["dtype"]].itemsize:
+            raise ArtifactError(f"{path}: tensor {name} takes bytes {start}..{end} of the data, not the "
+                                f"{math.prod(shape) * _DTYPES[entry['dtype']].itemsize} its shape and dtype need")
 
 
 def read_config(path: str | os.PathLike[str]) -> ModelConfig:
@@ -314,7 +330,11 @@ def load_artifact(path: str | os.PathLike[str], *, max_seq_len: int | None = Non
         if max_seq_len < 1:
             raise ConfigError(f"max_seq_len must be >= 1, got {max_seq_len}")
         if max_seq_len > config.max_position:
-            config = config.replace(max_position=max_seq_len)
+            try:
+                config = config.replace(max_position=max_seq_len)
+            except ConfigError as exc:  # past the positions a config may have
+                raise ConfigError(f"max_seq_len {max_seq_len} is more than this model can be extended "
+                                  f"to: {exc}") from None
     target = dtype or _DTYPES[header.tensors["embed.weight"]["dtype"]]
     model = empty_model(config, device)
     with _foreign_errors(path), safe_open(str(path), framework="pt", device=str(device)) as f:
@@ -322,13 +342,30 @@ def load_artifact(path: str | os.PathLike[str], *, max_seq_len: int | None = Non
     model.load_state_dict(state, strict=True, assign=True)
     model.eval().requires_grad_(False)
     leftover = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if leftover or model.rope.cos.is_meta:
-        raise ArtifactError(f"{path}: tensors left unloaded: {', '.join(leftover) or 'rope'}")
+    if leftover:
+        raise ArtifactError(f"{path}: tensors left unloaded: {some_names(leftover)}")
+    model.rope.build()  # now, once the file is known to hold the model, not inside a first request
     # An artifact saved without a template keeps the tokenizer's default (ChatML), so the
     # tokenizer and the artifact never disagree about how a chat is rendered.
     tokenizer.chat_template = header.metadata[KEY_CHAT_TEMPLATE] or tokenizer.chat_template
+    tokenizer.chat_templates = _named_templates(path, header.metadata.get(KEY_CHAT_TEMPLATES))
     return Artifact(path=path, config=config, model=model, tokenizer=tokenizer,
                     chat_template=tokenizer.chat_template, metadata=dict(header.metadata))
+
+
+def _named_templates(path: Path, text: str | None) -> dict[str, str]:
+    """The artifact's named chat templates (``KEY_CHAT_TEMPLATES``); ArtifactError when malformed."""
+    if not text:
+        return {}
+    try:
+        named = json.loads(text)
+    except ValueError as exc:
+        raise ArtifactError(f"{path}: {KEY_CHAT_TEMPLATES} is not JSON: {exc}") from exc
+    if (not isinstance(named, dict) or len(named) > MAX_NAMED_TEMPLATES or "default" in named
+            or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in named.items())):
+        raise ArtifactError(f"{path}: {KEY_CHAT_TEMPLATES} must map at most {MAX_NAMED_TEMPLATES} names "
+                            "(other than 'default') to template sources")
+    return named
 
 
 def inspect_artifact(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -2,19 +2,25 @@
 
 Validated on construction (``ConfigError`` names the offending field) and round-tripped through
 JSON (``to_json`` / ``from_json``); unknown keys are refused so a typo never loads silently.
+
+A config comes from files TinyLoop did not write (an artifact's header, a checkpoint's
+``config.json``), and a model, its RoPE tables and its KV pool are sized from it: every size is
+bounded (``SIZE_LIMITS``) and every float must be finite, so a hostile or corrupt config is
+refused by field before anything is allocated from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tinyloop.errors import ConfigError
 from tinyloop.vocabulary import ExitRule, kv_slots_per_token
 
-__all__ = ["ModelConfig", "kv_bytes_per_token"]
+__all__ = ["MAX_ROPE_ENTRIES", "SIZE_LIMITS", "ModelConfig", "kv_bytes_per_token"]
 
 BlockStyle = Literal["pre_ln", "peri_ln", "sandwich", "post_ln"]
 Injection = Literal["concat_linear", "none"]
@@ -34,6 +40,32 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "rope_compute": ("input", "float32"),
     "norm_order": ("weight_in_float32", "cast_then_weight"),
 }
+
+# Each integer field's (smallest, largest) value. The largest are well above every published
+# model (Llama-3.1-405B: hidden 16384, 126 layers, head_dim 128; Gemma-3: vocabulary 262144;
+# Qwen2.5-1M: 1010000 positions; Huginn-0125 runs up to 64 loops, Ouro 4) and small enough
+# that the module tree and the tensor shapes of a config are cheap to work out before any of
+# its tensors is checked against a file.
+SIZE_LIMITS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 22), "hidden": (1, 1 << 16), "heads": (1, 1024), "kv_heads": (1, 1024),
+    "head_dim": (1, 1024), "intermediate": (1, 1 << 18), "n_prelude": (0, 1024), "n_core": (1, 1024),
+    "n_coda": (0, 1024), "default_loops": (1, 1024), "max_loops": (1, 1024), "max_position": (1, 1 << 21),
+    "rope_original_max_position": (1, 1 << 21),
+}
+# The RoPE tables hold max_position x head_dim floats each (cos and sin): at most 2 GiB apiece.
+MAX_ROPE_ENTRIES = 1 << 29
+# Float fields that must be finite and > 0 (rope_low_freq_factor may be any finite value >= 0).
+_POSITIVE_FLOATS = ("state_init_std", "rope_theta", "rope_scaling_factor", "rope_high_freq_factor", "norm_eps",
+                    "embed_scale")
+_BOOLS = ("tie_embeddings", "qk_bias", "qk_norm", "fused_qkv", "exit_gate")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,16 +112,8 @@ class ModelConfig:
     exit_gate: bool = False  # load the exit gate even when the default rule is not ``gate`` (Ouro)
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                    "n_core", "default_loops", "max_loops", "max_position")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("n_prelude", "n_coda"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        self._check_sizes()
+        self._check_numbers()
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
@@ -101,16 +125,36 @@ class ModelConfig:
             raise ConfigError(f"default_loops ({self.default_loops}) exceeds max_loops ({self.max_loops})")
         if self.injection == "none" and self.state_init != "embed":
             raise ConfigError("injection='none' needs state_init='embed' (the loop has no other input)")
-        if self.rope_scaling == "llama3" and not (self.rope_scaling_factor > 0 and self.rope_original_max_position > 0
-                                                   and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
-            raise ConfigError("llama3 rope scaling needs factor > 0, original max position > 0 and "
-                              "0 < low_freq_factor < high_freq_factor")
-        if not self.state_init_std > 0 or not self.norm_eps > 0 or not self.rope_theta > 0:
-            raise ConfigError("state_init_std, norm_eps and rope_theta must be > 0")
+        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ConfigError("llama3 rope scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor")
         if not isinstance(self.exit, ExitRule):
             raise ConfigError("exit must be an ExitRule")
+        if not _is_number(self.exit.threshold):
+            raise ConfigError(f"exit.threshold must be a finite number, got {self.exit.threshold!r}")
         if self.exit.min_loops > self.max_loops:
             raise ConfigError("exit.min_loops exceeds max_loops")
+
+    def _check_sizes(self) -> None:
+        for name, (low, high) in SIZE_LIMITS.items():
+            value = getattr(self, name)
+            if not _is_int(value) or not low <= value <= high:
+                kind = "a positive integer" if low == 1 else "a non-negative integer"
+                raise ConfigError(f"{name} must be {kind} up to {high}, got {value!r}")
+        if self.max_position * self.head_dim > MAX_ROPE_ENTRIES:
+            raise ConfigError(f"max_position {self.max_position} x head_dim {self.head_dim} exceeds "
+                              f"{MAX_ROPE_ENTRIES} (the RoPE tables would take "
+                              f"{self.max_position * self.head_dim * 8 / 2**30:.0f} GiB); lower max_position")
+
+    def _check_numbers(self) -> None:
+        for name in _POSITIVE_FLOATS:
+            value = getattr(self, name)
+            if not _is_number(value) or not value > 0:
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+        if not _is_number(self.rope_low_freq_factor) or self.rope_low_freq_factor < 0:
+            raise ConfigError(f"rope_low_freq_factor must be a finite number >= 0, got {self.rope_low_freq_factor!r}")
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     # -- derived -------------------------------------------------------------------------------
     @property
@@ -158,7 +202,10 @@ class ModelConfig:
             bad = sorted(set(raw) - {"kind", "threshold", "min_loops", "check_every", "exited_kv"})
             if bad:
                 raise ConfigError(f"unknown exit field(s): {', '.join(bad)}")
-            kwargs["exit"] = ExitRule(**raw)
+            try:
+                kwargs["exit"] = ExitRule(**raw)
+            except TypeError as exc:  # a field of the wrong type, compared in ExitRule's checks
+                raise ConfigError(f"exit: {exc}") from exc
         try:
             return cls(**kwargs)
         except TypeError as exc:  # wrong arity is impossible after the key check; keep a clear message
@@ -170,6 +217,8 @@ class ModelConfig:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"model config is not valid JSON: {exc}") from exc
+        except RecursionError:  # nested past the parser's stack: not a config
+            raise ConfigError("model config is not valid JSON: nested too deeply") from None
         return cls.from_dict(data)
 
 

@@ -63,31 +63,73 @@ class RMSNorm(HookFree):
 
 
 class Rope:
-    """RoPE tables up to ``max_position``; ``half`` rotates halves, ``interleaved`` adjacent pairs."""
+    """RoPE tables up to ``max_position``; ``half`` rotates halves, ``interleaved`` adjacent pairs.
+
+    The tables (``cos``, ``sin``: ``[max_position, head_dim]`` float32 each) are built on first
+    use, on ``device``: a model built only to be checked against a file, or to be loaded onto
+    another device, never pays for them on the host.
+    """
 
     backend: Backend = TORCH
 
     def __init__(self, head_dim: int, max_position: int, theta: float, style: str,
                  tables: str = "float64", compute: str = "input",
-                 llama3: tuple[float, float, float, int] | None = None) -> None:
+                 llama3: tuple[float, float, float, int] | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.style = style
         self.compute_float32 = compute == "float32"
+        self.head_dim, self.max_position, self.theta, self.llama3 = head_dim, max_position, theta, llama3
+        self.table_dtype = tables
+        self.device = torch.device(device)
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    @property
+    def built(self) -> bool:
+        """Whether the tables exist yet."""
+        return self._cos is not None
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.build()[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.build()[1]
+
+    def build(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables, made now if not yet (a server makes them at load, not inside its first
+        request)."""
+        if self._cos is None or self._sin is None:
+            self._cos, self._sin = self._make()
+        return self._cos, self._sin
+
+    def _make(self) -> tuple[torch.Tensor, torch.Tensor]:
         # The references build their tables in float32: at position 4k an fp64 table's cos
         # differs by 3.6e-4, at 64k by 4.7e-3, so a converted model builds them as its reference.
-        width = torch.float64 if tables == "float64" else torch.float32
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=width) / head_dim))
-        if llama3 is not None:
-            inv = llama3_frequencies(inv, *llama3)
-        angles = torch.outer(torch.arange(max_position, dtype=width), inv)  # [P, D/2]
-        if style == "half":
-            angles = torch.cat([angles, angles], dim=-1)  # [P, D]
-        else:
-            angles = angles.repeat_interleave(2, dim=-1)  # [P, D]
-        self.cos = angles.cos().float()
-        self.sin = angles.sin().float()
+        width = torch.float64 if self.table_dtype == "float64" else torch.float32
+        d = self.head_dim
+        inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=width, device=self.device) / d))
+        if self.llama3 is not None:
+            inv = llama3_frequencies(inv, *self.llama3)
+        angles = torch.outer(torch.arange(self.max_position, dtype=width, device=self.device), inv)  # [P, D/2]
+        return self._widen(angles.cos().float()), self._widen(angles.sin().float())  # [P, D] each
+
+    def _widen(self, half: torch.Tensor) -> torch.Tensor:
+        """``[P, D/2]`` -> ``[P, D]`` in the style's layout."""
+        if self.style == "half":
+            return torch.cat([half, half], dim=-1)
+        return half.repeat_interleave(2, dim=-1)
+
+    def to(self, device: torch.device | str) -> None:
+        """Move the tables (when built) to ``device``; later builds happen there."""
+        self.device = torch.device(device)
+        if self._cos is not None and self._sin is not None:
+            self._cos, self._sin = self._cos.to(self.device), self._sin.to(self.device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions], self.sin[positions]
+        cos, sin = self.build()
+        return cos[positions], sin[positions]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x ``[R, H, T, D]``; cos/sin ``[R, T, D]`` or ``[R, 1, T, D]``."""
@@ -117,14 +159,15 @@ def llama3_frequencies(inv: torch.Tensor, factor: float, low_freq_factor: float,
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_for(config: ModelConfig) -> Rope:
-    """The RoPE of a config, with the numerics and the frequency scaling it names."""
+def rope_for(config: ModelConfig, device: torch.device | str = "cpu") -> Rope:
+    """The RoPE of a config, with the numerics and the frequency scaling it names (its tables
+    built on ``device`` when first used)."""
     llama3 = None
     if config.rope_scaling == "llama3":
         llama3 = (config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
                   config.rope_original_max_position)
     return Rope(config.head_dim, config.max_position, config.rope_theta, config.rope_style,
-                tables=config.rope_tables, compute=config.rope_compute, llama3=llama3)
+                tables=config.rope_tables, compute=config.rope_compute, llama3=llama3, device=device)
 
 
 class Attention(HookFree):

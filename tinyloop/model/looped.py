@@ -111,8 +111,7 @@ class LoopedLM(nn.Module):
         unpack_linears(self)  # a new dtype or device: the packed layouts would be stale
         device = self.embed.weight.device
         if device.type != "meta":
-            self.rope.cos = self.rope.cos.to(device)
-            self.rope.sin = self.rope.sin.to(device)
+            self.rope.to(device)
         return out
 
     # -- pieces --------------------------------------------------------------------------------

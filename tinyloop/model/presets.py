@@ -4,7 +4,9 @@
 (one of each published family), ``small`` (~10M parameters) and ``base100m`` (~100M).
 
 Models are built on the meta device first (``empty_model``) so that neither loading nor init
-pays for, or draws global RNG state for, torch's default initialisation.
+pays for, or draws global RNG state for, torch's default initialisation. ``state_shapes`` works
+out a config's tensors by arithmetic alone, so a file is checked against its config before any
+module is built.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from tinyloop.model.layers import MLP, Attention, rope_for
 from tinyloop.model.looped import LoopedLM
 from tinyloop.vocabulary import ExitRule
 
-__all__ = ["PRESETS", "empty_model", "init_model", "param_count"]
+__all__ = ["PRESETS", "empty_model", "init_model", "param_count", "state_shapes"]
 
 _TINY_DIMS: dict[str, Any] = dict(vocab_size=4096, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
                   max_loops=16, max_position=2048, default_loops=4)
@@ -50,8 +52,7 @@ class _Uninitialised(TorchFunctionMode):
     """While a model is built: ``torch.nn.init`` is skipped and, with ``meta``, parameter
     factories (``empty``, ``zeros``, ``ones``) go to the meta device.
 
-    Not ``with torch.device("meta")``: that would also put the RoPE tables (a plain object, not
-    a buffer) on meta, and meta ``arange``/``normal_``/``empty_like`` run through
+    Not ``with torch.device("meta")``: meta ``arange``/``normal_``/``empty_like`` run through
     ``torch._refs``, which imports ``torch._dynamo`` and sympy: seconds on the first model of
     every process. A parameter made by another factory stays real: memory, not correctness.
     """
@@ -72,16 +73,56 @@ class _Uninitialised(TorchFunctionMode):
 
 
 def empty_model(config: ModelConfig, device: torch.device | str = "cpu") -> LoopedLM:
-    """A ``LoopedLM`` whose parameters live on the meta device, with real RoPE tables on ``device``.
+    """A ``LoopedLM`` whose parameters live on the meta device, its RoPE tables (built on first
+    use) on ``device``.
 
     For ``load_state_dict(..., assign=True)``: no weight is allocated or initialised twice.
     """
     with _Uninitialised(meta=True):
         model = LoopedLM(config)
-    if torch.device(device).type != "cpu":
-        with torch.device(device):
-            model.rope = rope_for(config)
+    model.rope = rope_for(config, device)
     return model
+
+
+def _block_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """One ``Block``'s parameters in ``state_dict`` order (a module's own parameters before its
+    children's)."""
+    c, h = config, config.hidden
+    out: dict[str, tuple[int, ...]] = {}
+    if c.block_style != "post_ln":
+        out |= {"attn_norm.weight": (h,), "mlp_norm.weight": (h,)}
+    if c.block_style != "pre_ln":
+        out |= {"attn_post_norm.weight": (h,), "mlp_post_norm.weight": (h,)}
+    if c.qk_bias:
+        out |= {"attn.q_bias": (c.heads, c.head_dim), "attn.k_bias": (c.kv_heads, c.head_dim)}
+    if c.fused_qkv:
+        out["attn.qkv.weight"] = (c.q_dim + 2 * c.kv_dim, h)
+    else:
+        out |= {"attn.q.weight": (c.q_dim, h), "attn.k.weight": (c.kv_dim, h), "attn.v.weight": (c.kv_dim, h)}
+    if c.qk_norm:
+        out |= {"attn.q_norm.weight": (c.q_dim,), "attn.k_norm.weight": (c.kv_dim,)}
+    out |= {"attn.o.weight": (h, c.q_dim), "mlp.fc.weight": (2 * c.intermediate, h),
+            "mlp.proj.weight": (h, c.intermediate)}
+    return out
+
+
+def state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``LoopedLM(config).state_dict()``'s names and shapes, in its order, without building a
+    module (the model's ``__init__`` is the reference: a test checks the two agree)."""
+    c = config
+    out: dict[str, tuple[int, ...]] = {"embed.weight": (c.vocab_size, c.hidden)}
+    block = _block_shapes(c)
+    for stack, count in (("prelude", c.n_prelude), ("core", c.n_core), ("coda", c.n_coda)):
+        for i in range(count):
+            out |= {f"{stack}.{i}.{name}": shape for name, shape in block.items()}
+    if c.injection == "concat_linear":
+        out["adapter.weight"] = (c.hidden, 2 * c.hidden)
+    out["final_norm.weight"] = (c.hidden,)
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = (c.vocab_size, c.hidden)
+    if c.has_exit_gate:
+        out |= {"exit_gate.weight": (1, c.hidden), "exit_gate.bias": (1,)}
+    return out
 
 
 def _gate_bias(config: ModelConfig) -> float:
@@ -130,7 +171,5 @@ def init_model(config: ModelConfig, seed: int = 0) -> LoopedLM:
 
 
 def param_count(config: ModelConfig) -> int:
-    """Parameters stored for ``config`` (a tied head counts once), from a meta-device model."""
-    with _Uninitialised(meta=True):
-        model = LoopedLM(config)
-    return sum(p.numel() for p in model.parameters())
+    """Parameters stored for ``config`` (a tied head counts once)."""
+    return sum(math.prod(shape) for shape in state_shapes(config).values())
