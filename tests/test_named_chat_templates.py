@@ -94,6 +94,8 @@ def test_an_artifact_round_trips_its_named_templates(tmp_path: Path, tiny_model:
     with pytest.raises(ArtifactError, match="may not override 'tinyloop.chat_templates'"):
         save_artifact(path, tiny_model, _tokenizer_with_named(),
                       extra_metadata={KEY_CHAT_TEMPLATES: "{}"})
+    with pytest.raises(ArtifactError, match="may not override 'tinyloop.chat_templates'"):  # ours without any too
+        save_artifact(path, tiny_model, default_tokenizer(), extra_metadata={KEY_CHAT_TEMPLATES: "{}"})
 
 
 @pytest.mark.parametrize(("stored", "message"), [

@@ -55,7 +55,6 @@ __all__ = [
     "MAX_INT_BITS",
     "WORK_FACTOR",
     "BoundedSandbox",
-    "ChatTemplateError",
     "RenderLimits",
     "compile_bounded",
     "render_bounded",

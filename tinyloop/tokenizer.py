@@ -31,8 +31,8 @@ import jinja2.nodes
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from tinyloop.errors import TokenizerError
-from tinyloop.template_sandbox import BoundedSandbox, ChatTemplateError, RenderLimits, compile_bounded, render_bounded
+from tinyloop.errors import ChatTemplateError, TokenizerError
+from tinyloop.template_sandbox import BoundedSandbox, RenderLimits, compile_bounded, render_bounded
 
 __all__ = [
     "CHATML_TEMPLATE",

@@ -35,6 +35,15 @@ def final_event(events: list[str]) -> dict[str, object]:
     return last
 
 
+async def poll_health(client: httpx.AsyncClient, done: trio.Event, seconds: list[float]) -> None:
+    """Ask ``/healthz`` every 50 ms until ``done``, each answer a 200; its times go to ``seconds``."""
+    while not done.is_set():
+        start = trio.current_time()
+        assert (await client.get("/healthz")).status_code == 200
+        seconds.append(trio.current_time() - start)
+        await trio.sleep(0.05)
+
+
 def counter(srv: LiveServer, name: str) -> float:
     value = srv.runtime.metrics.registry.get_sample_value(f"tinyloop_requests_{name}_total")
     return value or 0.0

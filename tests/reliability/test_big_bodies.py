@@ -17,7 +17,7 @@ import httpx
 import trio
 
 from tests.http.conftest import running_server
-from tests.reliability.conftest import sse_events
+from tests.reliability.conftest import poll_health, sse_events
 from tinyloop.http.service import ServedModel
 from tinyloop.settings import Settings
 from tinyloop.testing import FakeEngine
@@ -75,18 +75,11 @@ async def test_a_stream_keeps_flowing_while_big_bodies_are_tokenised() -> None:
             async def big() -> None:
                 answers.append(await client.post("/tokenize", content=body, headers=JSON))
 
-            async def health() -> None:
-                while not done.is_set():
-                    start = trio.current_time()
-                    assert (await client.get("/healthz")).status_code == 200
-                    health_s.append(trio.current_time() - start)
-                    await trio.sleep(0.05)
-
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stream)
                 await trio.sleep(0.3)  # the stream is flowing
                 nursery.start_soon(loop_lag, lags, done)
-                nursery.start_soon(health)
+                nursery.start_soon(poll_health, client, done, health_s)
                 async with trio.open_nursery() as bodies:
                     for _ in range(BIG_BODIES):
                         bodies.start_soon(big)

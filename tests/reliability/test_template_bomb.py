@@ -14,7 +14,7 @@ import httpx
 import trio
 
 from tests.http.conftest import running_server
-from tests.reliability.conftest import rss_kib, wait_for
+from tests.reliability.conftest import poll_health, rss_kib, wait_for
 from tinyloop.http.bodies import text_limiter
 from tinyloop.http.service import ServedModel
 from tinyloop.settings import Settings
@@ -61,17 +61,10 @@ async def test_a_stream_and_healthz_carry_on_while_a_template_bomb_goes_off() ->
                 bombs.append(await client.post("/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": "boom"}], "max_tokens": 4}))
 
-            async def health() -> None:
-                while not done.is_set():
-                    start = trio.current_time()
-                    assert (await client.get("/healthz")).status_code == 200
-                    health_s.append(trio.current_time() - start)
-                    await trio.sleep(0.05)
-
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stream)
                 await trio.sleep(0.2)  # the stream is flowing
-                nursery.start_soon(health)
+                nursery.start_soon(poll_health, client, done, health_s)
                 async with trio.open_nursery() as bodies:
                     for _ in range(2):  # as many as there are text threads
                         bodies.start_soon(bomb)

@@ -15,6 +15,7 @@ from quart import Response
 
 from tinyloop.errors import (
     AdmissionRejected,
+    ChatTemplateError,
     EngineError,
     PromptTooLongError,
     RequestError,
@@ -22,7 +23,6 @@ from tinyloop.errors import (
     TokenizerError,
 )
 from tinyloop.http.schemas import FieldError
-from tinyloop.template_sandbox import ChatTemplateError
 
 __all__ = ["ApiError", "error_response", "error_body", "from_exception", "from_validation"]
 

@@ -20,14 +20,14 @@ from quart import Response, current_app, g, request
 
 from tinyloop.actors.runtime import Runtime
 from tinyloop.actors.stream import RequestStream
-from tinyloop.errors import ConfigError, RequestError, TokenizerError
+from tinyloop.errors import ChatTemplateError, ConfigError, RequestError, TokenizerError
 from tinyloop.http.bodies import decode_body, off_loop, text_limiter
 from tinyloop.http.errors import ApiError, from_exception
 from tinyloop.http.tools import template_supports_tools
 from tinyloop.limits import KVLimits, ModelLimits
 from tinyloop.requests import Constraint, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams
 from tinyloop.settings import Settings
-from tinyloop.template_sandbox import ChatTemplateError, RenderLimits
+from tinyloop.template_sandbox import RenderLimits
 from tinyloop.tokenizer import Tokenizer
 from tinyloop.vocabulary import ExitRule
 
@@ -86,10 +86,9 @@ class ServedModel:
             max_loops=self.max_loops, exit=self.exit, kv=self.kv, gate=self.gate))
 
     @classmethod
-    def from_engine(cls, engine: Any, settings: Settings, name: str | None = None, *,
-                    render_seconds: float | None = None) -> ServedModel:
+    def from_engine(cls, engine: Any, settings: Settings, name: str | None = None) -> ServedModel:
         """Describe a loaded ``Engine`` (its KV mode, or the settings' for an engine without one);
-        its chat templates render under ``render_limits(settings, render_seconds)``."""
+        its chat templates render under ``render_limits(settings)``."""
         cfg = engine.config
         limits = ModelLimits.from_engine(engine)
         kv_mode = getattr(engine, "kv_mode", None)
@@ -102,7 +101,7 @@ class ServedModel:
                    kv_cache_mode=settings.kv_cache_mode if kv_mode is None else kv_mode.name,
                    exit=limits.exit, kv=limits.kv, parameters=_parameters(engine), gate=limits.gate,
                    chat_templates=dict(getattr(engine.tokenizer, "chat_templates", {})),
-                   render_limits=render_limits(settings, render_seconds))
+                   render_limits=render_limits(settings))
 
     def check_name(self, name: str | None) -> None:
         if name is not None and name != self.id:
@@ -215,12 +214,11 @@ SAMPLE_TOOL: dict[str, Any] = {"type": "function", "function": {
 SAMPLE_LIMITS = RenderLimits(chars=256 * 1024, seconds=1.0)  # a legitimate template needs a millisecond
 
 
-def render_limits(settings: Settings, seconds: float | None = None) -> RenderLimits:
+def render_limits(settings: Settings) -> RenderLimits:
     """What one chat template render may spend: twice the most text a request may bring (its
-    body or its prompt characters, whichever limit is larger) and ``seconds`` (default: the
-    settings' ``chat_template_timeout``)."""
+    body or its prompt characters, whichever limit is larger) and ``chat_template_timeout``."""
     return RenderLimits(chars=2 * max(settings.max_prompt_chars, settings.max_body_bytes),
-                        seconds=settings.chat_template_timeout if seconds is None else seconds)
+                        seconds=settings.chat_template_timeout)
 
 
 def _parameters(engine: Any) -> int | None:

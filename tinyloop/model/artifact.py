@@ -122,13 +122,12 @@ def artifact_metadata(path: Path, config: ModelConfig, tokenizer: Tokenizer, cha
         KEY_CONFIG: config.to_json(),
         KEY_TOKENIZER: tokenizer.to_json(),
         KEY_CHAT_TEMPLATE: chat_template,
-        KEY_CHAT_TEMPLATES: json.dumps(tokenizer.chat_templates) if tokenizer.chat_templates else "",
         KEY_SPECIAL: json.dumps(dict(special)),
     }
-    if not tokenizer.chat_templates:
-        del metadata[KEY_CHAT_TEMPLATES]  # reserved all the same: extra_metadata may not set it
+    if tokenizer.chat_templates:
+        metadata[KEY_CHAT_TEMPLATES] = json.dumps(tokenizer.chat_templates)
     for key, value in (extra_metadata or {}).items():
-        if key in metadata:
+        if key in metadata or key == KEY_CHAT_TEMPLATES:  # ours even when this artifact has none
             raise ArtifactError(f"{path}: extra metadata may not override {key!r}")
         if not isinstance(key, str) or not isinstance(value, str):
             raise ArtifactError(f"{path}: metadata entries must be str -> str, got {key!r}")
