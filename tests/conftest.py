@@ -14,6 +14,20 @@ from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.tokenizer import default_tokenizer
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the benchmarks' smoke run now when the session runs its test (``tests/test_benches.py``)."""
+    if any(item.nodeid.endswith("test_benches.py::test_every_benchmark_runs_at_smoke_sizes") for item in session.items):
+        from tests.test_benches import SMOKE
+
+        SMOKE.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.test_benches import SMOKE
+
+    SMOKE.close()  # a session that stopped early (-x, Ctrl-C) leaves no bench running
+
+
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ``tiny`` preset artifact (seed 0, the default tokenizer), written once per session.
