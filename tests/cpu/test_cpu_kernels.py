@@ -301,73 +301,16 @@ def test_panel_products_match_f_linear(rows: int, n: int, k: int) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])
-def test_int8_panel_products_match_the_dequantized_weight(rows: int) -> None:  # (one thread: the module)
-    from tinyloop.model.quant import QuantWeight
-
-    gen = torch.Generator().manual_seed(rows)
-    quant = QuantWeight(torch.randn(72, 96, generator=gen) * 0.05, "int8")  # 72: a short last panel
-    x, bias = torch.randn(rows, 96, generator=gen), torch.randn(72, generator=gen)
-    exact = torch.nn.functional.linear(x, quant.dequantize(), bias)
-    torch_path = quant.linear(x, bias)  # torch's int8 kernel: x rounded to bfloat16
-    quant.set_panels(True)
-    assert quant.panels is not None and quant.panels.dtype == torch.int8
-    panel = quant.linear(x, bias)  # 1-16 rows on the panels, x in float32; 17 on torch's kernel
-    torch.testing.assert_close(panel, exact if rows <= kernels.PANEL_ROWS else torch_path, rtol=1e-5, atol=1e-5)
-    quant.set_panels(False)
-    assert quant.panels is None
-    torch.testing.assert_close(quant.linear(x, bias), torch_path)
-
-
-@needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
-def test_int4_panel_products_match_the_dequantized_weight(rows: int) -> None:
-    from tinyloop.model.quant import QuantWeight
-
-    gen = torch.Generator().manual_seed(rows)
-    quant = QuantWeight(torch.randn(48, 96, generator=gen) * 0.05, "int4")  # 3 groups of 32 inputs
-    x, bias = torch.randn(rows, 96, generator=gen), torch.randn(48, generator=gen)
-    exact = torch.nn.functional.linear(x, quant.dequantize(), bias)
-    torch_path = quant.linear(x, bias)  # torch's int4 kernel: x rounded to bfloat16
-    quant.set_panels(True)
-    assert isinstance(quant.panels, tuple)
-    panel = quant.linear(x, bias)  # 1-16 rows on the panels, x in float32; 17 on torch's kernel
-    torch.testing.assert_close(panel, exact if rows <= kernels.PANEL_ROWS else torch_path, rtol=1e-5, atol=1e-5)
-
-
-@needs_kernel
-def test_int4_panels_pad_a_short_last_panel() -> None:
-    gen = torch.Generator().manual_seed(9)
-    n, k, group = 21, 64, 32
-    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    scales, zeros = torch.rand(k // group, n, generator=gen), torch.randn(k // group, n, generator=gen)
-    weight = (codes.float() - 8) * scales.repeat_interleave(group, 0).t() + zeros.repeat_interleave(group, 0).t()
-    packed = kernels.pack_panels_int4(codes[:, 0::2] | (codes[:, 1::2] << 4), scales, zeros, group)
-    x = torch.randn(3, k, generator=gen)
-    torch.testing.assert_close(kernels.panel_matmul_int4(x, packed, n, group, None), x @ weight.t(),
-                               rtol=1e-5, atol=1e-4)
-
-
-@needs_kernel
 def test_weights_packed_together_equal_each_packed_alone() -> None:
     gen = torch.Generator().manual_seed(5)
-    weights = [torch.randn(40, 24, generator=gen), torch.randint(-127, 128, (33, 16), generator=gen).to(torch.int8),
-               torch.randn(16, 8, generator=gen).t()]  # float32, int8 codes, a transposed view
+    weights = [torch.randn(40, 24, generator=gen), torch.randn(33, 16, generator=gen),
+               torch.randn(16, 8, generator=gen).t()]  # float32, a short last panel, a transposed view
     together = kernels.pack_panels_all(weights)
     assert [t.dtype for t in together] == [w.dtype for w in weights]
     for t, w in zip(together, weights, strict=True):
         assert torch.equal(t, kernels.pack_panels(w))
         assert t.data_ptr() % 64 == 0  # each on a cache line of its own
     assert kernels.pack_panels_all([]) == []
-
-
-@needs_kernel
-def test_int4_panels_refuse_a_layout_the_kernel_cannot_read() -> None:
-    codes, params = torch.zeros(16, 12, dtype=torch.uint8), torch.zeros(4, 16)
-    with pytest.raises(ValueError, match="multiple of 4"):
-        kernels.pack_panels_int4(codes, params[:4], params[:4], 6)  # groups of 6 inputs
-    with pytest.raises(ValueError, match="uint8 codes"):
-        kernels.pack_panels_int4(codes.to(torch.int8), params[:3], params[:3], 8)
 
 
 @needs_kernel

@@ -161,14 +161,14 @@ def test_on_more_threads_only_small_products_stay_on_the_panels() -> None:
 
     assert torch_products(big, 8) == 0 and torch_products(small, 8) == 0  # one thread: every few-row product
     assert torch_products(big, 17) > 0  # more rows than a panel call serves
-    torch.set_num_threads(kernels.PANEL_MAX_THREADS["float32"] + 1)
+    torch.set_num_threads(kernels.PANEL_MAX_THREADS + 1)
     assert torch_products(big, 8) > 0  # 32M multiply-adds: torch's threads
     assert torch_products(small, 8) == 0  # 32k: still the one-thread kernel
-    assert kernels.serves_rows(8, 2048, 2048, "int8") == (torch.get_num_threads() <= kernels.PANEL_MAX_THREADS["int8"])
+    assert not kernels.serves_rows(8, 2048, 2048)
     kernels.set_threads(torch.get_num_threads())  # the kernels on as many threads as torch: every product
     try:
         assert torch_products(big, 8) == 0
-        assert kernels.serves_rows(8, 2048, 2048, "int8")
+        assert kernels.serves_rows(8, 2048, 2048)
         engine = Engine(model(), default_tokenizer(), max_seq_len=128)  # and no blocked copies
         assert all(w.blocked is None for w in packed_weights(engine.model))
     finally:

@@ -123,10 +123,10 @@ def use_cpu_kernels(model: LoopedLM, on: bool = True) -> bool:
 
 def _set_panels(model: LoopedLM, on: bool) -> None:
     """Give every packed float32 and quantized weight of ``model`` its panels (kept where it has
-    them; float32 and int8 packed together, on huge pages where the OS gives them:
-    ``kernels.pack_panels_all``), or drop them. Where the kernels run on at least torch's threads
-    the float32 weights' oneDNN blocked copies go (the panels serve prefill too); they come back
-    with the panels off."""
+    them; the float32 ones packed together, on huge pages where the OS gives them:
+    ``kernels.pack_panels_all``; int8 and int4 ones each in its own layout), or drop them.
+    Where the kernels run on at least torch's threads the float32 weights' oneDNN blocked copies
+    go (the panels serve prefill too); they come back with the panels off."""
     packed = packed_weights(model)
     weights: list[PackedWeight | QuantWeight] = [*packed, *quant_weights(model)]
     for one in packed:  # on as many threads as torch the panels serve every row count
@@ -135,9 +135,8 @@ def _set_panels(model: LoopedLM, on: bool) -> None:
         for weight in weights:
             weight.panels = None
         return
-    todo = [(w, source) for w in weights if w.panels is None and (source := w.panel_source) is not None]
-    for (weight, _), panels in zip(todo, kernels.pack_panels_all([source for _, source in todo]), strict=True):
+    todo = [w for w in packed if w.panels is None]
+    for weight, panels in zip(todo, kernels.pack_panels_all([w.panel_source for w in todo]), strict=True):
         weight.panels = panels
-    for weight in weights:  # int4: packed one by one (codes and group parameters)
-        if weight.panels is None:
-            weight.set_panels(True)
+    for quant in quant_weights(model):  # int8 and int4: their own layouts (qmatmul.c)
+        quant.set_panels(True)

@@ -21,7 +21,7 @@
  * taken in one pass over their V rows: each key's K and V are read once, whole (a 4-bit row is
  * dequantized into a scratch row first, with torch's rounding: the product, then the sum). The
  * softmax is float32 as torch's reference computes it (max subtracted first); only the order of
- * the sums differs from it. The rows are shared among the kernel threads (`run_tasks`): each
+ * the sums differs from it. The rows are shared among the kernel threads (`tl_run_tasks`): each
  * row's result is the same whichever thread computes it.
  */
 #define _GNU_SOURCE /* pthreads, sched_yield and clock_gettime under -std=c11 */
@@ -36,9 +36,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "kernels.h"
 
 /* Helper threads. A kernel splits its work into tasks (column groups of a product, rows of an
- * attention) and runs them with `run_tasks`: the calling thread publishes the job, then claims
+ * attention) and runs them with `tl_run_tasks`: the calling thread publishes the job, then claims
  * tasks itself, one at a time, while the helpers claim them too, until none is left. Nothing
  * waits for a helper that is late (busy elsewhere, or asleep): the caller does what the helpers
  * do not, and waits only for the tasks a helper has already begun. So on a machine whose other
@@ -50,7 +51,6 @@
  * (`pool_after_fork`). */
 #define MAX_HELPERS 63
 #define HELPER_SPIN_NS 200000
-typedef void (*task_fn)(const void *job, int64_t task);
 
 static struct {
     pthread_mutex_t lock;
@@ -164,7 +164,7 @@ void tl_task_counts(int64_t *out) {
 }
 
 /* fn(job, i) for i in [0, n), on this thread and whichever helpers join in. */
-static void run_tasks(task_fn fn, const void *job, int64_t n) {
+void tl_run_tasks(task_fn fn, const void *job, int64_t n) {
     if (n < 2 || atomic_load(&pool.wanted) == 0 || atomic_flag_test_and_set(&pool.busy)) {
         for (int64_t i = 0; i < n; ++i) fn(job, i);
         return;
@@ -209,32 +209,6 @@ static inline void prefetch_row(const field_t *f, int64_t row) {
         prefetch(f->codes + row * (f->width / 2), f->width / 2);
         prefetch(f->meta + row * (f->width / f->group) * 2, f->width / f->group * 4);
     }
-}
-
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-    union { uint32_t u; float f; } bits;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
-        const float magnitude = (float)mantissa * 5.9604644775390625e-8f;
-        return sign ? -magnitude : magnitude;
-    }
-    bits.u = sign | (exponent == 31 ? 0x7f800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13));
-    return bits.f;
-}
-
-/* float32 to fp16 bits, rounded to nearest even as torch's `.to(torch.float16)` rounds. */
-static inline uint16_t float_to_half(float f) {
-    union { float f; uint32_t u; } bits = {f};
-    const uint32_t sign = (bits.u >> 16) & 0x8000u, magnitude = bits.u & 0x7fffffffu;
-    if (magnitude >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x200u : 0u));
-    if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* 65520 and up: infinity */
-    if (magnitude < 0x38800000u) { /* below 2^-14: a subnormal, |f| * 2^24 rounded (exact product) */
-        return (uint16_t)(sign | (uint32_t)nearbyintf(fabsf(f) * 16777216.0f));
-    }
-    uint32_t half = (magnitude >> 13) - (112u << 10); /* exponent rebiased, mantissa cut to 10 bits */
-    const uint32_t rest = magnitude & 0x1fffu;
-    if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) half += 1u;
-    return (uint16_t)(sign | half);
 }
 
 /* Row `row` of field `f` as floats: the pool's own memory, or `scratch` dequantized. */
@@ -340,7 +314,7 @@ static int attend(const float *q, int64_t ldq, const field_t *k, const field_t *
                   const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L,
                   int64_t T, float scale) {
     attend_job job = {q, k, v, rows, n_keys, out, ldq, HQ, KVH, D, L, T, scale, 0};
-    run_tasks(attend_row, &job, R);
+    tl_run_tasks(attend_row, &job, R);
     return atomic_load(&job.failed);
 }
 
@@ -464,8 +438,8 @@ void tl_quantize_int4_rows(const float *x, const int64_t *rows, int64_t n, uint8
     }
 }
 
-/* Matrix products of a few rows: y [M, N] = x [M, K] W^T (+ bias [N]), W [N, K] float32, or int8
- * codes with a float32 scale per output (W[n, k] = q[n, k] * scale[n], `QuantWeight`'s int8).
+/* Matrix products of a few rows: y [M, N] = x [M, K] W^T (+ bias [N]), W [N, K] float32 (the
+ * quantised weights' products are qmatmul.c's).
  *
  * A decode step multiplies a handful of rows (its batch, or a verify's few tokens) by every
  * weight matrix: too few rows for a general GEMM's blocking to pay, too many bytes of weights
@@ -473,13 +447,12 @@ void tl_quantize_int4_rows(const float *x, const int64_t *rows, int64_t n, uint8
  * columns, panel p holding W[16p .. 16p + 15, k] for k = 0 .. K - 1 consecutively (16 values a
  * k, the last panel zero-padded): one sequential stream through memory, prefetched ahead. For
  * each panel, up to 16 rows keep one 16-wide accumulator each in registers; each k loads the
- * panel's 16 weights once (int8 codes widened to float32) and adds x[m, k] times them to every
+ * panel's 16 weights once and adds x[m, k] times them to every
  * row's accumulator (x is transposed first, so a k's values for the rows are adjacent). Past 16
- * rows (a prefill), each chunk of panels stays in L2 while every block of 16 rows passes over it. Each output is sum_k x[m, k] W[n, k] with fused
- * multiply-adds (in k order from 4 rows up; as 4 or 2 interleaved partial sums for 1 or 2 rows),
- * times the scale at the end for int8: float32 rounding differs from
- * torch's (another order) at the last bits; x stays float32 (torch's int8 kernel rounds it to
- * bfloat16 first). */
+ * rows (a prefill), each chunk of panels stays in L2 while every block of 16 rows passes over it.
+ * Each output is sum_k x[m, k] W[n, k] with fused multiply-adds (in k order from 4 rows up; as 4
+ * or 2 interleaved partial sums for 1 or 2 rows): float32 rounding differs from torch's (another
+ * order) at the last bits. */
 #define PANEL 16
 #define PANEL_AHEAD 2048 /* bytes: prefetch this far ahead along the panel stream */
 #define ROW_BLOCK 16
@@ -489,17 +462,14 @@ void tl_quantize_int4_rows(const float *x, const int64_t *rows, int64_t n, uint8
 typedef __m512 vec16;
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(p) _mm512_loadu_ps(p)
-#define VLOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
 #define VFMA(acc, s, w) _mm512_fmadd_ps(_mm512_set1_ps(s), (w), (acc))
 #define VADD(a, b) _mm512_add_ps((a), (b))
 #define VMUL(a, b) _mm512_mul_ps((a), (b))
 #define VSTORE(p, v) _mm512_storeu_ps((p), (v))
 #else /* the compiler's generic vectors: the same sums (fused where it contracts them) */
 typedef float vec16 __attribute__((vector_size(64)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
 #define VZERO() ((vec16){0})
 #define VLOAD(p) ({ vec16 v_; memcpy(&v_, (p), sizeof v_); v_; })
-#define VLOAD_I8(p) ({ i8x16 c_; memcpy(&c_, (p), sizeof c_); __builtin_convertvector(c_, vec16); })
 #define VFMA(acc, s, w) ((acc) + (s) * (w))
 #define VADD(a, b) ((a) + (b))
 #define VMUL(a, b) ((a) * (b))
@@ -624,12 +594,11 @@ static inline int64_t row_step(int64_t left) {
         int64_t per_task = panels_per_task(M, N, K);                                                   \
         if (per_task < n_panels && per_task > chunk) per_task -= per_task % chunk; /* whole L2 chunks */ \
         const panel_job job = {xt, M, K, N, per_task, (chunk < per_task ? chunk : per_task) * PANEL, panels, scales, bias, y}; \
-        run_tasks(NAME##_task, &job, (n_panels + per_task - 1) / per_task);                            \
+        tl_run_tasks(NAME##_task, &job, (n_panels + per_task - 1) / per_task);                            \
         free(xt);                                                                                      \
         return 0;                                                                                      \
     }
 PANEL_MATMUL(matmul_f32, float, VLOAD)
-PANEL_MATMUL(matmul_i8, int8_t, VLOAD_I8)
 
 /* W [N, K] (row stride ldw) into panels [ceil(N / 16), K, 16] (`panels` holds that many values). */
 #define PACK_PANELS(NAME, TYPE)                                                                        \
@@ -643,183 +612,10 @@ PANEL_MATMUL(matmul_i8, int8_t, VLOAD_I8)
                 }                                                                                      \
     }
 PACK_PANELS(tl_pack_panels, float)
-PACK_PANELS(tl_pack_panels_int8, int8_t)
 
 /* y [M, N] = x [M, K] W^T + bias (bias may be NULL), W as `tl_pack_panels` laid it out; x and y
  * contiguous. Returns 0, or -1 where it could not allocate its transposed rows. */
 int tl_panel_matmul(const float *x, int64_t M, int64_t K, const float *panels, int64_t N, const float *bias,
                     float *y) {
     return matmul_f32(x, M, K, panels, N, NULL, bias, y);
-}
-
-/* The same with int8 codes laid out by `tl_pack_panels_int8` and a float32 scale per output. */
-int tl_panel_matmul_int8(const float *x, int64_t M, int64_t K, const int8_t *panels, int64_t N,
-                         const float *scales, const float *bias, float *y) {
-    return matmul_i8(x, M, K, panels, N, scales, bias, y);
-}
-
-/* 4-bit weights (`QuantWeight`'s int4): W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n] for the
- * group g = k / group, q in [0, 15]. Per group, y gets scale * sum_k x q + (zero - 8 scale) *
- * sum_k x: the panels hold, per k, the 16 columns' codes in 8 bytes (byte j: column j in the low
- * nibble, column j + 8 in the high), and per group the 16 columns' scale and zero - 8 scale
- * ([n_panels, G, 2, 16] float32, `params`). The group sums of x are taken once per call. */
-#if defined(__AVX512F__)
-static inline vec16 load_nibbles(const uint8_t *p) {
-    const __m128i bytes = _mm_loadl_epi64((const __m128i *)(const void *)p), low = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
-}
-#else
-static inline void nibbles_to(const uint8_t *p, float *out) {
-    for (int j = 0; j < 8; ++j) {
-        out[j] = (float)(p[j] & 15u);
-        out[j + 8] = (float)(p[j] >> 4);
-    }
-}
-#define load_nibbles(p) ({ float f_[PANEL]; nibbles_to((p), f_); VLOAD(f_); })
-#endif
-
-/* Four k's codes (32 bytes) as four 16-wide float vectors: one load, the low and high nibbles
- * split once for all four, then each k's 8 + 8 codes widened. */
-#if defined(__AVX512F__)
-static inline void load_nibbles4(const uint8_t *p, vec16 *w) {
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(const void *)p), low = _mm256_set1_epi8(15);
-    const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-    const __m256i even = _mm256_unpacklo_epi64(lo, hi), odd = _mm256_unpackhi_epi64(lo, hi); /* k0 | k2, k1 | k3 */
-    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(even)));
-    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(odd)));
-    w[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(even, 1)));
-    w[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(odd, 1)));
-}
-#else
-static inline void load_nibbles4(const uint8_t *p, vec16 *w) {
-    for (int s = 0; s < 4; ++s) w[s] = load_nibbles(p + 8 * s);
-}
-#endif
-
-/* R rows times one 4-bit panel; four k's at a time (a group is a multiple of 4), each in its own
- * partial sum (one or two rows would otherwise wait on a chain of dependent multiply-adds). */
-#define PANEL_ROWS_I4(R, KS)                                                                           \
-    static void matmul_i4_##R(const float *xt, int64_t ldx, const float *xsum, const uint8_t *panel,   \
-                              const float *params, int64_t K, int64_t group, const float *bias, float *y, \
-                              int64_t ldy, int64_t cols) {                                             \
-        vec16 acc[R];                                                                                  \
-        for (int r = 0; r < R; ++r) acc[r] = VZERO();                                                  \
-        for (int64_t g = 0; g < K / group; ++g) {                                                      \
-            vec16 part[4][R];                                                                          \
-            for (int s = 0; s < 4; ++s)                                                                \
-                for (int r = 0; r < R; ++r) part[s][r] = VZERO();                                      \
-            for (int64_t k = g * group; k < (g + 1) * group; k += 4) {                                 \
-                vec16 w[4];                                                                            \
-                load_nibbles4(panel + 8 * k, w);                                                       \
-                __builtin_prefetch(panel + 8 * k + PANEL_AHEAD, 0, 0);                                 \
-                for (int s = 0; s < 4; ++s)                                                            \
-                    for (int r = 0; r < R; ++r) part[s][r] = VFMA(part[s][r], xt[(k + s) * ldx + r], w[s]); \
-            }                                                                                          \
-            for (int s = 1; s < 4; ++s)                                                                \
-                for (int r = 0; r < R; ++r) part[0][r] = VADD(part[0][r], part[s][r]);                 \
-            const vec16 scale = VLOAD(params + g * 2 * PANEL), shift = VLOAD(params + g * 2 * PANEL + PANEL); \
-            for (int r = 0; r < R; ++r)                                                                \
-                acc[r] = VFMA(VADD(acc[r], VMUL(part[0][r], scale)), xsum[g * ldx + r], shift);        \
-        }                                                                                              \
-        float out[PANEL], b[PANEL] = {0};                                                              \
-        if (bias != NULL) memcpy(b, bias, (size_t)cols * sizeof(float));                               \
-        for (int r = 0; r < R; ++r) {                                                                  \
-            VSTORE(out, VADD(acc[r], VLOAD(b)));                                                       \
-            memcpy(y + r * ldy, out, (size_t)cols * sizeof(float));                                    \
-        }                                                                                              \
-    }
-PANEL_ROWS_I4(1, 4)
-PANEL_ROWS_I4(2, 4)
-PANEL_ROWS_I4(4, 4)
-PANEL_ROWS_I4(8, 4)
-PANEL_ROWS_I4(16, 4)
-
-/* codes [N, K / 2] (q[n, 2i] in the low nibble of byte i, q[n, 2i + 1] in the high), scales and
- * zeros [G, N] float32 into panels [ceil(N / 16), K, 8] bytes and params [ceil(N / 16), G, 2, 16]. */
-void tl_pack_panels_int4(const uint8_t *codes, const float *scales, const float *zeros, int64_t N, int64_t K,
-                         int64_t group, uint8_t *panels, float *params) {
-    const int64_t n_panels = (N + PANEL - 1) / PANEL, G = K / group;
-    for (int64_t p = 0; p < n_panels; ++p) {
-        for (int64_t k = 0; k < K; ++k)
-            for (int64_t j = 0; j < 8; ++j) {
-                uint8_t q[2] = {8, 8}; /* a padded column: code 8, scale 0 */
-                for (int h = 0; h < 2; ++h) {
-                    const int64_t n = p * PANEL + j + 8 * h;
-                    if (n < N) q[h] = (codes[n * (K / 2) + k / 2] >> (4 * (k & 1))) & 15u;
-                }
-                panels[(p * K + k) * 8 + j] = (uint8_t)(q[0] | (q[1] << 4));
-            }
-        for (int64_t g = 0; g < G; ++g)
-            for (int64_t j = 0; j < PANEL; ++j) {
-                const int64_t n = p * PANEL + j;
-                const float s = n < N ? scales[g * N + n] : 0.0f, z = n < N ? zeros[g * N + n] : 0.0f;
-                params[((p * G + g) * 2) * PANEL + j] = s;
-                params[((p * G + g) * 2 + 1) * PANEL + j] = z - 8.0f * s;
-            }
-    }
-}
-
-typedef struct {
-    const float *xt; /* per block of up to 16 rows: x transposed, then its group sums */
-    int64_t M, K, N, group, per_task;
-    const uint8_t *panels;
-    const float *params, *bias;
-    float *y;
-} int4_job;
-
-/* Task t of an `int4_job`: the columns of panels [t * per_task, (t + 1) * per_task), every row. */
-static void int4_task(const void *job_, int64_t task) {
-    const int4_job *job = job_;
-    const int64_t M = job->M, K = job->K, N = job->N, group = job->group, G = K / group;
-    const int64_t first = task * job->per_task * PANEL, last = first + job->per_task * PANEL;
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
-        const float *xt = job->xt + m0 * (K + G), *xsum = xt + rows * K;
-        for (int64_t n0 = first; n0 < N && n0 < last; n0 += PANEL) {
-            const uint8_t *panel = job->panels + n0 * K / 2;
-            const float *pp = job->params + (n0 / PANEL) * G * 2 * PANEL;
-            const float *b = job->bias != NULL ? job->bias + n0 : NULL;
-            const int64_t cols = N - n0 < PANEL ? N - n0 : PANEL;
-            for (int64_t r = 0; r < rows;) {
-                const float *xr = xt + r, *sr = xsum + r;
-                float *yr = job->y + (m0 + r) * N + n0;
-                const int64_t step = row_step(rows - r);
-                switch (step) {
-                case 16: matmul_i4_16(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
-                case 8: matmul_i4_8(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
-                case 4: matmul_i4_4(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
-                case 2: matmul_i4_2(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
-                default: matmul_i4_1(xr, rows, sr, panel, pp, K, group, b, yr, N, cols); break;
-                }
-                r += step;
-            }
-        }
-    }
-}
-
-/* y [M, N] = x [M, K] W^T + bias for 4-bit W as `tl_pack_panels_int4` laid it out. Returns 0, or
- * -1 where it could not allocate its scratch. */
-int tl_panel_matmul_int4(const float *x, int64_t M, int64_t K, const uint8_t *panels, const float *params,
-                         int64_t N, int64_t group, const float *bias, float *y) {
-    const int64_t G = K / group, n_panels = (N + PANEL - 1) / PANEL;
-    float *xt = malloc((size_t)M * (size_t)(K + G) * sizeof(float));
-    if (xt == NULL) return -1;
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
-        float *xb = xt + m0 * (K + G), *xsum = xb + rows * K;
-        for (int64_t k = 0; k < K; ++k)
-            for (int64_t r = 0; r < rows; ++r) xb[k * rows + r] = x[(m0 + r) * K + k];
-        for (int64_t g = 0; g < G; ++g)
-            for (int64_t r = 0; r < rows; ++r) {
-                float total = 0.0f;
-                for (int64_t k = g * group; k < (g + 1) * group; ++k) total += xb[k * rows + r];
-                xsum[g * rows + r] = total;
-            }
-    }
-    const int64_t per_task = panels_per_task(M, N, K);
-    const int4_job job = {xt, M, K, N, group, per_task, panels, params, bias, y};
-    run_tasks(int4_task, &job, (n_panels + per_task - 1) / per_task);
-    free(xt);
-    return 0;
 }

@@ -33,13 +33,17 @@ from tinyloop.model.hostmem import huge_page_bytes
 
 __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "load", "available", "decode_attention",
            "decode_attention_int4", "rms_norm", "rope", "quantize_int4_rows", "write_rows", "pack_panels",
-           "pack_panels_all", "pack_panels_int4", "panel_matmul", "panel_matmul_int4", "serves_rows", "PANEL",
+           "pack_panels_all", "panel_matmul", "serves_rows", "PANEL",
            "PANEL_ROWS", "PANEL_MAX_THREADS", "PANEL_SMALL_WORK", "set_threads", "threads", "task_counts", "loaded",
-           "covers_torch", "rows_of"]
+           "covers_torch", "rows_of", "QUANT_ISAS", "QBLOCK", "quant_isa", "best_quant_isa", "set_quant_isa",
+           "quantize_activations", "pack_q8", "pack_q4", "matmul_q8", "matmul_q4"]
 
 log = logging.getLogger("tinyloop.cpu")
 
 SOURCE = Path(__file__).resolve().parent / "kernels.c"
+# Every source the library is built from (SOURCE first), and the header they share.
+SOURCES = (SOURCE, SOURCE.with_name("qmatmul.c"))
+HEADERS = (SOURCE.with_name("kernels.h"),)
 # -march=native: the host's vector units (AVX-512 here); the cache key holds the CPU's flags.
 # -fopenmp-simd: the `omp simd` reductions vectorise without -ffast-math (same IEEE maths).
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-pthread", "-shared", "-fPIC")
@@ -52,14 +56,19 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_quantize_int4_rows", None, [_P] * 2 + [_I] + [_P] * 2 + [_I] * 2),
     ("tl_write_rows", ctypes.c_int, [_P, _I, _P, _I, _P] + [_I] * 2),
     ("tl_pack_panels", None, [_P] + [_I] * 3 + [_P]),
-    ("tl_pack_panels_int8", None, [_P] + [_I] * 3 + [_P]),
     ("tl_panel_matmul", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 2),
-    ("tl_panel_matmul_int8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 3),
-    ("tl_pack_panels_int4", None, [_P] * 3 + [_I] * 3 + [_P] * 2),
-    ("tl_panel_matmul_int4", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 2 + [_I] * 2 + [_P] * 2),
     ("tl_set_threads", ctypes.c_int, [ctypes.c_int]),
     ("tl_threads", ctypes.c_int, []),
     ("tl_task_counts", None, [_P]),
+    # qmatmul.c
+    ("tl_quant_isa_best", ctypes.c_int, []),
+    ("tl_set_quant_isa", ctypes.c_int, [ctypes.c_int]),
+    ("tl_quant_isa", ctypes.c_int, []),
+    ("tl_quantize_act", None, [_P] + [_I] * 3 + [_P] * 3),
+    ("tl_pack_q8", None, [_P] + [_I] * 3 + [_P]),
+    ("tl_pack_q4", None, [_P] * 3 + [_I] * 3 + [_P]),
+    ("tl_matmul_q8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 3),
+    ("tl_matmul_q4", ctypes.c_int, [_P] + [_I] * 2 + [_P] + [_I] * 2 + [_P] * 2),
 ]
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not
@@ -100,7 +109,8 @@ def _cpu_flags() -> str:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_flags()]).encode()).hexdigest()
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, cc, version, *FLAGS, _cpu_flags()]).encode()).hexdigest()
     target = cache_dir() / f"kernels-{key[:24]}.so"
     if target.is_file():
         return target
@@ -111,7 +121,8 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # built aside, then renamed: atomic
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=False)
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+                              check=False)
         if done.returncode:
             raise KernelUnavailable(f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -299,23 +310,23 @@ PANEL = 16  # output columns a panel of ``pack_panels`` holds (kernels.c's PANEL
 # threads, the threshold switched in one process, RESULTS 2026-12-01 00:45) the kernel beats
 # them up to 2^24 multiply-adds: a `small` step of 8 rows 1.14x faster at 2^22 than at 2^20 and
 # 1.10x faster again at 2^24, the ~100M preset's one-row step 1.08x and then 1.04x, its 8-row step
-# even; the demo model's speculation 1.64-1.70x plain at 2^20, 1.79-1.83x at 2^22. torch's int8
-# and int4 kernels are 2x slower at every size.
+# even; the demo model's speculation 1.64-1.70x plain at 2^20, 1.79-1.83x at 2^22. (Quantised
+# weights always run on qmatmul.c's kernels: torch's int8 and int4 ones are 2x slower or more.)
 PANEL_ROWS = 16
-PANEL_MAX_THREADS = {"float32": 1, "int8": 2, "int4": 2}
+PANEL_MAX_THREADS = 1
 PANEL_SMALL_WORK = 1 << 24
 
 
-def serves_rows(rows: int, n: int, k: int, dtype: str, any_rows: bool = False) -> bool:
-    """Whether a product of ``rows`` rows by an ``[n, k]`` weight of ``dtype`` (``float32``,
-    ``int8``, ``int4``) with panels runs on the panel kernel, at torch's and the kernels' present
-    thread counts; ``any_rows``: past PANEL_ROWS too, where the kernels cover torch's threads (a
-    weight that has no other fast copy: ``cpu_linear.PackedWeight`` without its blocked one)."""
+def serves_rows(rows: int, n: int, k: int, any_rows: bool = False) -> bool:
+    """Whether a product of ``rows`` rows by an ``[n, k]`` float32 weight with panels runs on
+    the panel kernel, at torch's and the kernels' present thread counts; ``any_rows``: past
+    PANEL_ROWS too, where the kernels cover torch's threads (a weight that has no other fast
+    copy: ``cpu_linear.PackedWeight`` without its blocked one)."""
     if rows <= 0:
         return False
     if rows > PANEL_ROWS:
         return any_rows and covers_torch()
-    return covers_torch() or rows * n * k <= PANEL_SMALL_WORK or torch.get_num_threads() <= PANEL_MAX_THREADS[dtype]
+    return covers_torch() or rows * n * k <= PANEL_SMALL_WORK or torch.get_num_threads() <= PANEL_MAX_THREADS
 
 
 def covers_torch() -> bool:
@@ -330,20 +341,19 @@ def _panels_numel(weight: torch.Tensor) -> int:
 
 
 def _pack_into(weight: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    if weight.dtype not in (torch.float32, torch.int8):
-        raise TypeError(f"panels hold float32 or int8 weights, not {weight.dtype}")
+    if weight.dtype != torch.float32:
+        raise TypeError(f"panels hold float32 weights, not {weight.dtype} (quantised ones: pack_q8, pack_q4)")
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     n, k = weight.shape
-    pack = load().tl_pack_panels if weight.dtype == torch.float32 else load().tl_pack_panels_int8
-    pack(weight.data_ptr(), weight.stride(0), n, k, panels.data_ptr())
+    load().tl_pack_panels(weight.data_ptr(), weight.stride(0), n, k, panels.data_ptr())
     return panels
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[N, K]`` (float32, or int8 codes, on the CPU; copied first unless its stride
-    along K is 1) laid out for ``panel_matmul``: panels of 16 output columns,
-    ``[ceil(N / 16), K, 16]`` flat, the last zero-padded; of the weight's dtype."""
+    """``weight`` ``[N, K]`` (float32 on the CPU; copied first unless its stride along K is 1)
+    laid out for ``panel_matmul``: panels of 16 output columns, ``[ceil(N / 16), K, 16]`` flat,
+    the last zero-padded."""
     return _pack_into(weight, torch.empty(_panels_numel(weight), dtype=weight.dtype, device=weight.device))
 
 
@@ -363,59 +373,119 @@ def pack_panels_all(weights: list[torch.Tensor]) -> list[torch.Tensor]:
             for w, off, size in zip(weights, offsets, sizes, strict=True)]
 
 
-def pack_panels_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                     group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """4-bit weights laid out for ``panel_matmul_int4``: ``codes`` ``[N, K / 2]`` uint8 (two codes
-    in [0, 15] a byte, the even k in the low nibble), ``scales`` and ``zeros`` ``[K / group, N]``
-    float32 (W = (code - 8) * scale + zero, ``quant.QuantWeight``'s int4). Returns the panels'
-    codes (8 bytes per k per 16 columns) and their per-group parameters, on 2 MiB pages."""
-    n, half = codes.shape
-    k, panels_n = 2 * half, -(-n // PANEL)
-    groups = k // group
-    codes, scales, zeros = codes.contiguous(), scales.float().contiguous(), zeros.float().contiguous()
-    shapes_ok = scales.shape == zeros.shape == (groups, n)
-    if codes.dtype != torch.uint8 or group % 4 or k % group or not shapes_ok:
-        raise ValueError("int4 panels need uint8 codes [N, K/2], a group of a multiple of 4 inputs dividing K, "
-                         "and float32 scales and zeros [K/group, N]")
-    panels = huge_page_bytes(panels_n * k * 8)
-    params = huge_page_bytes(panels_n * groups * 2 * PANEL * 4).view(torch.float32)
-    load().tl_pack_panels_int4(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, group, panels.data_ptr(),
-                               params.data_ptr())
-    return panels, params
-
-
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
     """A product's bias as the kernels read it: float32 and contiguous (no copy where it is)."""
     return None if bias is None else bias.detach().float().contiguous()
 
 
-def panel_matmul_int4(x: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor], n: int, group: int,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-    """``panel_matmul`` for 4-bit weights laid out by ``pack_panels_int4`` (x stays float32)."""
-    m, k = x.shape
-    codes, params = panels
-    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    bias = _bias(bias)
-    code = load().tl_panel_matmul_int4(x.data_ptr(), m, k, codes.data_ptr(), params.data_ptr(), n, group,
-                                       None if bias is None else bias.data_ptr(), out.data_ptr())
-    return _allocated(code, out, "a panel matrix product")
-
-
-def panel_matmul(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
-                 scales: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` for x ``[M, K]`` float32 contiguous on the CPU and W ``[n, K]`` as
-    ``pack_panels`` laid it out: float32, or int8 codes times ``scales`` ``[n]`` (float32, one
-    per output; required with int8 panels). Bias ``[n]``, or None; returns
-    ``[M, n]``. Fastest for a few rows (decode); the caller chooses (``cpu_linear.PackedWeight``,
-    ``quant.QuantWeight``)."""
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for x ``[M, K]`` float32 contiguous on the CPU and W ``[n, K]``
+    float32 as ``pack_panels`` laid it out. Bias ``[n]``, or None; returns ``[M, n]``. Fastest
+    for a few rows (decode); the caller chooses (``cpu_linear.PackedWeight``)."""
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
     bias = _bias(bias)
     b = None if bias is None else bias.data_ptr()
-    if panels.dtype == torch.int8:
-        assert scales is not None, "int8 panels need their scales"
-        code = load().tl_panel_matmul_int8(x.data_ptr(), m, k, panels.data_ptr(), n, scales.data_ptr(), b,
-                                           out.data_ptr())
-    else:
-        code = load().tl_panel_matmul(x.data_ptr(), m, k, panels.data_ptr(), n, b, out.data_ptr())
+    code = load().tl_panel_matmul(x.data_ptr(), m, k, panels.data_ptr(), n, b, out.data_ptr())
     return _allocated(code, out, "a panel matrix product")
+
+
+# Quantised products with integer dot products (qmatmul.c): the activations quantised to int8 per
+# block of QBLOCK inputs, int8 or int4 weights in panels of 16 columns.
+QBLOCK = 32
+QUANT_ISAS = ("portable", "avx2", "avx512vnni")  # qmatmul.c's paths, by level
+
+
+def best_quant_isa() -> str:
+    """The fastest path of the quantised products this CPU's build has."""
+    return QUANT_ISAS[load().tl_quant_isa_best()]
+
+
+def quant_isa() -> str:
+    """The path the quantised products run on now."""
+    return QUANT_ISAS[load().tl_quant_isa()]
+
+
+def set_quant_isa(name: str | None) -> str:
+    """Run the quantised products on path ``name`` (``QUANT_ISAS``; None: the best this CPU's
+    build has). Raises ValueError for a path the build lacks. Returns the path now used."""
+    lib = load()
+    level = -1 if name is None else QUANT_ISAS.index(name) if name in QUANT_ISAS else -2
+    if level == -2 or level > lib.tl_quant_isa_best():
+        raise ValueError(f"quantised product path {name!r} is not built here (best: {best_quant_isa()})")
+    return QUANT_ISAS[lib.tl_set_quant_isa(level)]
+
+
+def _padded(k: int) -> int:
+    return -(-k // 4) * 4
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the quantised products do to x ``[M, K]`` float32 first: per block of QBLOCK inputs,
+    ``d = max|x| / 127`` and ``xq = round(x / d)`` (ties to even). Returns xq ``[M, Kp]`` int8
+    (K padded with zeros to a multiple of 4), d and the blocks' sums of xq ``[M, ceil(Kp / 32)]``."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    kp = _padded(k)
+    nb = -(-kp // QBLOCK)
+    xq = torch.empty(m, kp, dtype=torch.int8)
+    d = torch.empty(m, nb, dtype=torch.float32)
+    sums = torch.empty(m, nb, dtype=torch.int32)
+    load().tl_quantize_act(x.data_ptr(), m, k, kp, xq.data_ptr(), d.data_ptr(), sums.data_ptr())
+    return xq, d, sums
+
+
+def pack_q8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes ``[N, K]`` laid out for ``matmul_q8`` (on 2 MiB pages where Linux gives them):
+    ``[ceil(N / 16), ceil(K / 4), 16, 4]`` bytes, each code + 128."""
+    if codes.dtype != torch.int8 or codes.dim() != 2:
+        raise ValueError(f"int8 panels need int8 codes [N, K], got {codes.dtype} {tuple(codes.shape)}")
+    if codes.stride(1) != 1:
+        codes = codes.contiguous()
+    n, k = codes.shape
+    panels = huge_page_bytes(-(-n // PANEL) * _padded(k) * PANEL)
+    load().tl_pack_q8(codes.data_ptr(), codes.stride(0), n, k, panels.data_ptr())
+    return panels
+
+
+def pack_q4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """4-bit codes ``[N, K / 2]`` uint8 (two a byte, the even k in the low nibble), ``scales``
+    and ``zeros`` ``[K / group, N]`` (W = (code - 8) * scale + zero) laid out for ``matmul_q4``:
+    per panel of 16 columns and group, the codes (8 inputs a 64-byte chunk), then the 16 scales
+    and the 16 shifts (zero - 8 scale) as fp16. The group must be a multiple of QBLOCK."""
+    n, half = codes.shape
+    k = 2 * half
+    groups = k // group if group > 0 else 0
+    scales, zeros = scales.float().contiguous(), zeros.float().contiguous()
+    if (codes.dtype != torch.uint8 or group <= 0 or group % QBLOCK or k % group
+            or scales.shape != (groups, n) or zeros.shape != (groups, n)):
+        raise ValueError(f"int4 panels need uint8 codes [N, K/2], a group of a multiple of {QBLOCK} inputs "
+                         "dividing K, and scales and zeros [K/group, N]")
+    codes = codes.contiguous()
+    panels = huge_page_bytes(-(-n // PANEL) * groups * (group * 8 + 64))
+    load().tl_pack_q4(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, group, panels.data_ptr())
+    return panels
+
+
+def matmul_q8(x: torch.Tensor, panels: torch.Tensor, n: int, scales: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for x ``[M, K]`` float32 contiguous, W the int8 codes ``pack_q8``
+    laid out times ``scales`` ``[n]`` (float32, one per output); x quantised per block
+    (``quantize_activations``). Returns ``[M, n]`` float32."""
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    bias = _bias(bias)
+    code = load().tl_matmul_q8(x.data_ptr(), m, k, panels.data_ptr(), n, scales.data_ptr(),
+                               None if bias is None else bias.data_ptr(), out.data_ptr())
+    return _allocated(code, out, "a quantised matrix product")
+
+
+def matmul_q4(x: torch.Tensor, panels: torch.Tensor, n: int, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for x ``[M, K]`` float32 contiguous and the 4-bit W ``pack_q4`` laid
+    out; x quantised per block (``quantize_activations``). Returns ``[M, n]`` float32."""
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    bias = _bias(bias)
+    code = load().tl_matmul_q4(x.data_ptr(), m, k, panels.data_ptr(), n, group,
+                               None if bias is None else bias.data_ptr(), out.data_ptr())
+    return _allocated(code, out, "a quantised matrix product")

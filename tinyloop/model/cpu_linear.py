@@ -139,7 +139,7 @@ class PackedWeight:
         k, n = x.shape[-1], self.weight.shape[0]
         rows = x.numel() // k
         if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(
-                rows, n, k, "float32", any_rows=self.blocked is None):
+                rows, n, k, any_rows=self.blocked is None):
             return kernels.panel_matmul(x.reshape(-1, k).contiguous(), self.panels, n, bias).view(*x.shape[:-1], n)
         if x.numel() <= k:
             parts = split_parts(k) if self.splittable and x.numel() == k else 1  # (not for no rows)

@@ -12,12 +12,15 @@ kernels' float32-activation variants run 15-30x slower here: 3.9 ms against 0.25
   [0, 15], torch's convention); ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the weight
   packed by ``_convert_weight_to_int4pack_for_cpu``.
 
-With the C kernels (``tinyloop/cpu``), a quantized weight also gets its codes in 16-column panels
-and products of 1 to 16 rows run on ``kernels.panel_matmul`` (``cpu_linear``'s panel kernel, the
-codes widened to float32 as they are read; int4 per group, scaled and shifted at the group's end):
-x stays float32, and a one-row product reads the codes at close to the memory's speed (torch's
-int8 and int4 kernels: a third to a half of it here). An int4 weight keeps its codes a second time
-(``codes4``, half a byte a weight) to lay them out.
+With the C kernels (``tinyloop/cpu``), a quantized weight also gets its codes laid out in
+16-column panels and its products run on ``kernels.matmul_q8`` / ``matmul_q4`` (qmatmul.c):
+the activations are quantised to int8 per block of 32 inputs (llama.cpp's q8_0 rule: max|x| /
+127, rounded) and each weight byte goes straight into an integer dot product (AVX-512 VNNI,
+AVX2, or portable C), so a one-row product reads the codes at the memory's speed where widening
+them to float32 was bound by the vector unit (twice to three times faster,
+``bench/vs_llamacpp.py``). The result is the dequantised weight times the dequantised
+activations; int4's scales and shifts are held as fp16 in the panels (5 bits a weight in all).
+An int4 weight keeps its codes a second time (``codes4``, half a byte a weight) to lay them out.
 
 ``quantize_linears(model, "int8" | "int4")`` swaps every float32 ``nn.Linear`` for a
 ``QuantLinear`` (the exit gate, one output wide, stays as it is, as does an int4 layer whose
@@ -81,23 +84,20 @@ class QuantWeight:
             self.scales = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [G, N, 2]
         self.scales16 = self.scales.to(torch.bfloat16)  # what the fast kernels take
         # the C kernels' layout (``set_panels``): int8 codes, or int4 codes and their group parameters
-        self.panels: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def panel_source(self) -> torch.Tensor | None:
-        """What ``kernels.pack_panels`` lays out: the int8 codes (int4 panels: ``set_panels``)."""
-        return self.q if self.mode == "int8" else None
+        self.panels: torch.Tensor | None = None
 
     def set_panels(self, on: bool) -> None:
-        """Lay the codes out in panels for ``kernels.panel_matmul`` (the C kernels built), or drop
-        them (``cpu.backend.use_cpu_kernels`` packs a model's int8 weights together instead)."""
+        """Lay the codes out in panels for ``kernels.matmul_q8`` / ``matmul_q4`` (the C kernels
+        built), or drop them."""
         if not on:
             self.panels = None
+        elif self.panels is not None:
+            return
         elif self.mode == "int8":
-            self.panels = kernels.pack_panels(self.q)
+            self.panels = kernels.pack_q8(self.q)
         else:  # scales [G, N, 2]: (scale, zero) per group and output
             assert self.codes4 is not None
-            self.panels = kernels.pack_panels_int4(self.codes4, self.scales[..., 0], self.scales[..., 1], self.group)
+            self.panels = kernels.pack_q4(self.codes4, self.scales[..., 0], self.scales[..., 1], self.group)
 
     @property
     def nbytes(self) -> int:
@@ -113,17 +113,16 @@ class QuantWeight:
         return out
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W^T (+ bias)`` for x ``[..., K]``, W the dequantized weight: a few float32 rows
-        on the panel kernel where there are panels, else x rounded to bfloat16 for torch's
-        product; the result in x's dtype."""
+        """``x @ W^T (+ bias)`` for x ``[..., K]``, W the dequantized weight: float32 rows on
+        the integer kernels where there are panels (x quantised per block of 32), else x
+        rounded to bfloat16 for torch's product; the result in x's dtype."""
         k = x.shape[-1]
-        rows = x.numel() // k
-        if self.panels is not None and x.dtype is torch.float32 and kernels.serves_rows(rows, *self.shape, self.mode):
+        if self.panels is not None and x.dtype is torch.float32 and x.numel():
             flat = x.reshape(-1, k).contiguous()
-            if isinstance(self.panels, tuple):
-                out = kernels.panel_matmul_int4(flat, self.panels, self.shape[0], self.group, bias)
+            if self.mode == "int4":
+                out = kernels.matmul_q4(flat, self.panels, self.shape[0], self.group, bias)
             else:
-                out = kernels.panel_matmul(flat, self.panels, self.shape[0], bias, self.scales)
+                out = kernels.matmul_q8(flat, self.panels, self.shape[0], self.scales, bias)
             return out.view(*x.shape[:-1], self.shape[0])
         flat = x.reshape(-1, k).to(torch.bfloat16).contiguous()
         out = self._product(flat, self.scales16).to(x.dtype).view(*x.shape[:-1], self.shape[0])

@@ -1,0 +1,515 @@
+/* Quantised matrix products with integer dot products: y [M, N] = x [M, K] W^T (+ bias [N]) for
+ * int8 and int4 weights (`quant.QuantWeight`), the activations quantised to int8 on the fly.
+ *
+ * A batch-1 decode step reads every weight once and does two multiply-adds per weight: with the
+ * weights widened to float32 as they are read (kernels.c's int8 and int4 panels) a core spends
+ * three or more vector instructions on each 16 weights and runs out of instructions before the
+ * memory runs out of bytes. Here the activations are quantised instead, once per call, per
+ * block of QBLOCK (32) inputs: d = max|x| / 127, xq = round(x / d) in [-127, 127] (ties to even),
+ * and each weight byte goes straight into an integer dot product: one AVX-512 VNNI `vpdpbusd`
+ * multiplies 64 unsigned bytes by 64 signed ones and adds each four into 16 int32 sums, i.e. 16
+ * output columns x 4 inputs a instruction. Each block's int32 sums are exact; they are turned
+ * into float32 and scaled once per block.
+ *
+ * Layouts (`tl_pack_q8`, `tl_pack_q4`): the weight in panels of 16 output columns (the last one
+ * zero-padded), each panel one sequential stream.
+ *   int8  W[n, k] = q[n, k] * scale[n], q in [-127, 127]. A panel holds, per 4 inputs k..k+3,
+ *         64 bytes: column j's four codes + 128 at bytes 4j..4j+3 (unsigned: `vpdpbusd` takes
+ *         the weights as its unsigned operand and the activations as its signed one; the 128 *
+ *         sum(xq) that adds is taken off each block's sums, exactly). K is padded to a multiple
+ *         of 4 with code 0.
+ *   int4  W[n, k] = q[n, k] * scale[g, n] + shift[g, n] (shift = zero - 8 scale, i.e. QuantWeight's
+ *         (q - 8) * scale + zero), q in [0, 15], groups g of `group` inputs (a multiple of 32).
+ *         Per group, per 8 inputs k..k+7, 64 bytes: byte 4j + i holds column j's code of input
+ *         k + i in its low nibble and of k + 4 + i in its high one (one AND, or a shift and an
+ *         AND, and the 64 bytes are a `vpdpbusd` operand: no shuffle), then the group's 16
+ *         scales and 16 shifts as fp16 (64 bytes): group * 8 + 64 bytes a group, 5 bits a weight.
+ *         y = sum_g scale_g * sum_b d_b dot_b + shift_g * sum_b d_b sum(xq_b).
+ *
+ * Every result is the product of the dequantised weight with the dequantised activations (d_b *
+ * xq), exact in each block's integer sum, float32 across blocks: paths differ from each other
+ * only in float32 rounding across blocks.
+ *
+ * Paths (`tl_set_quant_isa`): 2 = AVX-512 VNNI and BW, 1 = AVX2 (`vpmaddubsw` + `vpmaddwd`:
+ * int8 moves the activations' signs onto the weights, `vpsignb`, so no pair sum saturates), 0 =
+ * portable C. The library is built for the CPU it runs on (-march=native, its cache key holds
+ * the CPU's flags), so the best path this CPU has is compiled in and chosen; a lower one can be
+ * forced (the tests run each in turn).
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include "kernels.h"
+
+#define QBLOCK 32    /* inputs per activation block */
+#define QPANEL 16    /* output columns per panel */
+#define QMAX_ROWS 8  /* rows a panel pass keeps in registers */
+#define Q_AHEAD 256 /* bytes: prefetch this far ahead along the panel stream (measured: 128-256 best, 1-2 kB 10-25% slower) */
+#define Q_CHUNK_BYTES (192 * 1024) /* panels every block of rows reuses from L2 (past QMAX_ROWS rows) */
+#define Q_SPLIT_BYTES (64 * 1024)  /* a product whose weights are smaller stays on its caller's thread */
+#define Q_TASKS_PER_THREAD 4
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define Q_BEST 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q_BEST 1
+#else
+#define Q_BEST 0
+#endif
+
+static _Atomic int q_isa = Q_BEST;
+
+/* The best path compiled in (2 AVX-512 VNNI, 1 AVX2, 0 portable). */
+int tl_quant_isa_best(void) { return Q_BEST; }
+
+/* Use path `level` (clamped to what is compiled in; below 0: the best). Returns the path now used. */
+int tl_set_quant_isa(int level) {
+    level = level < 0 || level > Q_BEST ? Q_BEST : level;
+    atomic_store(&q_isa, level);
+    return level;
+}
+
+int tl_quant_isa(void) { return atomic_load(&q_isa); }
+
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* x [M, K] float32 -> xq [M, Kp] int8 (zero past K), per block b of QBLOCK inputs d [M, nb] and
+ * the block's sum of xq, sums [M, nb]. */
+void tl_quantize_act(const float *x, int64_t M, int64_t K, int64_t Kp, int8_t *xq, float *d, int32_t *sums) {
+    const int64_t nb = (Kp + QBLOCK - 1) / QBLOCK;
+    for (int64_t m = 0; m < M; ++m) {
+        const float *xr = x + m * K;
+        int8_t *qr = xq + m * Kp;
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < K ? k0 + QBLOCK : K;
+            float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+            for (int64_t k = k0; k < k1; ++k) amax = fmaxf(amax, fabsf(xr[k]));
+            const float scale = amax / 127.0f;
+            int32_t total = 0;
+            if (scale > 0.0f) {
+#pragma omp simd reduction(+ : total)
+                for (int64_t k = k0; k < k1; ++k) {
+                    const int32_t q = (int32_t)nearbyintf(xr[k] / scale);
+                    qr[k] = (int8_t)q;
+                    total += q;
+                }
+            } else {
+                for (int64_t k = k0; k < k1; ++k) qr[k] = 0;
+            }
+            d[m * nb + b] = scale;
+            sums[m * nb + b] = total;
+        }
+        for (int64_t k = K; k < Kp; ++k) qr[k] = 0;
+    }
+}
+
+/* int8 codes W [N, K] (row stride ldw) into panels [ceil(N / 16)][ceil(K / 4)][16][4] bytes. */
+void tl_pack_q8(const int8_t *w, int64_t ldw, int64_t N, int64_t K, uint8_t *panels) {
+    const int64_t Kp = (K + 3) / 4 * 4, n_panels = (N + QPANEL - 1) / QPANEL;
+    for (int64_t p = 0; p < n_panels; ++p)
+        for (int64_t k = 0; k < Kp; ++k)
+            for (int64_t j = 0; j < QPANEL; ++j) {
+                const int64_t n = p * QPANEL + j;
+                const int code = n < N && k < K ? w[n * ldw + k] : 0;
+                panels[p * Kp * QPANEL + (k / 4) * 64 + 4 * j + (k % 4)] = (uint8_t)(code + 128);
+            }
+}
+
+/* int4 codes [N, K / 2] (q[n, 2i] in the low nibble of byte i), scales and zeros [G, N] float32
+ * into panels [ceil(N / 16)][G][group * 8 + 64] bytes (see the top of this file). */
+void tl_pack_q4(const uint8_t *codes, const float *scales, const float *zeros, int64_t N, int64_t K, int64_t group,
+                uint8_t *panels) {
+    const int64_t G = K / group, gbytes = group * 8 + 64, n_panels = (N + QPANEL - 1) / QPANEL;
+    for (int64_t p = 0; p < n_panels; ++p)
+        for (int64_t g = 0; g < G; ++g) {
+            uint8_t *pg = panels + (p * G + g) * gbytes;
+            for (int64_t c = 0; c < group / 8; ++c)
+                for (int64_t j = 0; j < QPANEL; ++j)
+                    for (int64_t i = 0; i < 4; ++i) {
+                        const int64_t n = p * QPANEL + j, k = g * group + 8 * c + i;
+                        uint8_t lo = 0, hi = 0;
+                        if (n < N) {
+                            lo = (codes[n * (K / 2) + k / 2] >> (4 * (k & 1))) & 15u;
+                            hi = (codes[n * (K / 2) + (k + 4) / 2] >> (4 * ((k + 4) & 1))) & 15u;
+                        }
+                        pg[c * 64 + 4 * j + i] = (uint8_t)(lo | (hi << 4));
+                    }
+            uint16_t *params = (uint16_t *)(void *)(pg + group * 8);
+            for (int64_t j = 0; j < QPANEL; ++j) {
+                const int64_t n = p * QPANEL + j;
+                const float s = n < N ? scales[g * N + n] : 0.0f, z = n < N ? zeros[g * N + n] : 0.0f;
+                params[j] = float_to_half(s);
+                params[QPANEL + j] = float_to_half(z - 8.0f * s);
+            }
+        }
+}
+
+/* One product's work: the activations quantised, the panels, and how the panels are shared. */
+typedef struct {
+    const int8_t *xq;     /* [M, Kp] */
+    const float *d;       /* [M, nb] */
+    const int32_t *sums;  /* [M, nb] */
+    const float *xs;      /* int4: [M, G] sum over the group's blocks of d * sums */
+    int64_t M, K, Kp, nb, N, group, panel_bytes, per_task, chunk;
+    const uint8_t *panels;
+    const float *scales, *bias; /* int8: a scale per output; bias may be NULL */
+    float *y;
+    int isa;
+} q_job;
+
+/* Row m's outputs n0 .. n0 + cols - 1 from acc (16 floats), times the int8 scales, plus bias. */
+static inline void store_row(const q_job *job, int64_t m, int64_t n0, const float *acc) {
+    const int64_t cols = job->N - n0 < QPANEL ? job->N - n0 : QPANEL;
+    float *y = job->y + m * job->N + n0;
+    for (int64_t j = 0; j < cols; ++j) {
+        float v = acc[j];
+        if (job->scales != NULL) v *= job->scales[n0 + j];
+        if (job->bias != NULL) v += job->bias[n0 + j];
+        y[j] = v;
+    }
+}
+
+/* ---- portable C: any row count, one row at a time ---- */
+static void q8_portable(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
+    for (int r = 0; r < R; ++r) {
+        const int8_t *x = job->xq + (m + r) * job->Kp;
+        float acc[QPANEL] = {0};
+        for (int64_t b = 0; b < job->nb; ++b) {
+            const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < job->Kp ? k0 + QBLOCK : job->Kp;
+            int32_t dot[QPANEL] = {0};
+            for (int64_t k = k0; k < k1; ++k)
+                for (int j = 0; j < QPANEL; ++j)
+                    dot[j] += ((int32_t)panel[(k / 4) * 64 + 4 * j + (k % 4)] - 128) * x[k];
+            const float scale = job->d[(m + r) * job->nb + b];
+            for (int j = 0; j < QPANEL; ++j) acc[j] = fmaf((float)dot[j], scale, acc[j]);
+        }
+        store_row(job, m + r, n0, acc);
+    }
+}
+
+static void q4_portable(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
+    const int64_t group = job->group, G = job->K / group, gbytes = group * 8 + 64, per = group / QBLOCK;
+    for (int r = 0; r < R; ++r) {
+        const int8_t *x = job->xq + (m + r) * job->Kp;
+        float acc[QPANEL] = {0};
+        for (int64_t g = 0; g < G; ++g) {
+            const uint8_t *pg = panel + g * gbytes;
+            float t[QPANEL] = {0};
+            for (int64_t bb = 0; bb < per; ++bb) {
+                const int64_t b = g * per + bb;
+                int32_t dot[QPANEL] = {0};
+                for (int64_t c = 0; c < QBLOCK / 8; ++c) {
+                    const uint8_t *chunk = pg + (bb * (QBLOCK / 8) + c) * 64;
+                    const int8_t *xk = x + b * QBLOCK + 8 * c;
+                    for (int j = 0; j < QPANEL; ++j)
+                        for (int i = 0; i < 4; ++i)
+                            dot[j] += (chunk[4 * j + i] & 15) * xk[i] + (chunk[4 * j + i] >> 4) * xk[4 + i];
+                }
+                const float scale = job->d[(m + r) * job->nb + b];
+                for (int j = 0; j < QPANEL; ++j) t[j] = fmaf((float)dot[j], scale, t[j]);
+            }
+            const uint16_t *params = (const uint16_t *)(const void *)(pg + group * 8);
+            const float xs = job->xs[(m + r) * G + g];
+            for (int j = 0; j < QPANEL; ++j) {
+                acc[j] = fmaf(t[j], half_to_float(params[j]), acc[j]);
+                acc[j] = fmaf(half_to_float(params[QPANEL + j]), xs, acc[j]);
+            }
+        }
+        store_row(job, m + r, n0, acc);
+    }
+}
+
+/* ---- AVX2: 8 columns a 256-bit register, the panel's two halves side by side ---- */
+#if Q_BEST >= 1
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* int8: |x| (unsigned) times the weights with x's signs (`vpsignb`): each pair sum within
+ * 2 * 127 * 127, no saturation. */
+ALWAYS_INLINE void q8_avx2(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
+    __m256 acc[4][2];
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < job->nb; ++b) {
+        const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < job->Kp ? k0 + QBLOCK : job->Kp;
+        __m256i dot[4][2];
+        for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k1; k += 4) {
+            const uint8_t *w = panel + k * QPANEL;
+            __builtin_prefetch(w + Q_AHEAD, 0, 0);
+            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)w), flip);
+            const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)(w + 32)), flip);
+            for (int r = 0; r < R; ++r) {
+                const __m256i xb = _mm256_set1_epi32(load_i32(job->xq + (m + r) * job->Kp + k));
+                const __m256i ax = _mm256_abs_epi8(xb);
+                const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb));
+                const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb));
+                dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(p0, ones));
+                dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(p1, ones));
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m256 scale = _mm256_set1_ps(job->d[(m + r) * job->nb + b]);
+            for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), scale, acc[r][h]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float out[QPANEL];
+        _mm256_storeu_ps(out, acc[r][0]);
+        _mm256_storeu_ps(out + 8, acc[r][1]);
+        store_row(job, m + r, n0, out);
+    }
+}
+
+/* int4: the codes (0..15) are the unsigned operand: pair sums within 2 * 15 * 127. */
+ALWAYS_INLINE void q4_avx2(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
+    const int64_t group = job->group, G = job->K / group, gbytes = group * 8 + 64, per = group / QBLOCK;
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[4][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        const uint8_t *pg = panel + g * gbytes;
+        __m256 t[4][2];
+        for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
+        for (int64_t bb = 0; bb < per; ++bb) {
+            const int64_t b = g * per + bb;
+            __m256i dot[4][2];
+            for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+            for (int64_t c = 0; c < QBLOCK / 8; ++c) {
+                const uint8_t *chunk = pg + (bb * (QBLOCK / 8) + c) * 64;
+                __builtin_prefetch(chunk + Q_AHEAD, 0, 0);
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(chunk + 32 * h));
+                    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    for (int r = 0; r < R; ++r) {
+                        const int8_t *xk = job->xq + (m + r) * job->Kp + b * QBLOCK + 8 * c;
+                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xk))),
+                                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xk + 4))));
+                        dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(p, ones));
+                    }
+                }
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m256 scale = _mm256_set1_ps(job->d[(m + r) * job->nb + b]);
+                for (int h = 0; h < 2; ++h) t[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), scale, t[r][h]);
+            }
+        }
+        const uint16_t *params = (const uint16_t *)(const void *)(pg + group * 8);
+        for (int h = 0; h < 2; ++h) {
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(params + 8 * h)));
+            const __m256 sh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(params + QPANEL + 8 * h)));
+            for (int r = 0; r < R; ++r) {
+                acc[r][h] = _mm256_fmadd_ps(t[r][h], s, acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(sh, _mm256_set1_ps(job->xs[(m + r) * G + g]), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float out[QPANEL];
+        _mm256_storeu_ps(out, acc[r][0]);
+        _mm256_storeu_ps(out + 8, acc[r][1]);
+        store_row(job, m + r, n0, out);
+    }
+}
+#endif
+
+/* ---- AVX-512 VNNI: a panel's 16 columns in one register ---- */
+#if Q_BEST >= 2
+ALWAYS_INLINE void store_acc512(const q_job *job, int64_t m, int64_t n0, __m512 acc) {
+    const int64_t cols = job->N - n0 < QPANEL ? job->N - n0 : QPANEL;
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    if (job->scales != NULL) acc = _mm512_mul_ps(acc, _mm512_maskz_loadu_ps(mask, job->scales + n0));
+    if (job->bias != NULL) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, job->bias + n0));
+    _mm512_mask_storeu_ps(job->y + m * job->N + n0, mask, acc);
+}
+
+/* int8: two chains of dot products per row (even and odd groups of four inputs), so one or two
+ * rows do not wait on `vpdpbusd`'s latency. */
+ALWAYS_INLINE void q8_vnni(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
+    __m512 acc[QMAX_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const int64_t Kp = job->Kp, nb = job->nb;
+    for (int64_t b = 0; b < nb; ++b) {
+        const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < Kp ? k0 + QBLOCK : Kp;
+        __m512i dot[QMAX_ROWS], dot2[QMAX_ROWS];
+        for (int r = 0; r < R; ++r) dot[r] = dot2[r] = _mm512_setzero_si512();
+        int64_t k = k0;
+        for (; k + 8 <= k1; k += 8) {
+            const uint8_t *w = panel + k * QPANEL;
+            __builtin_prefetch(w + Q_AHEAD, 0, 0);
+            __builtin_prefetch(w + Q_AHEAD + 64, 0, 0);
+            const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
+            for (int r = 0; r < R; ++r) {
+                const int8_t *x = job->xq + (m + r) * Kp + k;
+                dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(load_i32(x)));
+                dot2[r] = _mm512_dpbusd_epi32(dot2[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
+            }
+        }
+        if (k < k1) { /* a last block of 4 inputs more than a multiple of 8 */
+            const __m512i w0 = _mm512_loadu_si512(panel + k * QPANEL);
+            for (int r = 0; r < R; ++r)
+                dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(load_i32(job->xq + (m + r) * Kp + k)));
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(dot[r], dot2[r]),
+                                                   _mm512_set1_epi32(128 * job->sums[(m + r) * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(job->d[(m + r) * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) store_acc512(job, m + r, n0, acc[r]);
+}
+
+ALWAYS_INLINE void q4_vnni(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
+    const int64_t group = job->group, G = job->K / group, gbytes = group * 8 + 64, per = group / QBLOCK;
+    const int64_t Kp = job->Kp, nb = job->nb;
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 acc[QMAX_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        const uint8_t *pg = panel + g * gbytes;
+        __m512 t[QMAX_ROWS];
+        for (int r = 0; r < R; ++r) t[r] = _mm512_setzero_ps();
+        for (int64_t bb = 0; bb < per; ++bb) {
+            const int64_t b = g * per + bb;
+            __m512i lo_dot[QMAX_ROWS], hi_dot[QMAX_ROWS];
+            for (int r = 0; r < R; ++r) lo_dot[r] = hi_dot[r] = _mm512_setzero_si512();
+            for (int64_t c = 0; c < QBLOCK / 8; ++c) {
+                const uint8_t *chunk = pg + (bb * (QBLOCK / 8) + c) * 64;
+                __builtin_prefetch(chunk + Q_AHEAD, 0, 0);
+                const __m512i v = _mm512_loadu_si512(chunk);
+                const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                for (int r = 0; r < R; ++r) {
+                    const int8_t *xk = job->xq + (m + r) * Kp + b * QBLOCK + 8 * c;
+                    lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], lo, _mm512_set1_epi32(load_i32(xk)));
+                    hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], hi, _mm512_set1_epi32(load_i32(xk + 4)));
+                }
+            }
+            for (int r = 0; r < R; ++r)
+                t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo_dot[r], hi_dot[r])),
+                                       _mm512_set1_ps(job->d[(m + r) * nb + b]), t[r]);
+        }
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(pg + group * 8)));
+        const __m512 sh = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(pg + group * 8 + 32)));
+        for (int r = 0; r < R; ++r) {
+            acc[r] = _mm512_fmadd_ps(t[r], s, acc[r]);
+            acc[r] = _mm512_fmadd_ps(sh, _mm512_set1_ps(job->xs[(m + r) * G + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) store_acc512(job, m + r, n0, acc[r]);
+}
+#endif
+
+/* Each path's row kernels for 1, 2, 4 and 8 rows (the row count a compile-time constant). */
+typedef void (*rows_fn)(const q_job *job, int64_t m, const uint8_t *panel, int64_t n0);
+#define ROW_KERNELS(FN, MAXR)                                                                          \
+    static void FN##_r1(const q_job *j, int64_t m, const uint8_t *p, int64_t n0) { FN(j, m, 1, p, n0); } \
+    static void FN##_r2(const q_job *j, int64_t m, const uint8_t *p, int64_t n0) { FN(j, m, 2, p, n0); } \
+    static void FN##_r4(const q_job *j, int64_t m, const uint8_t *p, int64_t n0) { FN(j, m, 4, p, n0); } \
+    static void FN##_r8(const q_job *j, int64_t m, const uint8_t *p, int64_t n0) { FN(j, m, MAXR, p, n0); } \
+    static const rows_fn FN##_rows[4] = {FN##_r1, FN##_r2, FN##_r4, FN##_r8};
+ROW_KERNELS(q8_portable, 8)
+ROW_KERNELS(q4_portable, 8)
+#if Q_BEST >= 1
+ROW_KERNELS(q8_avx2, 4) /* 4 rows at most: AVX2 has 16 registers (the r8 slot is never chosen) */
+ROW_KERNELS(q4_avx2, 4)
+#endif
+#if Q_BEST >= 2
+ROW_KERNELS(q8_vnni, 8)
+ROW_KERNELS(q4_vnni, 8)
+#endif
+
+static const rows_fn *row_kernels(int isa, int bits, int *max_rows) {
+    *max_rows = QMAX_ROWS;
+#if Q_BEST >= 2
+    if (isa >= 2) return bits == 8 ? q8_vnni_rows : q4_vnni_rows;
+#endif
+#if Q_BEST >= 1
+    if (isa >= 1) {
+        *max_rows = 4;
+        return bits == 8 ? q8_avx2_rows : q4_avx2_rows;
+    }
+#endif
+    (void)isa;
+    return bits == 8 ? q8_portable_rows : q4_portable_rows;
+}
+
+/* Task t: the panels [t * per_task, (t + 1) * per_task), every row; past one block of rows, a
+ * chunk of panels at a time (kept in L2 while every block of rows passes over it). */
+static void q_task(const void *job_, int64_t task, int bits) {
+    const q_job *job = job_;
+    int max_rows;
+    const rows_fn *kernels = row_kernels(job->isa, bits, &max_rows);
+    const int64_t n_panels = (job->N + QPANEL - 1) / QPANEL;
+    const int64_t first = task * job->per_task, last = first + job->per_task < n_panels ? first + job->per_task : n_panels;
+    for (int64_t c0 = first; c0 < last; c0 += job->chunk) {
+        const int64_t c1 = c0 + job->chunk < last ? c0 + job->chunk : last;
+        for (int64_t m = 0; m < job->M;) {
+            const int64_t left = job->M - m;
+            const int step = left >= max_rows ? max_rows : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            const rows_fn fn = kernels[step >= 8 ? 3 : step >= 4 ? 2 : step - 1];
+            for (int64_t p = c0; p < c1; ++p) fn(job, m, job->panels + p * job->panel_bytes, p * QPANEL);
+            m += step;
+        }
+    }
+}
+
+static void q8_task(const void *job, int64_t task) { q_task(job, task, 8); }
+static void q4_task(const void *job, int64_t task) { q_task(job, task, 4); }
+
+/* The product: quantise x, then the panels shared among the threads. Returns 0, or -1 where the
+ * scratch memory could not be allocated. */
+static int q_matmul(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, int64_t group,
+                    const float *scales, const float *bias, float *y, int bits) {
+    const int64_t Kp = (K + 3) / 4 * 4, nb = (Kp + QBLOCK - 1) / QBLOCK, G = bits == 4 ? K / group : 0;
+    const int64_t n_panels = (N + QPANEL - 1) / QPANEL;
+    const int64_t panel_bytes = bits == 8 ? Kp * QPANEL : G * (group * 8 + 64);
+    const size_t scratch = (size_t)(M * Kp) + (size_t)(M * nb) * (sizeof(float) + sizeof(int32_t))
+                           + (size_t)(M * G) * sizeof(float) + 64;
+    char *memory = malloc(scratch);
+    if (memory == NULL) return -1;
+    float *d = (float *)(void *)memory;
+    int32_t *sums = (int32_t *)(void *)(d + M * nb);
+    float *xs = (float *)(void *)(sums + M * nb);
+    int8_t *xq = (int8_t *)(void *)(xs + M * G);
+    tl_quantize_act(x, M, K, Kp, xq, d, sums);
+    for (int64_t m = 0; m < M; ++m) /* int4: each group's sum of the dequantised activations */
+        for (int64_t g = 0; g < G; ++g) {
+            float total = 0.0f;
+            for (int64_t b = g * (group / QBLOCK); b < (g + 1) * (group / QBLOCK); ++b)
+                total = fmaf(d[m * nb + b], (float)sums[m * nb + b], total);
+            xs[m * G + g] = total;
+        }
+    const int threads = tl_threads();
+    int64_t per_task = n_panels;
+    if (threads > 1 && n_panels * panel_bytes >= Q_SPLIT_BYTES)
+        per_task = (n_panels + threads * Q_TASKS_PER_THREAD - 1) / (threads * Q_TASKS_PER_THREAD);
+    int64_t chunk = Q_CHUNK_BYTES / panel_bytes;
+    chunk = chunk < 1 ? 1 : chunk;
+    const q_job job = {xq, d, sums, xs, M, K, Kp, nb, N, group, panel_bytes, per_task, chunk, panels, scales, bias,
+                       y, tl_quant_isa()};
+    tl_run_tasks(bits == 8 ? q8_task : q4_task, &job, (n_panels + per_task - 1) / per_task);
+    free(memory);
+    return 0;
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for int8 W as `tl_pack_q8` laid it out, scales [N]. */
+int tl_matmul_q8(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, const float *scales,
+                 const float *bias, float *y) {
+    return q_matmul(x, M, K, panels, N, 0, scales, bias, y, 8);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for int4 W as `tl_pack_q4` laid it out (group a multiple of 32). */
+int tl_matmul_q4(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, int64_t group,
+                 const float *bias, float *y) {
+    return q_matmul(x, M, K, panels, N, group, NULL, bias, y, 4);
+}
