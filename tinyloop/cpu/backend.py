@@ -27,9 +27,11 @@ from __future__ import annotations
 import torch
 
 from tinyloop.cpu import kernels
+from tinyloop.cpu.block import FusedBlock
 from tinyloop.model.backend import TORCH, TorchBackend
 from tinyloop.model.cpu_linear import PackedWeight, packed_weights
 from tinyloop.model.kvstore import Int4Buffer, KVStore, PlainBuffer
+from tinyloop.model.layers import Block
 from tinyloop.model.looped import LoopedLM
 from tinyloop.model.quant import QuantWeight, quant_weights
 
@@ -105,19 +107,25 @@ class CpuBackend(TorchBackend):
 CPU = CpuBackend()
 
 
-def use_cpu_kernels(model: LoopedLM, on: bool = True) -> bool:
+def use_cpu_kernels(model: LoopedLM, on: bool = True, fused: bool = True) -> bool:
     """Run ``model``'s decode attention, 4-bit KV writes, RMSNorm and few-row products (of its
     packed weights: ``cpu_linear.pack_linears`` first) on the C kernels (building them if need
     be) when the model is on the CPU and they build here; True when they do. ``on=False`` puts a
     model this backend was given back on torch's (a model shared by engines of both settings
-    follows the last one built)."""
+    follows the last one built). ``fused``: each covered block's decode step as one call
+    (``cpu.block.FusedBlock``)."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
     if not on or next(model.parameters()).device.type != "cpu" or not kernels.available():
         if model.backend is CPU:
             model.use_backend(TORCH)
         _set_panels(model, False)
+        for block in blocks:
+            block.fused = None
         return False
     model.use_backend(CPU)
     _set_panels(model, True)
+    for block in blocks:
+        block.fused = FusedBlock.for_block(block) if fused else None
     return True
 
 

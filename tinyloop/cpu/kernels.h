@@ -10,6 +10,22 @@ typedef void (*task_fn)(const void *job, int64_t task);
 void tl_run_tasks(task_fn fn, const void *job, int64_t n);
 int tl_threads(void);
 
+/* The kernels one decoder block's decode step (block.c) runs in sequence. */
+void tl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t H, float eps);
+void tl_rope(const float *x, int64_t ldx, const float *cos, const float *sin, int64_t cs_rows, float *out, int64_t R,
+             int64_t H, int64_t T, int64_t D, int half);
+int tl_write_rows(const float *x, int64_t ldx, const int64_t *rows, int64_t n, float *dst, int64_t n_rows,
+                  int64_t width);
+int tl_decode_attention(const float *q, int64_t ldq, const float *k, const float *v, const int64_t *rows,
+                        const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L,
+                        int64_t T, float scale);
+int tl_panel_matmul(const float *x, int64_t M, int64_t K, const float *panels, int64_t N, const float *bias,
+                    float *y);
+int tl_matmul_q8(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, const float *scales,
+                 const float *bias, float *y);
+int tl_matmul_q4(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, int64_t group,
+                 const float *bias, float *y);
+
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
     union { uint32_t u; float f; } bits;

@@ -42,7 +42,7 @@ log = logging.getLogger("tinyloop.cpu")
 
 SOURCE = Path(__file__).resolve().parent / "kernels.c"
 # Every source the library is built from (SOURCE first), and the header they share.
-SOURCES = (SOURCE, SOURCE.with_name("qmatmul.c"))
+SOURCES = (SOURCE, SOURCE.with_name("qmatmul.c"), SOURCE.with_name("block.c"))
 HEADERS = (SOURCE.with_name("kernels.h"),)
 # -march=native: the host's vector units (AVX-512 here); the cache key holds the CPU's flags.
 # -fopenmp-simd: the `omp simd` reductions vectorise without -ffast-math (same IEEE maths).
@@ -69,6 +69,8 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_pack_q4", None, [_P] * 3 + [_I] * 3 + [_P]),
     ("tl_matmul_q8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 3),
     ("tl_matmul_q4", ctypes.c_int, [_P] + [_I] * 2 + [_P] + [_I] * 2 + [_P] * 2),
+    # block.c
+    ("tl_decode_block", ctypes.c_int, [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 4),
 ]
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not

@@ -158,6 +158,20 @@ class PagedContext:
         at = self._all_rows if rows is None else rows
         return self._write_rows[at, slots].flatten(), self._key_rows[at, slots]
 
+    def decode_rows(self, rows: torch.Tensor | None, slots: torch.Tensor | int) -> tuple[torch.Tensor, ...] | None:
+        """For a plain decode step (one new token a row that may see its first n_keys keys: no
+        tree, no loop gaps, K and V stored): where ``rows`` at ``slots`` write their new K and V
+        ``[R]``, the keys they read ``[R, L]``, how many of them each attends ``[R]``, and cos and
+        sin at their positions ``[R or 1, 1, D]``, all contiguous on the host (what a fused
+        decode block, ``cpu.block``, takes); None for any other step."""
+        if (self._n_keys is None or self._gaps is not None or self._tree is not None or self.cos.shape[1] != 1
+                or self.pool.store.mode.h_mode or torch.device(self.pool.device).type != "cpu"):
+            return None
+        write, keys = self._flat_index(rows, slots)
+        cos, sin = _take(self.cos, rows), _take(self.sin, rows)
+        return (write.contiguous(), keys.contiguous(), _take(self._n_keys, rows).contiguous(), cos.contiguous(),
+                sin.contiguous())
+
     def key_rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at every key position of ``rows``, ``[R, L, D]`` each (h-mode's recompute).
 

@@ -269,6 +269,15 @@ class MLP(HookFree):
         return y
 
 
+class FusedStep(Protocol):
+    """A block's step run natively (``cpu.block.FusedBlock``): ``Block.run``'s result, or None
+    for a call it does not cover (the block then runs its modules)."""
+
+    def run(self, x: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None, slots: torch.Tensor | int,
+            normed: torch.Tensor | None, then: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        ...
+
+
 class Block(HookFree):
     """One transformer layer in one of four norm placements.
 
@@ -283,6 +292,8 @@ class Block(HookFree):
     """
 
     backend: Backend = TORCH
+    # the whole decode step in one native call where the backend covers it (``cpu.block``)
+    fused: FusedStep | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -308,6 +319,8 @@ class Block(HookFree):
         """``forward`` in a stack of blocks: ``normed`` is this block's input norm n1(x) when the
         block before made it, and ``then`` the next block's input norm, applied to the output in
         the last residual's backend call. Returns the output and ``then`` of it (None without)."""
+        if self.fused is not None and (done := self.fused.run(x, ctx, rows, slots, normed, then)) is not None:
+            return done
         join, style, eps, cast_first = self.backend.residual_norm, self.style, self.eps, self.cast_first
         post = style != "pre_ln"
         h: torch.Tensor | None

@@ -1,0 +1,133 @@
+"""A block's decode step as one C call (``cpu.block.FusedBlock``): the same tokens and logprobs
+as the block's modules run one by one, in every layout and weight kind it covers; the steps it
+does not cover (prefill, a 4-bit KV pool, other layouts) run unfused; stale panels are noticed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.engine.test_engine import req
+from tinyloop.cpu import kernels
+from tinyloop.cpu.backend import use_cpu_kernels
+from tinyloop.cpu.block import FusedBlock
+from tinyloop.engine.engine import Engine
+from tinyloop.model.layers import Block
+from tinyloop.model.presets import PRESETS, init_model
+from tinyloop.model.quant import QuantLinear
+from tinyloop.requests import GenerationResult, SamplingParams
+from tinyloop.tokenizer import default_tokenizer
+
+pytestmark = [pytest.mark.skipif(not kernels.available(), reason="no C compiler to build the CPU kernels"),
+              pytest.mark.usefixtures("one_torch_thread")]
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """How many block steps ran fused ([fused, declined]); each fused one is checked against the
+    block's modules run on the same input (their K and V writes are the same values again)."""
+    counts = [0, 0]
+    run = FusedBlock.run
+
+    def counted(self: FusedBlock, *args: object) -> object:
+        out = run(self, *args)  # type: ignore[arg-type]
+        counts[out is None] += 1
+        if out is not None:
+            self.block.fused = None
+            try:
+                x, ctx, rows, slots, normed, then = args
+                want = self.block.run(x, ctx, ctx._rope, rows, slots, normed, then)  # type: ignore[arg-type,attr-defined]
+            finally:
+                self.block.fused = self
+            for got, expected in zip(out, want, strict=True):
+                if expected is None:
+                    assert got is None
+                else:
+                    assert got is not None
+                    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5 * float(expected.abs().max()))
+        return out
+
+    monkeypatch.setattr(FusedBlock, "run", counted)
+    yield counts
+
+
+def engine(style: str = "sandwich", weights: str = "float", kv_mode: str | None = None, **changes: object) -> Engine:
+    config = PRESETS["tiny"].replace(max_position=256, block_style=style, **changes)
+    model = init_model(config, seed=0)
+    with torch.no_grad():  # peaked logits: no argmax ties between the two runs' roundings
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    return Engine(model, default_tokenizer(), max_seq_len=128, block_size=8, weights=weights, kv_mode=kv_mode)
+
+
+GREEDY = SamplingParams(temperature=0, logprobs=True, ignore_eos=True)
+REQUESTS = [req([5, 6, 7], max_tokens=8, loops=1, sampling=GREEDY),
+            req(list(range(10, 31)), max_tokens=6, loops=3, sampling=GREEDY),
+            req([40, 41, 42], max_tokens=6, loops=2,
+                sampling=SamplingParams(temperature=0.9, top_k=40, seed=123, ignore_eos=True, logprobs=True))]
+
+
+def both(eng: Engine) -> tuple[list[GenerationResult], list[GenerationResult]]:
+    fused = eng.generate_many(REQUESTS)
+    use_cpu_kernels(eng.model, True, fused=False)
+    try:
+        return fused, eng.generate_many(REQUESTS)
+    finally:
+        use_cpu_kernels(eng.model, True)
+
+
+def assert_same(fused: list[GenerationResult], plain: list[GenerationResult]) -> None:
+    for a, b in zip(fused, plain, strict=True):
+        assert a.tokens == b.tokens
+        assert a.logprobs is not None and b.logprobs is not None
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
+                                   torch.tensor([lp.logprob for lp in b.logprobs]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("style", ["pre_ln", "sandwich", "peri_ln"])
+@pytest.mark.parametrize("weights", ["float", "int8", "int4"])
+def test_a_fused_decode_step_equals_the_blocks_modules(fused_calls: list[int], style: str, weights: str) -> None:
+    eng = engine(style, weights)
+    blocks = [m for m in eng.model.modules() if isinstance(m, Block)]
+    assert blocks and all(b.fused is not None for b in blocks)
+    fused, plain = both(eng)
+    assert fused_calls[0] > 0 and fused_calls[1] > 0  # decode steps fused; prefills declined
+    assert_same(fused, plain)
+
+
+def test_blocks_it_does_not_cover_run_their_modules() -> None:
+    for eng in (engine("post_ln"), engine(qk_bias=True), engine(fused_qkv=False)):
+        assert all(b.fused is None for b in eng.model.modules() if isinstance(b, Block))
+        assert eng.generate_many(REQUESTS[:1])[0].completion_tokens == 8
+
+
+def test_a_4bit_kv_pool_declines_and_runs_unfused(fused_calls: list[int]) -> None:
+    eng = engine(kv_mode="int4")
+    fused, plain = both(eng)
+    assert fused_calls[0] == 0 and fused_calls[1] > 0
+    assert_same(fused, plain)
+
+
+def test_new_panels_make_the_fused_step_stand_down(fused_calls: list[int]) -> None:
+    eng = engine(weights="int8")
+    block = next(m for m in eng.model.modules() if isinstance(m, Block))
+    assert block.fused is not None and block.fused.current()
+    layer = block.mlp.fc
+    assert isinstance(layer, QuantLinear)
+    layer.quant.set_panels(False)  # e.g. weights re-packed: the struct's pointers would be stale
+    assert not block.fused.current()
+    layer.quant.set_panels(True)
+    assert not block.fused.current()  # new panels, new memory
+    eng.generate_many(REQUESTS[:1])
+    assert fused_calls[1] > 0
+    use_cpu_kernels(eng.model, True)  # rebuilt on the panels the layer has now
+    assert block.fused is not None and block.fused.current()
+
+
+def test_turning_the_kernels_off_drops_the_fused_steps() -> None:
+    eng = engine()
+    use_cpu_kernels(eng.model, False)
+    assert all(b.fused is None for b in eng.model.modules() if isinstance(b, Block))

@@ -1,0 +1,106 @@
+/* One decoder block's decode step in one call: every row's one new token through the block,
+ * the same kernels `Block.run` calls one by one from Python (kernels.c, qmatmul.c), in the same
+ * order on the same buffers, so the result is theirs; only the SwiGLU is computed here.
+ *
+ * Why: a decode step of a small model at batch 1 spent about 150 us a block between the kernels
+ * (the Python and torch calls around them: norms, views, RoPE tables, residual adds, the KV
+ * write, ~20 calls), as long as the kernels themselves took on a ~100M model. Here a block is
+ * one call.
+ *
+ *   x       [R, H]   the block's input (row r's residual stream), read
+ *   normed  [R, H]   n1(x) when the block before made it, else NULL (computed here)
+ *   cos/sin [cs_rows, D] each row's RoPE at its position (cs_rows R, or 1 for every row)
+ *   k_pool, v_pool [pool_rows, KVH * D] float32: the layer's KV pool; `write_rows` [R] where
+ *            each row's new K and V go, `key_rows` [R, L] the rows its keys are read from, of
+ *            which the first n_keys[r] (its own new one included) are attended
+ *   then_w  [H] the next block's input norm, or NULL; then_out [R, H] gets it of the output
+ *   x_out   [R, H]   the block's output
+ *
+ * The block (``layers.Block``): fused [q; k; v] projection, RoPE on q and k, no q/k norm or bias;
+ * SwiGLU MLP with a fused [gate; up] projection; norms placed by `style`:
+ *   0 pre_ln:   x = x + attn(n1(x));      x = x + mlp(n3(x))
+ *   1 sandwich: x = n2(x + attn(n1(x)));  x = n4(x + mlp(n3(x)))
+ *   2 peri_ln:  x = x + n2(attn(n1(x)));  x = x + n4(mlp(n3(x)))
+ * Each weight is float32 panels (kernels.c's `tl_pack_panels`), int8 or int4 (qmatmul.c).
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kernels.h"
+
+typedef struct {
+    int64_t kind; /* 0 float32 panels, 1 int8, 2 int4 */
+    int64_t n, k, group;
+    const void *panels;
+    const float *scales; /* int8: one per output */
+} tl_weight;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, style, rope_half;
+    const float *n1, *n2, *n3, *n4; /* NULL where the style has none */
+    tl_weight qkv, o, fc, proj;
+    float eps;
+} tl_block;
+
+static int product(const tl_weight *w, const float *x, int64_t M, float *y) {
+    switch (w->kind) {
+    case 0: return tl_panel_matmul(x, M, w->k, w->panels, w->n, NULL, y);
+    case 1: return tl_matmul_q8(x, M, w->k, w->panels, w->n, w->scales, NULL, y);
+    default: return tl_matmul_q4(x, M, w->k, w->panels, w->n, w->group, NULL, y);
+    }
+}
+
+/* A residual add with its norms (`Backend.residual_norm`): r from x and the sublayer's a (`a`
+ * is overwritten), then h = norm(r) by w_out where there is one. */
+static void join(const tl_block *b, const float *x, float *a, const float *w_in, const float *w_out, int64_t R,
+                 float *r, float *h) {
+    const int64_t n = R * b->hidden;
+    if (b->style == 2) { /* peri_ln: x + n(a) */
+        tl_rms_norm(a, w_in, r, R, b->hidden, b->eps);
+        for (int64_t i = 0; i < n; ++i) r[i] = x[i] + r[i];
+    } else {
+        for (int64_t i = 0; i < n; ++i) a[i] = x[i] + a[i];
+        if (b->style == 1) tl_rms_norm(a, w_in, r, R, b->hidden, b->eps); /* sandwich: n(x + a) */
+        else memcpy(r, a, (size_t)n * sizeof(float));                      /* pre_ln: x + a */
+    }
+    if (w_out != NULL) tl_rms_norm(r, w_out, h, R, b->hidden, b->eps);
+}
+
+/* Returns 0; 1 where scratch memory could not be allocated; 2 where a write row is outside the
+ * pool (nothing of the block is then kept). */
+int tl_decode_block(const tl_block *b, const float *x, const float *normed, int64_t R, const float *cos,
+                    const float *sin, int64_t cs_rows, float *k_pool, float *v_pool, int64_t pool_rows,
+                    const int64_t *write_rows, const int64_t *key_rows, int64_t L, const int64_t *n_keys,
+                    const float *then_w, float *x_out, float *then_out) {
+    const int64_t H = b->hidden, HQ = b->heads, KVH = b->kv_heads, D = b->head_dim, I = b->intermediate;
+    const int64_t qkv_w = (HQ + 2 * KVH) * D, qk_w = (HQ + KVH) * D;
+    for (int64_t i = 0; i < R; ++i)
+        if (write_rows[i] < 0 || write_rows[i] >= pool_rows) return 2;
+    const size_t floats = (size_t)R * (size_t)(3 * H + qkv_w + qk_w + HQ * D + 3 * I);
+    float *memory = malloc(floats * sizeof(float));
+    if (memory == NULL) return 1;
+    float *h = memory, *a = h + R * H, *r = a + R * H, *qkv = r + R * H, *qk = qkv + R * qkv_w;
+    float *att = qk + R * qk_w, *fc = att + R * HQ * D, *s = fc + R * 2 * I;
+    int failed = 0;
+    if (normed == NULL) tl_rms_norm(x, b->n1, h, R, H, b->eps);
+    failed |= product(&b->qkv, normed != NULL ? normed : h, R, qkv);
+    tl_rope(qkv, qkv_w, cos, sin, cs_rows, qk, R, HQ + KVH, 1, D, (int)b->rope_half); /* [R, HQ + KVH, D] */
+    tl_write_rows(qk + HQ * D, qk_w, write_rows, R, k_pool, pool_rows, KVH * D);
+    tl_write_rows(qkv + qk_w, qkv_w, write_rows, R, v_pool, pool_rows, KVH * D);
+    failed |= tl_decode_attention(qk, qk_w, k_pool, v_pool, key_rows, n_keys, att, R, HQ, KVH, D, L, 1,
+                                  (float)(1.0 / sqrt((double)D)));
+    failed |= product(&b->o, att, R, a);
+    join(b, x, a, b->n2, b->n3, R, r, h); /* r: the stream after attention, h: n3(r) */
+    failed |= product(&b->fc, h, R, fc);
+    for (int64_t m = 0; m < R; ++m) { /* SwiGLU: silu(gate) * up */
+        const float *gate = fc + m * 2 * I, *up = gate + I;
+        float *out = s + m * I;
+        for (int64_t i = 0; i < I; ++i) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+    failed |= product(&b->proj, s, R, a);
+    join(b, r, a, b->n4, then_w, R, x_out, then_out);
+    free(memory);
+    return failed ? 1 : 0;
+}

@@ -1,0 +1,146 @@
+"""``FusedBlock``: one decoder block's decode step as one C call (``block.c``).
+
+A decode step of a small model at batch 1 spends as long between the C kernels as in them: each
+block makes some twenty Python and torch calls (norms, views, RoPE tables, residual adds, the
+KV write), about 150 us a block on this machine, against about 3 ms of weights a token for a
+~100M model at int8. ``FusedBlock.run`` runs the same kernels in the same order from C, on the
+same buffers, so a block's output is the unfused one's (the SwiGLU aside, computed in C: float32
+rounding).
+
+It covers the plain decode step (one new token a row, a float32 KV pool, no tree, no loop
+gaps: ``PagedContext.decode_rows``) of a float32 block with a fused q/k/v projection, no q/k
+norm or bias, a ``pre_ln``, ``sandwich`` or ``peri_ln`` layout, and every weight on the kernels
+(``cpu_linear.PackedWeight`` with panels, ``quant.QuantWeight`` with panels). Anything else (a
+prefill, a verify, h-mode or 4-bit KV, another dtype) returns None from ``run`` and the block
+runs unfused. ``cpu.backend.use_cpu_kernels`` gives each covered block one (``Block.fused``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tinyloop.cpu import kernels
+from tinyloop.model.context import PagedContext
+from tinyloop.model.cpu_linear import PackedLinear
+from tinyloop.model.kvstore import PlainBuffer
+from tinyloop.model.layers import AttentionContext, Block, RMSNorm
+from tinyloop.model.quant import QuantLinear
+
+__all__ = ["FusedBlock"]
+
+_STYLES = {"pre_ln": 0, "sandwich": 1, "peri_ln": 2}
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Weight(ctypes.Structure):  # block.c's tl_weight
+    _fields_ = [("kind", _I64), ("n", _I64), ("k", _I64), ("group", _I64), ("panels", _P), ("scales", _P)]
+
+
+class _Block(ctypes.Structure):  # block.c's tl_block
+    _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("intermediate", _I64),
+                ("style", _I64), ("rope_half", _I64), ("n1", _P), ("n2", _P), ("n3", _P), ("n4", _P),
+                ("qkv", _Weight), ("o", _Weight), ("fc", _Weight), ("proj", _Weight), ("eps", ctypes.c_float)]
+
+
+def _weight(module: torch.nn.Module) -> tuple[_Weight, torch.Tensor] | None:
+    """A linear layer as block.c reads it, and the panels it points at; None off the kernels."""
+    if isinstance(module, PackedLinear) and module.bias is None and module.packed.panels is not None:
+        n, k = module.weight.shape
+        return _Weight(0, n, k, 0, module.packed.panels.data_ptr(), None), module.packed.panels
+    if isinstance(module, QuantLinear) and module.bias is None and module.quant.panels is not None:
+        quant = module.quant
+        (n, k), kind = quant.shape, 1 if quant.mode == "int8" else 2
+        scales = quant.scales.data_ptr() if kind == 1 else None
+        return _Weight(kind, n, k, quant.group, quant.panels.data_ptr(), scales), quant.panels
+    return None
+
+
+_Watch = tuple[dict[str, "torch.nn.Module | None"], str, torch.nn.Module, object, object]
+
+
+def _watched(block: Block) -> tuple[_Watch, ...]:
+    """What a block's struct depends on: each of its four layers where the block holds it (its
+    parent's module dict, the name), and the object holding the layer's panels with the panels
+    it holds now. ``FusedBlock.current`` checks each still holds the same."""
+    out: list[_Watch] = []
+    for parent, name in ((block.attn, "qkv"), (block.attn, "o"), (block.mlp, "fc"), (block.mlp, "proj")):
+        layer = parent._modules[name]
+        assert layer is not None
+        holder = getattr(layer, "packed", None) or getattr(layer, "quant", None)
+        out.append((parent._modules, name, layer, holder, getattr(holder, "panels", None)))
+    return tuple(out)
+
+
+def _norm(norm: RMSNorm | None) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
+
+
+class FusedBlock:
+    """A covered ``Block``'s decode step in one call; ``for_block`` is None for a block it does
+    not cover. Rebuilt (``Block.fused``) whenever the block's weights get new panels."""
+
+    __slots__ = ("block", "_struct", "_keep", "_watch")
+
+    def __init__(self, block: Block, struct: _Block, keep: list[torch.Tensor]) -> None:
+        self.block, self._struct, self._keep = block, struct, keep  # (_keep: what the struct points at)
+        self._watch = _watched(block)
+
+    @classmethod
+    def for_block(cls, block: Block) -> FusedBlock | None:
+        attn, c = block.attn, block.attn.config
+        if not kernels.available() or block.style not in _STYLES or not attn.rope_qk_together:
+            return None
+        norms = [getattr(block, name, None) for name in ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm")]
+        if any(n is not None and (n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
+                                  or n.weight.device.type != "cpu") for n in norms):
+            return None
+        weights = [_weight(m) for m in (attn.qkv, attn.o, block.mlp.fc, block.mlp.proj)]
+        if any(w is None for w in weights) or c.rope_style not in ("half", "interleaved"):
+            return None
+        structs = [w[0] for w in weights if w is not None]
+        struct = _Block(c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate, _STYLES[block.style],
+                        int(c.rope_style == "half"), *(_norm(n) for n in norms), *structs, block.eps)
+        keep = [w[1] for w in weights if w is not None] + [n.weight for n in norms if n is not None]
+        return cls(block, struct, keep)
+
+    def current(self) -> bool:
+        """Whether the block still has the layers and panels this was built from."""
+        return all(modules[name] is layer and holder.panels is panels  # type: ignore[attr-defined]
+                   for modules, name, layer, holder, panels in self._watch)
+
+    def run(self, x: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None, slots: torch.Tensor | int,
+            normed: torch.Tensor | None, then: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``Block.run`` for a plain decode step (x ``[R, 1, H]`` float32 contiguous); None where
+        this call is not one it covers (the block then runs unfused)."""
+        if (x.dtype is not torch.float32 or x.dim() != 3 or x.shape[1] != 1 or not x.is_contiguous()
+                or not isinstance(ctx, PagedContext) or not self.current()):
+            return None
+        index = ctx.decode_rows(rows, slots)
+        if index is None:
+            return None
+        fields = ctx.pool.store.fields
+        k, v = fields.get("k"), fields.get("v")
+        if not (isinstance(k, PlainBuffer) and isinstance(v, PlainBuffer) and k.data.dtype == torch.float32
+                and v.data.dtype == torch.float32 and k.data.is_contiguous() and v.data.is_contiguous()):
+            return None
+        if normed is not None and (normed.dtype is not torch.float32 or not normed.is_contiguous()):
+            return None
+        if then is not None and (then.weight.dtype is not torch.float32 or not then.weight.is_contiguous()):
+            return None
+        write, keys, n_keys, cos, sin = index
+        r = x.shape[0]
+        out = torch.empty_like(x)
+        then_out = None if then is None else torch.empty_like(x)
+        code = kernels.load().tl_decode_block(
+            ctypes.byref(self._struct), x.data_ptr(), None if normed is None else normed.data_ptr(), r,
+            cos.data_ptr(), sin.data_ptr(), cos.shape[0], k.data.data_ptr(), v.data.data_ptr(), k.data.shape[0],
+            write.data_ptr(), keys.data_ptr(), keys.shape[1], n_keys.data_ptr(),
+            None if then is None else then.weight.data_ptr(), out.data_ptr(),
+            None if then_out is None else then_out.data_ptr())
+        if code == 2:
+            raise IndexError(f"a KV row is outside the pool of {k.data.shape[0]} rows")
+        if code:
+            raise MemoryError("a fused decode block could not allocate its scratch memory")
+        return out, then_out
