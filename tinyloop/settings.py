@@ -116,8 +116,9 @@ class Settings:
                              "on a CUDA device, decode steps captured as CUDA graphs (per batch bucket and "
                              "largest loop count, rows of any loops and window, on first use) and replayed")
     weights: str = _opt("float", "TINYLOOP_WEIGHTS",
-                        "linear weights at load: float (as stored), int8 (per channel) or int4 (groups of 32); "
-                        "CPU, float32 activations")
+                        "linear weights at load: float (as stored), int8 (per channel), int4 (groups of 32) "
+                        "or bf16 (a bfloat16 model's default on the CPU with the C kernels); CPU, float32 "
+                        "activations")
     host: str = _opt("127.0.0.1", "TINYLOOP_HOST", "address to bind")
     port: int = _opt(8000, "TINYLOOP_PORT", "port to bind")
     api_key: str | None = _opt(None, "TINYLOOP_API_KEY",
@@ -180,8 +181,8 @@ class Settings:
             raise ConfigError("draft_min_prob must be in [0, 1]")
         if self.draft_weights not in ("same", "int8"):
             raise ConfigError(f"draft_weights must be same or int8, got {self.draft_weights!r}")
-        if self.weights not in ("float", "int8", "int4"):
-            raise ConfigError(f"weights must be float, int8 or int4, got {self.weights!r}")
+        if self.weights not in ("float", "int8", "int4", "bf16"):
+            raise ConfigError(f"weights must be float, int8, int4 or bf16, got {self.weights!r}")
         _ = self.kv_mode  # ConfigError for an impossible combination (fp16 qkv without h-mode)
 
     @staticmethod

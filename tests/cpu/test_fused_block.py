@@ -88,7 +88,7 @@ def assert_same(fused: list[GenerationResult], plain: list[GenerationResult]) ->
 
 
 @pytest.mark.parametrize("style", ["pre_ln", "sandwich", "peri_ln"])
-@pytest.mark.parametrize("weights", ["float", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["float", "int8", "int4", "bf16"])
 def test_a_fused_decode_step_equals_the_blocks_modules(fused_calls: list[int], style: str, weights: str) -> None:
     eng = engine(style, weights)
     blocks = [m for m in eng.model.modules() if isinstance(m, Block)]

@@ -164,7 +164,7 @@ def test_layouts_the_kernels_cannot_read_are_refused() -> None:
         kernels.pack_q8(torch.zeros(16, 24))
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
 @pytest.mark.parametrize("rows", [1, 4, 33])
 def test_a_quantised_layer_runs_on_the_kernels_once_it_has_panels(mode: str, rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -173,13 +173,34 @@ def test_a_quantised_layer_runs_on_the_kernels_once_it_has_panels(mode: str, row
     exact = torch.nn.functional.linear(x, quant.dequantize(), bias)
     torch_path = quant.linear(x, bias)  # torch's kernel: x rounded to bfloat16
     quant.set_panels(True)
-    assert quant.panels is not None and quant.panels.dtype == torch.uint8
+    assert quant.panels is not None and quant.panels.dtype == (torch.bfloat16 if mode == "bf16" else torch.uint8)
     ours = quant.linear(x, bias)
     assert ours.shape == exact.shape
-    # the weights' rounding is the same on both: only the activations' (8 bits against bfloat16) differs
+    # the weights' rounding is the same on both: only the activations' (8 bits or bfloat16, against
+    # torch's bfloat16; bf16: torch also rounds the result) differs
     assert (ours - exact).abs().max() <= 2 * (torch_path - exact).abs().max() + 1e-3
-    want = dequantized_activations(x.reshape(-1, 96)) @ quant.dequantize().double().t() + bias.double()
-    tol = 1e-5 if mode == "int8" else 2e-3  # int4: the panels' scales are fp16, dequantize's float32
+    flat = x.reshape(-1, 96)
+    used = flat.bfloat16().double() if mode == "bf16" else dequantized_activations(flat)
+    want = used @ quant.dequantize().double().t() + bias.double()
+    tol = 2e-3 if mode == "int4" else 1e-5  # int4: the panels' scales are fp16, dequantize's float32
     torch.testing.assert_close(ours.reshape(-1, 80).double(), want, rtol=tol, atol=tol)
     quant.set_panels(False)
     torch.testing.assert_close(quant.linear(x, bias), torch_path)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k"), [(16, 2), (21, 37), (72, 100), (130, 262)])  # odd K: a padded pair
+def test_bf16_products_equal_the_bf16_activations_times_the_bf16_weight(
+        path: str, threads: int, rows: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 13 + n + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    panels = kernels.pack_bf16(weight)
+    want = x.bfloat16().double() @ weight.double().t()  # x rounded to bfloat16 as torch rounds it
+    assert_matches(kernels.matmul_bf16(x, panels, n, bias), want + bias.double())
+    assert_matches(kernels.matmul_bf16(x, panels, n, None), want)
+
+
+def test_bf16_panels_refuse_another_dtype() -> None:
+    with pytest.raises(ValueError, match="bfloat16 weight"):
+        kernels.pack_bf16(torch.zeros(16, 8))

@@ -21,7 +21,7 @@
  *   0 pre_ln:   x = x + attn(n1(x));      x = x + mlp(n3(x))
  *   1 sandwich: x = n2(x + attn(n1(x)));  x = n4(x + mlp(n3(x)))
  *   2 peri_ln:  x = x + n2(attn(n1(x)));  x = x + n4(mlp(n3(x)))
- * Each weight is float32 panels (kernels.c's `tl_pack_panels`), int8 or int4 (qmatmul.c).
+ * Each weight is float32 panels (kernels.c's `tl_pack_panels`), int8, int4 or bf16 (qmatmul.c).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -31,7 +31,7 @@
 #include "kernels.h"
 
 typedef struct {
-    int64_t kind; /* 0 float32 panels, 1 int8, 2 int4 */
+    int64_t kind; /* 0 float32 panels, 1 int8, 2 int4, 3 bf16 */
     int64_t n, k, group;
     const void *panels;
     const float *scales; /* int8: one per output */
@@ -48,7 +48,8 @@ static int product(const tl_weight *w, const float *x, int64_t M, float *y) {
     switch (w->kind) {
     case 0: return tl_panel_matmul(x, M, w->k, w->panels, w->n, NULL, y);
     case 1: return tl_matmul_q8(x, M, w->k, w->panels, w->n, w->scales, NULL, y);
-    default: return tl_matmul_q4(x, M, w->k, w->panels, w->n, w->group, NULL, y);
+    case 2: return tl_matmul_q4(x, M, w->k, w->panels, w->n, w->group, NULL, y);
+    default: return tl_matmul_bf16(x, M, w->k, w->panels, w->n, NULL, y);
     }
 }
 

@@ -10,7 +10,7 @@ rounding).
 It covers the plain decode step (one new token a row, a float32 KV pool, no tree, no loop
 gaps: ``PagedContext.decode_rows``) of a float32 block with a fused q/k/v projection, no q/k
 norm or bias, a ``pre_ln``, ``sandwich`` or ``peri_ln`` layout, and every weight on the kernels
-(``cpu_linear.PackedWeight`` with panels, ``quant.QuantWeight`` with panels). Anything else (a
+(``cpu_linear.PackedWeight`` with panels, ``quant.QuantWeight`` int8, int4 or bf16 with panels). Anything else (a
 prefill, a verify, h-mode or 4-bit KV, another dtype) returns None from ``run`` and the block
 runs unfused. ``cpu.backend.use_cpu_kernels`` gives each covered block one (``Block.fused``).
 """
@@ -51,7 +51,7 @@ def _weight(module: torch.nn.Module) -> tuple[_Weight, torch.Tensor] | None:
         return _Weight(0, n, k, 0, module.packed.panels.data_ptr(), None), module.packed.panels
     if isinstance(module, QuantLinear) and module.bias is None and module.quant.panels is not None:
         quant = module.quant
-        (n, k), kind = quant.shape, 1 if quant.mode == "int8" else 2
+        (n, k), kind = quant.shape, {"int8": 1, "int4": 2, "bf16": 3}[quant.mode]
         scales = quant.scales.data_ptr() if kind == 1 else None
         return _Weight(kind, n, k, quant.group, quant.panels.data_ptr(), scales), quant.panels
     return None

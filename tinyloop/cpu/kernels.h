@@ -25,6 +25,8 @@ int tl_matmul_q8(const float *x, int64_t M, int64_t K, const uint8_t *panels, in
                  const float *bias, float *y);
 int tl_matmul_q4(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, int64_t group,
                  const float *bias, float *y);
+int tl_matmul_bf16(const float *x, int64_t M, int64_t K, const uint16_t *panels, int64_t N, const float *bias,
+                   float *y);
 
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;

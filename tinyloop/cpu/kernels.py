@@ -36,7 +36,8 @@ __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "loa
            "pack_panels_all", "panel_matmul", "serves_rows", "PANEL",
            "PANEL_ROWS", "PANEL_MAX_THREADS", "PANEL_SMALL_WORK", "set_threads", "threads", "task_counts", "loaded",
            "covers_torch", "rows_of", "QUANT_ISAS", "QBLOCK", "quant_isa", "best_quant_isa", "set_quant_isa",
-           "quantize_activations", "pack_q8", "pack_q4", "matmul_q8", "matmul_q4"]
+           "quantize_activations", "pack_q8", "pack_q4", "matmul_q8", "matmul_q4", "bf16_native", "pack_bf16",
+           "matmul_bf16"]
 
 log = logging.getLogger("tinyloop.cpu")
 
@@ -69,6 +70,9 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_pack_q4", None, [_P] * 3 + [_I] * 3 + [_P]),
     ("tl_matmul_q8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 3),
     ("tl_matmul_q4", ctypes.c_int, [_P] + [_I] * 2 + [_P] + [_I] * 2 + [_P] * 2),
+    ("tl_bf16_native", ctypes.c_int, []),
+    ("tl_pack_bf16", None, [_P] + [_I] * 3 + [_P]),
+    ("tl_matmul_bf16", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 2),
     # block.c
     ("tl_decode_block", ctypes.c_int, [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 4),
 ]
@@ -491,3 +495,34 @@ def matmul_q4(x: torch.Tensor, panels: torch.Tensor, n: int, group: int, bias: t
     code = load().tl_matmul_q4(x.data_ptr(), m, k, panels.data_ptr(), n, group,
                                None if bias is None else bias.data_ptr(), out.data_ptr())
     return _allocated(code, out, "a quantised matrix product")
+
+
+def bf16_native() -> bool:
+    """Whether bf16 products run on AVX-512 BF16 here (else, or with the portable path forced by
+    ``set_quant_isa``, on portable C: the same sums, slower)."""
+    return bool(load().tl_bf16_native())
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight ``[N, K]`` laid out for ``matmul_bf16`` (on 2 MiB pages where Linux
+    gives them): ``[ceil(N / 16), ceil(K / 2), 16, 2]`` bfloat16, zero-padded."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise ValueError(f"bf16 panels need a bfloat16 weight [N, K], got {weight.dtype} {tuple(weight.shape)}")
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    n, k = weight.shape
+    panels = huge_page_bytes(-(-n // PANEL) * (-(-k // 2) * 2) * PANEL * 2).view(torch.bfloat16)
+    load().tl_pack_bf16(weight.data_ptr(), weight.stride(0), n, k, panels.data_ptr())
+    return panels
+
+
+def matmul_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x.bfloat16() @ W^T (+ bias)`` for x ``[M, K]`` float32 contiguous and the bfloat16 W
+    ``pack_bf16`` laid out: x rounded to bfloat16 (as torch rounds it), the products and sums in
+    float32. Returns ``[M, n]`` float32."""
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    bias = _bias(bias)
+    code = load().tl_matmul_bf16(x.data_ptr(), m, k, panels.data_ptr(), n, None if bias is None else bias.data_ptr(),
+                                 out.data_ptr())
+    return _allocated(code, out, "a bf16 matrix product")

@@ -114,17 +114,22 @@ void tl_quantize_act(const float *x, int64_t M, int64_t K, int64_t Kp, int8_t *x
     }
 }
 
-/* int8 codes W [N, K] (row stride ldw) into panels [ceil(N / 16)][ceil(K / 4)][16][4] bytes. */
-void tl_pack_q8(const int8_t *w, int64_t ldw, int64_t N, int64_t K, uint8_t *panels) {
-    const int64_t Kp = (K + 3) / 4 * 4, n_panels = (N + QPANEL - 1) / QPANEL;
-    for (int64_t p = 0; p < n_panels; ++p)
-        for (int64_t k = 0; k < Kp; ++k)
-            for (int64_t j = 0; j < QPANEL; ++j) {
-                const int64_t n = p * QPANEL + j;
-                const int code = n < N && k < K ? w[n * ldw + k] : 0;
-                panels[p * Kp * QPANEL + (k / 4) * 64 + 4 * j + (k % 4)] = (uint8_t)(code + 128);
-            }
-}
+/* W [N, K] (row stride ldw) into panels of 16 columns, STEP inputs of a column side by side:
+ * [ceil(N / 16)][ceil(K / STEP)][16][STEP], each value + OFFSET, zero (+ OFFSET) past N and K. */
+#define PACK_INTERLEAVED(NAME, IN, OUT, STEP, OFFSET)                                                   \
+    void NAME(const IN *w, int64_t ldw, int64_t N, int64_t K, OUT *panels) {                            \
+        const int64_t Kp = (K + STEP - 1) / STEP * STEP, n_panels = (N + QPANEL - 1) / QPANEL;          \
+        for (int64_t p = 0; p < n_panels; ++p)                                                          \
+            for (int64_t k = 0; k < Kp; ++k)                                                            \
+                for (int64_t j = 0; j < QPANEL; ++j) {                                                  \
+                    const int64_t n = p * QPANEL + j;                                                   \
+                    const int value = n < N && k < K ? (int)w[n * ldw + k] : 0;                         \
+                    panels[p * Kp * QPANEL + (k / STEP) * STEP * QPANEL + STEP * j + (k % STEP)] = (OUT)(value + OFFSET); \
+                }                                                                                       \
+    }
+
+/* int8 codes into [ceil(N / 16)][ceil(K / 4)][16][4] bytes, each code + 128. */
+PACK_INTERLEAVED(tl_pack_q8, int8_t, uint8_t, 4, 128)
 
 /* int4 codes [N, K / 2] (q[n, 2i] in the low nibble of byte i), scales and zeros [G, N] float32
  * into panels [ceil(N / 16)][G][group * 8 + 64] bytes (see the top of this file). */
@@ -341,7 +346,7 @@ ALWAYS_INLINE void q8_vnni(const q_job *job, int64_t m, int R, const uint8_t *pa
     const int64_t Kp = job->Kp, nb = job->nb;
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < Kp ? k0 + QBLOCK : Kp;
-        __m512i dot[QMAX_ROWS], dot2[QMAX_ROWS];
+        __m512i dot[QMAX_ROWS], dot2[QMAX_ROWS]; /* dot2: a second chain for one or two rows only */
         for (int r = 0; r < R; ++r) dot[r] = dot2[r] = _mm512_setzero_si512();
         int64_t k = k0;
         for (; k + 8 <= k1; k += 8) {
@@ -352,7 +357,8 @@ ALWAYS_INLINE void q8_vnni(const q_job *job, int64_t m, int R, const uint8_t *pa
             for (int r = 0; r < R; ++r) {
                 const int8_t *x = job->xq + (m + r) * Kp + k;
                 dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(load_i32(x)));
-                dot2[r] = _mm512_dpbusd_epi32(dot2[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
+                if (R <= 2) dot2[r] = _mm512_dpbusd_epi32(dot2[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
+                else dot[r] = _mm512_dpbusd_epi32(dot[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
             }
         }
         if (k < k1) { /* a last block of 4 inputs more than a multiple of 8 */
@@ -381,7 +387,7 @@ ALWAYS_INLINE void q4_vnni(const q_job *job, int64_t m, int R, const uint8_t *pa
         for (int r = 0; r < R; ++r) t[r] = _mm512_setzero_ps();
         for (int64_t bb = 0; bb < per; ++bb) {
             const int64_t b = g * per + bb;
-            __m512i lo_dot[QMAX_ROWS], hi_dot[QMAX_ROWS];
+            __m512i lo_dot[QMAX_ROWS], hi_dot[QMAX_ROWS]; /* hi_dot: a second chain for one or two rows only */
             for (int r = 0; r < R; ++r) lo_dot[r] = hi_dot[r] = _mm512_setzero_si512();
             for (int64_t c = 0; c < QBLOCK / 8; ++c) {
                 const uint8_t *chunk = pg + (bb * (QBLOCK / 8) + c) * 64;
@@ -391,7 +397,8 @@ ALWAYS_INLINE void q4_vnni(const q_job *job, int64_t m, int R, const uint8_t *pa
                 for (int r = 0; r < R; ++r) {
                     const int8_t *xk = job->xq + (m + r) * Kp + b * QBLOCK + 8 * c;
                     lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], lo, _mm512_set1_epi32(load_i32(xk)));
-                    hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], hi, _mm512_set1_epi32(load_i32(xk + 4)));
+                    if (R <= 2) hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], hi, _mm512_set1_epi32(load_i32(xk + 4)));
+                    else lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], hi, _mm512_set1_epi32(load_i32(xk + 4)));
                 }
             }
             for (int r = 0; r < R; ++r)
@@ -512,4 +519,148 @@ int tl_matmul_q8(const float *x, int64_t M, int64_t K, const uint8_t *panels, in
 int tl_matmul_q4(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, int64_t group,
                  const float *bias, float *y) {
     return q_matmul(x, M, K, panels, N, group, NULL, bias, y, 4);
+}
+
+/* ---- bf16 weights: y = bf16(x) W^T (+ bias), W [N, K] bfloat16 ----
+ *
+ * Published looped checkpoints ship in bfloat16; stored so, a weight is half of float32's bytes.
+ * The panels hold, per 2 inputs k, k+1, 64 bytes: column j's two bf16 values at 4j..4j+3 (K padded
+ * to even with zeros), one AVX-512 BF16 `vdpbf16ps` operand: 16 columns x 2 inputs a instruction.
+ * x is rounded to bfloat16 (to nearest even, as torch's `.to(torch.bfloat16)`), each product is
+ * exact in float32 and each lane adds the odd input's product, then the even one's, to a float32
+ * sum, as the instruction does (the portable path in the same order, float32 throughout). */
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } bits = {f};
+    if ((bits.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits.u >> 16) | 0x40u); /* NaN stays NaN */
+    return (uint16_t)((bits.u + 0x7fffu + ((bits.u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } bits = {(uint32_t)h << 16};
+    return bits.f;
+}
+
+/* bf16 W [N, K] (uint16 bits) into panels [ceil(N / 16)][ceil(K / 2)][16][2]. */
+PACK_INTERLEAVED(tl_pack_bf16, uint16_t, uint16_t, 2, 0)
+
+typedef struct {
+    const uint32_t *xb; /* [M, Kp / 2]: x rounded to bf16, two inputs a word */
+    int64_t M, Kp, N, per_task;
+    const uint16_t *panels;
+    const float *bias;
+    float *y;
+    int isa;
+} bf16_job;
+
+static void bf16_store(const bf16_job *job, int64_t m, int64_t n0, const float *acc) {
+    const int64_t cols = job->N - n0 < QPANEL ? job->N - n0 : QPANEL;
+    for (int64_t j = 0; j < cols; ++j) job->y[m * job->N + n0 + j] = acc[j] + (job->bias != NULL ? job->bias[n0 + j] : 0.0f);
+}
+
+static void bf16_portable(const bf16_job *job, int64_t m, int R, const uint16_t *panel, int64_t n0) {
+    for (int r = 0; r < R; ++r) {
+        const uint32_t *x = job->xb + (m + r) * (job->Kp / 2);
+        float acc[QPANEL] = {0};
+        for (int64_t p = 0; p < job->Kp / 2; ++p) {
+            const float x0 = bf16_to_float((uint16_t)(x[p] & 0xffffu)), x1 = bf16_to_float((uint16_t)(x[p] >> 16));
+            const uint16_t *w = panel + p * 32;
+            for (int j = 0; j < QPANEL; ++j) {
+                acc[j] += bf16_to_float(w[2 * j + 1]) * x1;
+                acc[j] += bf16_to_float(w[2 * j]) * x0;
+            }
+        }
+        bf16_store(job, m + r, n0, acc);
+    }
+}
+
+#if defined(__AVX512BF16__) && Q_BEST >= 2
+#define BF16_NATIVE 1
+/* Four chains of sums per row for one or two rows (the instruction's latency), one from four. */
+ALWAYS_INLINE void bf16_native(const bf16_job *job, int64_t m, int R, const uint16_t *panel, int64_t n0) {
+    __m512 acc[4][QMAX_ROWS];
+    const int S = R <= 2 ? 4 : 1;
+    for (int s = 0; s < S; ++s)
+        for (int r = 0; r < R; ++r) acc[s][r] = _mm512_setzero_ps();
+    const int64_t pairs = job->Kp / 2;
+    int64_t p = 0;
+    for (; p + S <= pairs; p += S)
+        for (int s = 0; s < S; ++s) {
+            const uint16_t *w = panel + (p + s) * 32;
+            __builtin_prefetch((const char *)w + Q_AHEAD, 0, 0);
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w);
+            for (int r = 0; r < R; ++r) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)job->xb[(m + r) * pairs + p + s]);
+                acc[s][r] = _mm512_dpbf16_ps(acc[s][r], wv, xv);
+            }
+        }
+    for (; p < pairs; ++p) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(panel + p * 32);
+        for (int r = 0; r < R; ++r)
+            acc[0][r] = _mm512_dpbf16_ps(acc[0][r], wv, (__m512bh)_mm512_set1_epi32((int)job->xb[(m + r) * pairs + p]));
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int s = 1; s < S; ++s) acc[0][r] = _mm512_add_ps(acc[0][r], acc[s][r]);
+        float out[QPANEL];
+        _mm512_storeu_ps(out, acc[0][r]);
+        bf16_store(job, m + r, n0, out);
+    }
+}
+static void bf16_native_r1(const bf16_job *j, int64_t m, const uint16_t *p, int64_t n0) { bf16_native(j, m, 1, p, n0); }
+static void bf16_native_r2(const bf16_job *j, int64_t m, const uint16_t *p, int64_t n0) { bf16_native(j, m, 2, p, n0); }
+static void bf16_native_r4(const bf16_job *j, int64_t m, const uint16_t *p, int64_t n0) { bf16_native(j, m, 4, p, n0); }
+static void bf16_native_r8(const bf16_job *j, int64_t m, const uint16_t *p, int64_t n0) { bf16_native(j, m, 8, p, n0); }
+#else
+#define BF16_NATIVE 0
+#endif
+
+/* Whether this build multiplies bf16 weights with AVX-512 BF16 (else the portable path). */
+int tl_bf16_native(void) { return BF16_NATIVE; }
+
+static void bf16_task(const void *job_, int64_t task) {
+    const bf16_job *job = job_;
+    const int64_t n_panels = (job->N + QPANEL - 1) / QPANEL;
+    const int64_t first = task * job->per_task, last = first + job->per_task < n_panels ? first + job->per_task : n_panels;
+    for (int64_t m = 0; m < job->M;) {
+        const int64_t left = job->M - m;
+        const int step = left >= QMAX_ROWS ? QMAX_ROWS : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        for (int64_t p = first; p < last; ++p) {
+            const uint16_t *panel = job->panels + p * job->Kp * QPANEL;
+#if BF16_NATIVE
+            if (job->isa >= 2) {
+                switch (step) {
+                case 8: bf16_native_r8(job, m, panel, p * QPANEL); break;
+                case 4: bf16_native_r4(job, m, panel, p * QPANEL); break;
+                case 2: bf16_native_r2(job, m, panel, p * QPANEL); break;
+                default: bf16_native_r1(job, m, panel, p * QPANEL); break;
+                }
+                continue;
+            }
+#endif
+            bf16_portable(job, m, step, panel, p * QPANEL);
+        }
+        m += step;
+    }
+}
+
+/* y [M, N] = bf16(x) [M, K] W^T (+ bias) for W as `tl_pack_bf16` laid it out. Returns 0, or -1
+ * where the scratch memory could not be allocated. */
+int tl_matmul_bf16(const float *x, int64_t M, int64_t K, const uint16_t *panels, int64_t N, const float *bias,
+                   float *y) {
+    const int64_t Kp = (K + 1) / 2 * 2, n_panels = (N + QPANEL - 1) / QPANEL;
+    uint32_t *xb = malloc((size_t)(M * Kp / 2) * sizeof(uint32_t) + 4);
+    if (xb == NULL) return -1;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t p = 0; p < Kp / 2; ++p) {
+            const uint16_t lo = float_to_bf16(x[m * K + 2 * p]);
+            const uint16_t hi = 2 * p + 1 < K ? float_to_bf16(x[m * K + 2 * p + 1]) : 0;
+            xb[m * (Kp / 2) + p] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+    const int threads = tl_threads();
+    int64_t per_task = n_panels;
+    if (threads > 1 && n_panels * Kp * QPANEL * 2 >= Q_SPLIT_BYTES)
+        per_task = (n_panels + threads * Q_TASKS_PER_THREAD - 1) / (threads * Q_TASKS_PER_THREAD);
+    const bf16_job job = {xb, M, Kp, N, per_task, panels, bias, y, tl_quant_isa()};
+    tl_run_tasks(bf16_task, &job, (n_panels + per_task - 1) / per_task);
+    free(xb);
+    return 0;
 }

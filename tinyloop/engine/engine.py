@@ -46,7 +46,7 @@ from tinyloop.model.context import PagedContext
 from tinyloop.model.cpu_linear import pack_linears
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
 from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
-from tinyloop.model.quant import WEIGHT_MODES, draft_copy, quantize_linears
+from tinyloop.model.quant import WEIGHT_MODES, bf16_weights_on_cpu, draft_copy, quantize_linears
 from tinyloop.requests import GenerationRequest, TokenLogprob
 from tinyloop.tokenizer import Tokenizer
 from tinyloop.vocabulary import KVMode
@@ -76,12 +76,13 @@ class Engine(KVAccounting, PrefixEntries):
                  cuda_kernels: bool = False, cuda_graphs: bool = False,
                  default_loops: int | None = None) -> None:
         self.model = model.eval()
-        self.draft_model = draft_copy(model, draft_weights if weights == "float" else "same")  # quant.py
         if weights not in WEIGHT_MODES:
             raise RequestError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}", param="weights")
+        weights = bf16_weights_on_cpu(model, weights, cpu_kernels)  # a bfloat16 model's weights stay bf16
+        self.draft_model = draft_copy(model, draft_weights if weights == "float" else "same")  # quant.py
         self.weights = weights
-        if weights != "float":  # int8 / int4 linear weights (quant.py); activations stay float32
-            quantize_linears(model, weights)
+        if weights != "float":  # int8 / int4 / bf16 linear weights (quant.py); activations float32
+            quantize_linears(model, weights)  # (bf16: the rest of a bfloat16 model, norms and embedding, to float32)
         elif pack_weights:  # float32 CPU weights in the layouts decode reads fastest (cpu_linear.py)
             pack_linears(model)
         for m in {id(m): m for m in (model, self.draft_model)}.values():  # CPU decode attention on

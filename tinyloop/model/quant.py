@@ -11,6 +11,10 @@ kernels' float32-activation variants run 15-30x slower here: 3.9 ms against 0.25
 - ``int4``: asymmetric per group of ``group`` inputs, ``w ~ (q - 8) * scale + zero`` (``q`` in
   [0, 15], torch's convention); ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the weight
   packed by ``_convert_weight_to_int4pack_for_cpu``.
+- ``bf16``: the weight rounded to bfloat16 (half of float32's bytes; what published looped
+  checkpoints ship): ``Engine`` picks it for a bfloat16 model on the CPU, whose activations then
+  run in float32; torch's bfloat16 ``F.linear`` without the C kernels, ``kernels.matmul_bf16``
+  (AVX-512 BF16 ``vdpbf16ps`` where the CPU has it) with them.
 
 With the C kernels (``tinyloop/cpu``), a quantized weight also gets its codes laid out in
 16-column panels and its products run on ``kernels.matmul_q8`` / ``matmul_q4`` (qmatmul.c):
@@ -22,7 +26,7 @@ them to float32 was bound by the vector unit (twice to three times faster,
 activations; int4's scales and shifts are held as fp16 in the panels (5 bits a weight in all).
 An int4 weight keeps its codes a second time (``codes4``, half a byte a weight) to lay them out.
 
-``quantize_linears(model, "int8" | "int4")`` swaps every float32 ``nn.Linear`` for a
+``quantize_linears(model, "int8" | "int4" | "bf16")`` swaps every float32 ``nn.Linear`` for a
 ``QuantLinear`` (the exit gate, one output wide, stays as it is, as does an int4 layer whose
 input width is not a multiple of the group). Its ``weight`` is the
 dequantized matrix, made on demand (h-mode's K, V recompute reads it), so code that reads a
@@ -40,16 +44,16 @@ from torch import nn
 from tinyloop.cpu import kernels
 from tinyloop.model.layers import HookFree
 
-__all__ = ["DRAFT_WEIGHTS", "WEIGHT_MODES", "QuantWeight", "QuantLinear", "draft_copy", "quantize_linears",
-           "quant_available", "quant_weights"]
+__all__ = ["DRAFT_WEIGHTS", "WEIGHT_MODES", "QuantWeight", "QuantLinear", "bf16_weights_on_cpu", "draft_copy",
+           "quantize_linears", "quant_available", "quant_weights"]
 
-WEIGHT_MODES = ("float", "int8", "int4")
+WEIGHT_MODES = ("float", "int8", "int4", "bf16")
 _INT4_GROUP = 32
 
 
 def quant_available(mode: str) -> bool:
-    """Whether this torch build has the kernels of ``mode`` (``int8`` or ``int4``)."""
-    ops = {"int8": ("_weight_int8pack_mm",),
+    """Whether this torch build has the kernels of ``mode`` (``int8``, ``int4`` or ``bf16``)."""
+    ops = {"bf16": (), "int8": ("_weight_int8pack_mm",),
            "int4": ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu")}[mode]
     return all(hasattr(torch.ops.aten, op) for op in ops)
 
@@ -60,13 +64,16 @@ class QuantWeight:
     __slots__ = ("mode", "shape", "group", "q", "scales", "scales16", "panels", "codes4")
 
     def __init__(self, weight: torch.Tensor, mode: str, group: int = _INT4_GROUP) -> None:
-        if mode not in ("int8", "int4"):
-            raise ValueError(f"weight mode must be int8 or int4, got {mode!r}")
+        if mode not in ("int8", "int4", "bf16"):
+            raise ValueError(f"weight mode must be int8, int4 or bf16, got {mode!r}")
         w = weight.detach().float()
         n, k = w.shape
         self.mode, self.shape, self.group = mode, (n, k), group
         self.codes4: torch.Tensor | None = None  # int4: the codes, two a byte, for ``set_panels``
-        if mode == "int8":
+        if mode == "bf16":  # the weight itself, rounded to bfloat16 (no scales)
+            self.q = weight.detach().to(torch.bfloat16).contiguous()
+            self.scales = torch.empty(0)
+        elif mode == "int8":
             scale = (w.abs().amax(1) / 127).clamp_min(1e-12)  # [N]
             self.q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
             self.scales = scale
@@ -93,6 +100,8 @@ class QuantWeight:
             self.panels = None
         elif self.panels is not None:
             return
+        elif self.mode == "bf16":
+            self.panels = kernels.pack_bf16(self.q)
         elif self.mode == "int8":
             self.panels = kernels.pack_q8(self.q)
         else:  # scales [G, N, 2]: (scale, zero) per group and output
@@ -106,7 +115,9 @@ class QuantWeight:
 
     def _product(self, rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
-        if self.mode == "int8":
+        if self.mode == "bf16":
+            out = torch.nn.functional.linear(rows, self.q)
+        elif self.mode == "int8":
             out = torch.ops.aten._weight_int8pack_mm(rows, self.q, scales)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.q, self.group, scales)
@@ -119,7 +130,9 @@ class QuantWeight:
         k = x.shape[-1]
         if self.panels is not None and x.dtype is torch.float32 and x.numel():
             flat = x.reshape(-1, k).contiguous()
-            if self.mode == "int4":
+            if self.mode == "bf16":
+                out = kernels.matmul_bf16(flat, self.panels, self.shape[0], bias)
+            elif self.mode == "int4":
                 out = kernels.matmul_q4(flat, self.panels, self.shape[0], self.group, bias)
             else:
                 out = kernels.matmul_q8(flat, self.panels, self.shape[0], self.scales, bias)
@@ -131,6 +144,8 @@ class QuantWeight:
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[N, K]`` matrix of the codes and float32 scales (one float32 product
         with the identity: slow, for the rare reader of a quantized layer's weight)."""
+        if self.mode == "bf16":
+            return self.q.float()
         eye = torch.eye(self.shape[1], dtype=torch.float32)
         return self._product(eye, self.scales).t().contiguous()
 
@@ -153,15 +168,30 @@ class QuantLinear(HookFree):
 
 
 def _quantizable(weight: torch.Tensor, mode: str) -> bool:
-    """A float32 CPU matrix whose input width the mode's groups divide (others stay float)."""
-    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    """A float32 CPU matrix (or bfloat16, for bf16) whose input width the mode's groups divide
+    (others stay float)."""
+    dtypes = (torch.float32, torch.bfloat16) if mode == "bf16" else (torch.float32,)
+    return (weight.dim() == 2 and weight.dtype in dtypes and weight.device.type == "cpu"
             and (mode != "int4" or weight.shape[1] % _INT4_GROUP == 0))
+
+
+def bf16_weights_on_cpu(model: nn.Module, weights: str, cpu_kernels: bool) -> str:
+    """The weights mode an engine uses: ``bf16`` for a bfloat16 model on the CPU left at
+    ``float`` where the C kernels build (its linear weights stay bfloat16 on ``matmul_bf16``,
+    the rest runs in float32: torch's bfloat16 ops on the CPU run 4-5x slower than float32's at
+    decode sizes, bench/vs_llamacpp.py), else ``weights`` as asked."""
+    param = next(model.parameters())
+    if (weights == "float" and cpu_kernels and param.dtype == torch.bfloat16 and param.device.type == "cpu"
+            and kernels.available()):
+        return "bf16"
+    return weights
 
 
 def quantize_linears(model: nn.Module, mode: str) -> int:
     """Swap every float32 CPU ``nn.Linear`` of ``model`` wider than one output for a
     ``QuantLinear`` of ``mode``, and quantize the weight ``model.head_weight`` names into
-    ``model.packed_head``; returns how many weights were quantized."""
+    ``model.packed_head``; returns how many weights were quantized. ``bf16`` takes bfloat16
+    layers too, then turns the model's other bfloat16 parameters to float32."""
     if mode == "float":
         return 0
     if not quant_available(mode):
@@ -179,6 +209,11 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
     elif isinstance(head, torch.Tensor) and _quantizable(head, mode):
         setattr(model, "packed_head", QuantWeight(head, mode))  # noqa: B010
         count += 1
+    if mode == "bf16":  # what stays of a bfloat16 model (norms, embedding) computes in float32
+        with torch.no_grad():
+            for tensor in (*model.parameters(), *model.buffers()):
+                if tensor.dtype == torch.bfloat16:
+                    tensor.data = tensor.data.float()
     return count
 
 
