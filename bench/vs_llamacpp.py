@@ -396,7 +396,7 @@ def ours_rate(engine: Engine, measure: str, prompts: list[list[int]], tokens: in
 
 def make_engine(config: ModelConfig, tokenizer: Tokenizer, mode: str, max_seq_len: int) -> Engine:
     """An engine as ``engine_vs_hf.py`` builds them (prefix caching off); ``bf16``: the model in
-    ``torch.bfloat16`` on float weights."""
+    ``torch.bfloat16``, whose weights the engine keeps bfloat16 (``quant.bf16_weights_on_cpu``)."""
     model = init_model(config, seed=0)
     if mode == "bf16":
         model = model.to(torch.bfloat16)
@@ -406,7 +406,7 @@ def make_engine(config: ModelConfig, tokenizer: Tokenizer, mode: str, max_seq_le
 
 
 def ours_bytes_per_token(mode: str, config: ModelConfig, engine: Engine, loops: int) -> int:
-    if mode in ("int8", "int4"):
+    if engine.weights != "float":  # int8, int4, and bf16 where the engine chose it
         return quant_bytes_per_token(engine.model, loops)
     total = weight_bytes_per_token(config, engine.model, loops)  # counts the head as float32
     return total - config.vocab_size * config.hidden * (4 - engine.model.head_weight.element_size())

@@ -545,7 +545,7 @@ PACK_INTERLEAVED(tl_pack_bf16, uint16_t, uint16_t, 2, 0)
 
 typedef struct {
     const uint32_t *xb; /* [M, Kp / 2]: x rounded to bf16, two inputs a word */
-    int64_t M, Kp, N, per_task;
+    int64_t M, Kp, N, per_task, chunk;
     const uint16_t *panels;
     const float *bias;
     float *y;
@@ -616,29 +616,34 @@ static void bf16_native_r8(const bf16_job *j, int64_t m, const uint16_t *p, int6
 /* Whether this build multiplies bf16 weights with AVX-512 BF16 (else the portable path). */
 int tl_bf16_native(void) { return BF16_NATIVE; }
 
+/* Task t: the panels [t * per_task, (t + 1) * per_task), every row; a chunk of panels at a time,
+ * kept in L2 while every block of rows passes over it (as `q_task`). */
 static void bf16_task(const void *job_, int64_t task) {
     const bf16_job *job = job_;
     const int64_t n_panels = (job->N + QPANEL - 1) / QPANEL;
     const int64_t first = task * job->per_task, last = first + job->per_task < n_panels ? first + job->per_task : n_panels;
-    for (int64_t m = 0; m < job->M;) {
-        const int64_t left = job->M - m;
-        const int step = left >= QMAX_ROWS ? QMAX_ROWS : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        for (int64_t p = first; p < last; ++p) {
-            const uint16_t *panel = job->panels + p * job->Kp * QPANEL;
+    for (int64_t c0 = first; c0 < last; c0 += job->chunk) {
+        const int64_t c1 = c0 + job->chunk < last ? c0 + job->chunk : last;
+        for (int64_t m = 0; m < job->M;) {
+            const int64_t left = job->M - m;
+            const int step = left >= QMAX_ROWS ? QMAX_ROWS : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            for (int64_t p = c0; p < c1; ++p) {
+                const uint16_t *panel = job->panels + p * job->Kp * QPANEL;
 #if BF16_NATIVE
-            if (job->isa >= 2) {
-                switch (step) {
-                case 8: bf16_native_r8(job, m, panel, p * QPANEL); break;
-                case 4: bf16_native_r4(job, m, panel, p * QPANEL); break;
-                case 2: bf16_native_r2(job, m, panel, p * QPANEL); break;
-                default: bf16_native_r1(job, m, panel, p * QPANEL); break;
+                if (job->isa >= 2) {
+                    switch (step) {
+                    case 8: bf16_native_r8(job, m, panel, p * QPANEL); break;
+                    case 4: bf16_native_r4(job, m, panel, p * QPANEL); break;
+                    case 2: bf16_native_r2(job, m, panel, p * QPANEL); break;
+                    default: bf16_native_r1(job, m, panel, p * QPANEL); break;
+                    }
+                    continue;
                 }
-                continue;
-            }
 #endif
-            bf16_portable(job, m, step, panel, p * QPANEL);
+                bf16_portable(job, m, step, panel, p * QPANEL);
+            }
+            m += step;
         }
-        m += step;
     }
 }
 
@@ -659,7 +664,9 @@ int tl_matmul_bf16(const float *x, int64_t M, int64_t K, const uint16_t *panels,
     int64_t per_task = n_panels;
     if (threads > 1 && n_panels * Kp * QPANEL * 2 >= Q_SPLIT_BYTES)
         per_task = (n_panels + threads * Q_TASKS_PER_THREAD - 1) / (threads * Q_TASKS_PER_THREAD);
-    const bf16_job job = {xb, M, Kp, N, per_task, panels, bias, y, tl_quant_isa()};
+    int64_t chunk = Q_CHUNK_BYTES / (Kp * QPANEL * 2);
+    chunk = chunk < 1 ? 1 : chunk;
+    const bf16_job job = {xb, M, Kp, N, per_task, chunk, panels, bias, y, tl_quant_isa()};
     tl_run_tasks(bf16_task, &job, (n_panels + per_task - 1) / per_task);
     free(xb);
     return 0;
