@@ -1,10 +1,14 @@
 """Self-speculative decoding: plain vs chain vs tree, tokens/s and acceptance, one table.
 
-    python bench/speculative.py [--model FILE.tinyloop] [--prompt TEXT] [--tokens 64] [--threads 1]
-                                [--repeat 2] [--draft-min-prob 0,0.2] [--draft-weights same,int8]
+    python bench/speculative.py [--model FILE.tinyloop | --random] [--prompt TEXT] [--tokens 128]
+                                [--threads 1] [--repeat 5] [--draft-min-prob 0,0.2] [--draft-weights same,int8]
 
-Without ``--model`` a random ``small`` preset (what ``tinyloop init --preset small`` writes) is
-saved to a temporary file and loaded from there. Every row decodes the same prompt greedily
+Without ``--model`` the bundled demo model (trained: its drafts agree with its verify as a real
+model's do); ``--random`` a random ``small`` preset (what ``tinyloop init --preset small``
+writes) saved to a temporary file and loaded from there. The last line gives the server's
+default setting against plain decoding (a chain of ``DEFAULT_DRAFT_AHEAD`` at
+``DEFAULT_DRAFT_LOOPS`` loops, ``draft_min_prob`` and ``draft_weights`` as ``tinyloop serve``
+defaults them). Every row decodes the same prompt greedily
 (ignoring EOS) for ``--tokens`` tokens at the model's default loops, alone (batch 1), and checks
 that the tokens equal plain decoding's. Chain rows run once per ``--draft-weights`` (``i8``: the
 drafts run on an int8 twin of the model's linear weights, the verify on the model's own) and
@@ -40,10 +44,18 @@ from tinyloop.cpu import kernels
 from tinyloop.engine.engine import Engine
 from tinyloop.model.artifact import save_artifact
 from tinyloop.model.presets import PRESETS, init_model
-from tinyloop.requests import GenerationRequest, GenerationResult, SamplingParams
+from tinyloop.requests import (
+    DEFAULT_DRAFT_AHEAD,
+    DEFAULT_DRAFT_LOOPS,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
+from tinyloop.settings import Settings
 from tinyloop.tokenizer import default_tokenizer
 
 PROMPT = "Once upon a time, in a small town by the sea, there lived"
+DEMO = Path(__file__).resolve().parents[1] / "tinyloop" / "data" / "demo.tinyloop"
 # (mode, draft_loops, draft_ahead, k_branches)
 SETTINGS = [
     ("plain", None, None, None),
@@ -95,10 +107,11 @@ def timed(engine: Engine, req: GenerationRequest, repeat: int) -> tuple[float, G
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, help="a .tinyloop artifact (default: random small preset)")
-    ap.add_argument("--tokens", type=int, default=64, help="tokens to generate per row")
+    ap.add_argument("--model", type=Path, default=DEMO, help="a .tinyloop artifact (default: the bundled demo model)")
+    ap.add_argument("--random", action="store_true", help="a random small preset instead of --model")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens to generate per row")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--repeat", type=int, default=3,
+    ap.add_argument("--repeat", type=int, default=5,
                     help="rounds (each runs every row once); medians over them count")
     ap.add_argument("--seed", type=int, default=0, help="init seed of the random model")
     ap.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
@@ -114,13 +127,13 @@ def main() -> None:
     if args.cpu_kernels and kernels.available():  # the same threads as torch's (and transformers')
         kernels.set_threads(torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.model or random_small(Path(tmp), args.seed)
+        path = random_small(Path(tmp), args.seed) if args.random else args.model
         engine = Engine.load(path, cpu_kernels=args.cpu_kernels)
         draft_modes = args.draft_weights.split(",")
         # plain and tree rows always run on the model's own weights ("same"), chains on each mode asked for
         engines = {"same": engine, **{w: Engine.load(path, draft_weights=w, cpu_kernels=args.cpu_kernels)
                                       for w in draft_modes if w != "same"}}
-        name = f"random small (seed {args.seed})" if args.model is None else str(path)
+        name = f"random small (seed {args.seed})" if args.random else str(path)
     tokens = engine.tokenizer.encode(args.prompt)
     loops = engine.default_loops
     print(f"model: {name}; {engine.config.n_prelude}+{engine.config.n_core}x{loops}+"
@@ -161,6 +174,12 @@ def main() -> None:
         acc = "-" if r.accept is None else f"{r.accept:.1%}"
         print(f"{r.label:<22} {r.tok_s:>8.1f} {r.speedup:>8.2f}x {acc:>8} {r.tok_step:>9.2f} "
               f"{'yes' if r.same else 'NO':>8}")
+    served = Settings()
+    default = (f"chain d{DEFAULT_DRAFT_LOOPS} a{DEFAULT_DRAFT_AHEAD} p{served.draft_min_prob:g}"
+               + ("" if served.draft_weights == "same" else " i8"))
+    match = next((r for r in rows if r.label == default), None)
+    print(f"server default ({default}): " + (f"{match.speedup:.2f}x plain decoding" if match else
+                                             "not among the rows run (see --draft-min-prob, --draft-weights)"))
     if any(e.kv_statistics().blocks_used for e in engines.values()):
         raise SystemExit("KV blocks leaked")
 

@@ -95,10 +95,10 @@ class Settings:
     draft_min_prob: float = _opt(0.2, "TINYLOOP_DRAFT_MIN_PROB",
                                  "a speculative chain stops at a draft token the draft gives less than this "
                                  "probability (0 = always draft_ahead)")
-    draft_weights: str = _opt("same", "TINYLOOP_DRAFT_WEIGHTS",
-                              "weights speculative drafts run on: same (the model's) or int8 (a quantized "
-                              "twin, a quarter more weight memory; the verify keeps the model's weights, so "
-                              "outputs do not change)")
+    draft_weights: str = _opt("int8", "TINYLOOP_DRAFT_WEIGHTS",
+                              "weights speculative drafts run on: int8 (a quantized twin of a float32 CPU "
+                              "model's linear weights, a quarter more weight memory; the verify keeps the "
+                              "model's weights, so outputs do not change) or same (the model's)")
     prefix_caching: bool = _opt(True, "TINYLOOP_PREFIX_CACHING",
                                 "keep full KV blocks of ended requests for reuse by shared prompt prefixes")
     prefix_pool_capacity: int = _opt(16, "TINYLOOP_PREFIX_POOL_CAPACITY", "entries in the prefix pool (LRU)")
