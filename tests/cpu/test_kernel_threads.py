@@ -40,7 +40,7 @@ def test_products_split_among_threads_equal_one_thread(threads: None, rows: int)
     x = torch.randn(rows, k, generator=gen)
     panels = kernels.pack_panels(weight)
     # (product, its dense weight, the x it multiplies, whether it splits)
-    products = [(lambda: kernels.panel_matmul(x, panels, n, bias[:n]), weight, x.double(), rows >= 4)]
+    products = [(lambda: kernels.panel_matmul(x, panels, n, bias[:n]), weight, x.double(), True)]  # 1 MB: split
     for mode in ("int8", "int4"):  # the quantised products: every row count, x quantised per block
         quant = QuantWeight(torch.randn(1008, k, generator=gen) * 0.05, mode)  # (int4: N a multiple of 16)
         quant.set_panels(True)
@@ -50,7 +50,7 @@ def test_products_split_among_threads_equal_one_thread(threads: None, rows: int)
         shared_before = kernels.task_counts()[0]
         split = on_threads(2, product)
         assert torch.equal(split, alone)  # each output column is computed by one thread, the same way
-        assert (kernels.task_counts()[0] > shared_before) == splits  # few float32 rows: one thread
+        assert (kernels.task_counts()[0] > shared_before) == splits
         torch.testing.assert_close(alone.double(), x_used @ dense.double().t() + bias[:dense.shape[0]].double(),
                                    rtol=1e-4, atol=5e-3)  # (int4's fp16 scales: dequantize's are float32)
 
@@ -128,3 +128,13 @@ def test_a_forked_child_computes_on_one_thread(threads: None) -> None:
     if done[0] == 0:
         os.kill(pid, 9)
     assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_a_small_product_of_few_rows_stays_on_its_callers_thread(threads: None) -> None:
+    gen = torch.Generator().manual_seed(5)
+    kernels.set_threads(2)
+    for n, k, shared in [(64, 64, False), (512, 512, True)]:  # 16 kB of weights, 1 MB
+        panels, x = kernels.pack_panels(torch.randn(n, k, generator=gen)), torch.randn(1, k, generator=gen)
+        before = kernels.task_counts()[0]
+        kernels.panel_matmul(x, panels, n, None)
+        assert (kernels.task_counts()[0] > before) == shared

@@ -521,18 +521,22 @@ typedef struct {
 } panel_job;
 
 /* Products of at least PARALLEL_ROWS rows and PARALLEL_WORK multiply-adds run on the helper threads
- * too: fewer rows read the weights faster than the vector unit uses them (the memory bus, not a
- * core, is the limit: a second core adds nothing) and a smaller product ends before a helper
- * joins. In about TASKS_PER_THREAD tasks a thread, so a late helper leaves little to wait for. */
+ * too, and so do products of fewer rows whose weights are PARALLEL_BYTES or more: one core does
+ * not draw the memory's whole bandwidth (a decode step's one-row products streamed 20 GB/s on one
+ * thread, 27 GB/s on two: bench/RESULTS.md 2026-12-02), while a smaller product ends before a
+ * helper joins. In about TASKS_PER_THREAD tasks a thread, so a late helper leaves little to wait
+ * for. */
 #define PARALLEL_ROWS 4
 #define PARALLEL_WORK (1 << 19)
+#define PARALLEL_BYTES (256 * 1024)
 #define TASKS_PER_THREAD 4
 
 /* Panels a task of an M x N x K product covers: all of them (one task) where the product stays on
  * its caller's thread, else about TASKS_PER_THREAD tasks a thread. */
 static int64_t panels_per_task(int64_t M, int64_t N, int64_t K) {
     const int64_t n_panels = (N + PANEL - 1) / PANEL, threads = tl_threads();
-    if (threads < 2 || M < PARALLEL_ROWS || M * N * K < PARALLEL_WORK) return n_panels;
+    const int wide = N * K * (int64_t)sizeof(float) >= PARALLEL_BYTES;
+    if (threads < 2 || (M < PARALLEL_ROWS ? !wide : M * N * K < PARALLEL_WORK)) return n_panels;
     return (n_panels + threads * TASKS_PER_THREAD - 1) / (threads * TASKS_PER_THREAD);
 }
 

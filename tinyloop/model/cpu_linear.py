@@ -30,11 +30,12 @@ copy in 16-column panels (``kernels.pack_panels``) and calls of 1 to 16 rows run
 row's sums in registers. Measured on this machine's two cores (``bench/panel_matmul.py``), it
 runs the ``small`` preset's products 1.2-2x faster than oneDNN's blocked kernel at 1-16 rows with
 the weights out of cache (what a decode step sees), and 1-3x faster than the one-row paths
-above, on one thread. Products of 4 rows and more split their panels among the kernels' own
-threads (``kernels.set_threads``: helpers that take tasks only while their core is free). Where
-the kernels run on fewer threads than torch they serve only products small enough for torch's
-threads to cost more than they save (``kernels.serves_rows``; on two threads, up to 2^24
-multiply-adds: measured inside decode steps). Where they run on at least torch's threads (the
+above, on one thread. Products of 4 rows and more (and of fewer rows over weights of 256 kB or
+more) split their panels among the kernels' own threads (``kernels.set_threads``: helpers that
+take tasks only while their core is free). Where the kernels run on fewer threads than torch
+they serve only products small enough for torch's threads to cost more than they save
+(``kernels.serves_rows``; on two threads, up to 2^24 multiply-adds: measured inside decode
+steps). Where they run on at least torch's threads (the
 server's default: torch keeps one core fewer), the panels replace the blocked copy
 (``cpu.backend.use_cpu_kernels``): the kernel then runs prefill's products too, each chunk of
 panels kept in L2 while every block of 16 rows passes over it, at 0.85-1.2x oneDNN's speed on
