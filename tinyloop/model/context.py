@@ -86,17 +86,18 @@ class PagedContext:
         self._starts = list(starts)
         self._positions = positions
         self._key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        mask = key_pos[None, None, :] <= slots_pos[:, :, None]  # [B, T, L]
-        if extra_mask is not None:
-            for b, s in enumerate(starts):
-                window = mask[b, :, s:s + n_new]
-                mask[b, :, s:s + n_new] = window & extra_mask[b].to(host)
-        self.mask = mask[:, None].to(dev, non_blocking=True)  # [B, 1, T, L]
+        # the mask is made when first asked for (``mask``): a decode step on the kernels reads
+        # each row's key count instead, and never needs it
+        self._mask_of = (key_pos, slots_pos, extra_mask, dev)
+        self._mask_tensor: torch.Tensor | None = None
         self._additive_mask: torch.Tensor | None = None
-        # One new token that may see every key (decode at equal lengths), or every row's first
-        # tokens (no key before them, no tree): causal attention over T == L needs no mask.
-        self._unmasked = (n_new == 1 and bool(mask.all())) or (
-            n_new > 1 and extra_mask is None and key_len == n_new and not any(starts))
+        # One new token that may see every key (decode at equal lengths: every row's start is the
+        # last key), or every row's first tokens (no key before them, no tree): causal attention
+        # over T == L needs no mask.
+        if n_new == 1:
+            self._unmasked = bool(self.mask.all()) if extra_mask is not None else all(x == key_len - 1 for x in starts)
+        else:
+            self._unmasked = extra_mask is None and key_len == n_new and not any(starts)
         # A few new tokens (decode, a speculative verify): row b's token t attends to its first
         # start_b + t + 1 keys, what Backend.decode_attention reads in place; a tree's node only to
         # the new tokens of its ancestors (``_tree``, which self.mask says too).
@@ -107,6 +108,21 @@ class PagedContext:
         self.cos, self.sin = rope.tables(rope_pos)  # [B, T, D]
         self._cos_sin = self.cos[:, None], self.sin[:, None]  # [B, 1, T, D]: broadcast over heads
         self._gaps = self._gap_depths(seqs, key_len)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """``[B, 1, T, L]``, True where a new token may attend a key: causal by position, and
+        among the new tokens as ``extra_mask`` says."""
+        if self._mask_tensor is None:
+            key_pos, slots_pos, extra_mask, dev = self._mask_of
+            mask = key_pos[None, None, :] <= slots_pos[:, :, None]  # [B, T, L]
+            if extra_mask is not None:
+                n_new = slots_pos.shape[1]
+                for b, s in enumerate(self._starts):
+                    window = mask[b, :, s:s + n_new]
+                    mask[b, :, s:s + n_new] = window & extra_mask[b].to("cpu")
+            self._mask_tensor = mask[:, None].to(dev, non_blocking=True)
+        return self._mask_tensor
 
     def _gap_depths(self, seqs: Sequence[SeqKV], key_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Per row and key, the loop slots the key wrote ``[B, L]`` (a large number where all),
