@@ -1,6 +1,6 @@
 """A block's decode step as one C call (``cpu.block.FusedBlock``): the same tokens and logprobs
 as the block's modules run one by one, in every layout and weight kind it covers; the steps it
-does not cover (prefill, a 4-bit KV pool, other layouts) run unfused; stale panels are noticed."""
+does not cover (prefill, an h-mode KV pool, other layouts) run unfused; stale panels are noticed."""
 
 from __future__ import annotations
 
@@ -104,9 +104,15 @@ def test_blocks_it_does_not_cover_run_their_modules() -> None:
         assert eng.generate_many(REQUESTS[:1])[0].completion_tokens == 8
 
 
-def test_a_4bit_kv_pool_declines_and_runs_unfused(fused_calls: list[int]) -> None:
-    eng = engine(kv_mode="int4")
-    fused, plain = both(eng)
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_a_4bit_kv_pool_is_fused_too(fused_calls: list[int], weights: str) -> None:
+    fused, plain = both(engine(weights=weights, kv_mode="int4"))
+    assert fused_calls[0] > 0
+    assert_same(fused, plain)
+
+
+def test_an_h_mode_pool_declines_and_runs_unfused(fused_calls: list[int]) -> None:
+    fused, plain = both(engine(kv_mode="h-mode"))
     assert fused_calls[0] == 0 and fused_calls[1] > 0
     assert_same(fused, plain)
 

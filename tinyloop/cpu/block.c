@@ -10,9 +10,11 @@
  *   x       [R, H]   the block's input (row r's residual stream), read
  *   normed  [R, H]   n1(x) when the block before made it, else NULL (computed here)
  *   cos/sin [cs_rows, D] each row's RoPE at its position (cs_rows R, or 1 for every row)
- *   k_pool, v_pool [pool_rows, KVH * D] float32: the layer's KV pool; `write_rows` [R] where
- *            each row's new K and V go, `key_rows` [R, L] the rows its keys are read from, of
- *            which the first n_keys[r] (its own new one included) are attended
+ *   kv      the layer's KV pool (`tl_kv`): float32 K and V [pool_rows, KVH * D], or 4-bit
+ *            (``kvstore.Int4Buffer``: codes [pool_rows, KVH * D / 2], fp16 (scale, minimum) per
+ *            group [pool_rows, KVH * D / group, 2]); `write_rows` [R] where each row's new K and
+ *            V go, `key_rows` [R, L] the rows its keys are read from, of which the first
+ *            n_keys[r] (its own new one included) are attended
  *   then_w  [H] the next block's input norm, or NULL; then_out [R, H] gets it of the output
  *   x_out   [R, H]   the block's output
  *
@@ -36,6 +38,13 @@ typedef struct {
     const void *panels;
     const float *scales; /* int8: one per output */
 } tl_weight;
+
+typedef struct {
+    int64_t int4, group, pool_rows; /* int4: 4-bit codes and meta, else float32 k and v */
+    float *k, *v;
+    uint8_t *k_codes, *v_codes;
+    uint16_t *k_meta, *v_meta;
+} tl_kv;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, style, rope_half;
@@ -72,26 +81,37 @@ static void join(const tl_block *b, const float *x, float *a, const float *w_in,
 /* Returns 0; 1 where scratch memory could not be allocated; 2 where a write row is outside the
  * pool (nothing of the block is then kept). */
 int tl_decode_block(const tl_block *b, const float *x, const float *normed, int64_t R, const float *cos,
-                    const float *sin, int64_t cs_rows, float *k_pool, float *v_pool, int64_t pool_rows,
-                    const int64_t *write_rows, const int64_t *key_rows, int64_t L, const int64_t *n_keys,
-                    const float *then_w, float *x_out, float *then_out) {
+                    const float *sin, int64_t cs_rows, const tl_kv *kv, const int64_t *write_rows,
+                    const int64_t *key_rows, int64_t L, const int64_t *n_keys, const float *then_w, float *x_out,
+                    float *then_out) {
     const int64_t H = b->hidden, HQ = b->heads, KVH = b->kv_heads, D = b->head_dim, I = b->intermediate;
-    const int64_t qkv_w = (HQ + 2 * KVH) * D, qk_w = (HQ + KVH) * D;
+    const int64_t qkv_w = (HQ + 2 * KVH) * D, qk_w = (HQ + KVH) * D, kv_w = KVH * D;
     for (int64_t i = 0; i < R; ++i)
-        if (write_rows[i] < 0 || write_rows[i] >= pool_rows) return 2;
-    const size_t floats = (size_t)R * (size_t)(3 * H + qkv_w + qk_w + HQ * D + 3 * I);
+        if (write_rows[i] < 0 || write_rows[i] >= kv->pool_rows) return 2;
+    const size_t floats = (size_t)R * (size_t)(3 * H + qkv_w + qk_w + HQ * D + 3 * I + 2 * kv_w);
     float *memory = malloc(floats * sizeof(float));
     if (memory == NULL) return 1;
     float *h = memory, *a = h + R * H, *r = a + R * H, *qkv = r + R * H, *qk = qkv + R * qkv_w;
-    float *att = qk + R * qk_w, *fc = att + R * HQ * D, *s = fc + R * 2 * I;
+    float *att = qk + R * qk_w, *fc = att + R * HQ * D, *s = fc + R * 2 * I, *new_k = s + R * I, *new_v = new_k + R * kv_w;
     int failed = 0;
     if (normed == NULL) tl_rms_norm(x, b->n1, h, R, H, b->eps);
     failed |= product(&b->qkv, normed != NULL ? normed : h, R, qkv);
     tl_rope(qkv, qkv_w, cos, sin, cs_rows, qk, R, HQ + KVH, 1, D, (int)b->rope_half); /* [R, HQ + KVH, D] */
-    tl_write_rows(qk + HQ * D, qk_w, write_rows, R, k_pool, pool_rows, KVH * D);
-    tl_write_rows(qkv + qk_w, qkv_w, write_rows, R, v_pool, pool_rows, KVH * D);
-    failed |= tl_decode_attention(qk, qk_w, k_pool, v_pool, key_rows, n_keys, att, R, HQ, KVH, D, L, 1,
-                                  (float)(1.0 / sqrt((double)D)));
+    const float scale = (float)(1.0 / sqrt((double)D));
+    if (kv->int4) { /* the new K and V quantized as the pool stores them, then read back with the rest */
+        for (int64_t m = 0; m < R; ++m) {
+            memcpy(new_k + m * kv_w, qk + m * qk_w + HQ * D, (size_t)kv_w * sizeof(float));
+            memcpy(new_v + m * kv_w, qkv + m * qkv_w + qk_w, (size_t)kv_w * sizeof(float));
+        }
+        tl_quantize_int4_rows(new_k, write_rows, R, kv->k_codes, kv->k_meta, kv_w, kv->group);
+        tl_quantize_int4_rows(new_v, write_rows, R, kv->v_codes, kv->v_meta, kv_w, kv->group);
+        failed |= tl_decode_attention_int4(qk, qk_w, kv->k_codes, kv->k_meta, kv->v_codes, kv->v_meta, key_rows,
+                                           n_keys, att, R, HQ, KVH, D, L, 1, kv->group, scale);
+    } else {
+        tl_write_rows(qk + HQ * D, qk_w, write_rows, R, kv->k, kv->pool_rows, kv_w);
+        tl_write_rows(qkv + qk_w, qkv_w, write_rows, R, kv->v, kv->pool_rows, kv_w);
+        failed |= tl_decode_attention(qk, qk_w, kv->k, kv->v, key_rows, n_keys, att, R, HQ, KVH, D, L, 1, scale);
+    }
     failed |= product(&b->o, att, R, a);
     join(b, x, a, b->n2, b->n3, R, r, h); /* r: the stream after attention, h: n3(r) */
     failed |= product(&b->fc, h, R, fc);

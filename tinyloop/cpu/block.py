@@ -7,24 +7,25 @@ KV write), about 150 us a block on this machine, against about 3 ms of weights a
 same buffers, so a block's output is the unfused one's (the SwiGLU aside, computed in C: float32
 rounding).
 
-It covers the plain decode step (one new token a row, a float32 KV pool, no tree, no loop
-gaps: ``PagedContext.decode_rows``) of a float32 block with a fused q/k/v projection, no q/k
+It covers the plain decode step (one new token a row, a float32 or 4-bit KV pool, no tree, no
+loop gaps: ``PagedContext.decode_rows``) of a float32 block with a fused q/k/v projection, no q/k
 norm or bias, a ``pre_ln``, ``sandwich`` or ``peri_ln`` layout, and every weight on the kernels
 (``cpu_linear.PackedWeight`` with panels, ``quant.QuantWeight`` int8, int4 or bf16 with panels). Anything else (a
-prefill, a verify, h-mode or 4-bit KV, another dtype) returns None from ``run`` and the block
+prefill, a verify, h-mode KV, another dtype) returns None from ``run`` and the block
 runs unfused. ``cpu.backend.use_cpu_kernels`` gives each covered block one (``Block.fused``).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 
 import torch
 
 from tinyloop.cpu import kernels
 from tinyloop.model.context import PagedContext
 from tinyloop.model.cpu_linear import PackedLinear
-from tinyloop.model.kvstore import PlainBuffer
+from tinyloop.model.kvstore import Int4Buffer, PlainBuffer
 from tinyloop.model.layers import AttentionContext, Block, RMSNorm
 from tinyloop.model.quant import QuantLinear
 
@@ -36,6 +37,26 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 class _Weight(ctypes.Structure):  # block.c's tl_weight
     _fields_ = [("kind", _I64), ("n", _I64), ("k", _I64), ("group", _I64), ("panels", _P), ("scales", _P)]
+
+
+class _KV(ctypes.Structure):  # block.c's tl_kv
+    _fields_ = [("int4", _I64), ("group", _I64), ("pool_rows", _I64), ("k", _P), ("v", _P), ("k_codes", _P),
+                ("v_codes", _P), ("k_meta", _P), ("v_meta", _P)]
+
+
+def _kv(fields: Mapping[str, object]) -> _KV | None:
+    """A layer's K and V pool as block.c reads it: float32 rows, or 4-bit (``Int4Buffer``); None
+    for any other (h-mode, another dtype)."""
+    k, v = fields.get("k"), fields.get("v")
+    if isinstance(k, PlainBuffer) and isinstance(v, PlainBuffer):
+        if all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for t in (k.data, v.data)):
+            return _KV(0, 0, k.data.shape[0], k.data.data_ptr(), v.data.data_ptr(), None, None, None, None)
+    elif isinstance(k, Int4Buffer) and isinstance(v, Int4Buffer) and k.group == v.group:
+        parts = (k.codes, v.codes, k.meta, v.meta)
+        if (all(t.is_contiguous() and t.is_cpu for t in parts) and k.meta.dtype == v.meta.dtype == torch.float16
+                and k.codes.dtype == torch.uint8):
+            return _KV(1, k.group, k.codes.shape[0], None, None, *(t.data_ptr() for t in parts))
+    return None
 
 
 class _Block(ctypes.Structure):  # block.c's tl_block
@@ -120,10 +141,8 @@ class FusedBlock:
         index = ctx.decode_rows(rows, slots)
         if index is None:
             return None
-        fields = ctx.pool.store.fields
-        k, v = fields.get("k"), fields.get("v")
-        if not (isinstance(k, PlainBuffer) and isinstance(v, PlainBuffer) and k.data.dtype == torch.float32
-                and v.data.dtype == torch.float32 and k.data.is_contiguous() and v.data.is_contiguous()):
+        kv = _kv(ctx.pool.store.fields)
+        if kv is None:
             return None
         if normed is not None and (normed.dtype is not torch.float32 or not normed.is_contiguous()):
             return None
@@ -135,12 +154,12 @@ class FusedBlock:
         then_out = None if then is None else torch.empty_like(x)
         code = kernels.load().tl_decode_block(
             ctypes.byref(self._struct), x.data_ptr(), None if normed is None else normed.data_ptr(), r,
-            cos.data_ptr(), sin.data_ptr(), cos.shape[0], k.data.data_ptr(), v.data.data_ptr(), k.data.shape[0],
+            cos.data_ptr(), sin.data_ptr(), cos.shape[0], ctypes.byref(kv),
             write.data_ptr(), keys.data_ptr(), keys.shape[1], n_keys.data_ptr(),
             None if then is None else then.weight.data_ptr(), out.data_ptr(),
             None if then_out is None else then_out.data_ptr())
         if code == 2:
-            raise IndexError(f"a KV row is outside the pool of {k.data.shape[0]} rows")
+            raise IndexError(f"a KV row is outside the pool of {kv.pool_rows} rows")
         if code:
             raise MemoryError("a fused decode block could not allocate its scratch memory")
         return out, then_out

@@ -16,6 +16,12 @@ void tl_rope(const float *x, int64_t ldx, const float *cos, const float *sin, in
              int64_t H, int64_t T, int64_t D, int half);
 int tl_write_rows(const float *x, int64_t ldx, const int64_t *rows, int64_t n, float *dst, int64_t n_rows,
                   int64_t width);
+void tl_quantize_int4_rows(const float *x, const int64_t *rows, int64_t n, uint8_t *codes, uint16_t *meta,
+                           int64_t width, int64_t group);
+int tl_decode_attention_int4(const float *q, int64_t ldq, const uint8_t *k_codes, const uint16_t *k_meta,
+                             const uint8_t *v_codes, const uint16_t *v_meta, const int64_t *rows,
+                             const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D,
+                             int64_t L, int64_t T, int64_t group, float scale);
 int tl_decode_attention(const float *q, int64_t ldq, const float *k, const float *v, const int64_t *rows,
                         const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L,
                         int64_t T, float scale);
