@@ -47,6 +47,8 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
     "multi_engine": (["--quick", "--repeat", "1"], ["--repeat", "3"], False),
     "decode_attention": (["--rows", "2", "--keys", "16", "--repeat", "3"], [], False),  # one thread itself
     "panel_matmul": (["--rows", "1", "16", "--repeat", "3", "--cold-mb", "4"], [], True),
+    "fused_block": (["--preset", "small", "--tokens", "8", "--rounds", "1", "--loops", "1", "--weights", "float",
+                     "int8", "--kv", "full"], [], True),
     "quant_matmul": (["--preset", "small", "--rounds", "1", "--rows", "1", "3", "--threads", "1"], [], False),
     "sampling": (["--vocab", "4096", "--batches", "1", "4", "--repeat", "20"], [], True),
     "structured": (["--quick"], [], True),
