@@ -4,6 +4,7 @@ does not cover (prefill, an h-mode KV pool, other layouts) run unfused; stale pa
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -137,3 +138,11 @@ def test_turning_the_kernels_off_drops_the_fused_steps() -> None:
     eng = engine()
     use_cpu_kernels(eng.model, False)
     assert all(b.fused is None for b in eng.model.modules() if isinstance(b, Block))
+
+
+def test_a_copied_block_runs_unfused_until_given_its_own() -> None:
+    eng = engine(weights="int8")
+    block = next(m for m in eng.model.modules() if isinstance(m, Block))
+    assert block.fused is not None
+    twin = copy.deepcopy(block)  # (the struct points at the original's panels)
+    assert twin.fused is None and block.fused is not None

@@ -126,6 +126,11 @@ class FusedBlock:
         keep = [w[1] for w in weights if w is not None] + [n.weight for n in norms if n is not None]
         return cls(block, struct, keep)
 
+    def __deepcopy__(self, memo: dict[int, object]) -> None:
+        """A copied block has its own panels (or none yet): it runs unfused until
+        ``use_cpu_kernels`` gives it its own (the struct points at this block's memory)."""
+        return None
+
     def current(self) -> bool:
         """Whether the block still has the layers and panels this was built from."""
         return all(modules[name] is layer and holder.panels is panels  # type: ignore[attr-defined]
