@@ -3,6 +3,10 @@ block's modules called one by one, same engine, same process, per weights and KV
 
     python bench/fused_block.py [--preset base100m] [--weights float int8 int4 bf16]
                                 [--kv full int4] [--loops 1 4] [--tokens 64] [--rounds 3] [--threads 2]
+                                [--layout preset huginn ouro]
+
+``--layout``: the preset's blocks as they are; ``huginn``, with q and k biases (Huginn-0125's
+attention); ``ouro``, ``peri_ln`` blocks with three q/k/v projections (Ouro's).
 
 For each weights mode (``bf16``: the model in bfloat16, which the engine keeps so) and KV mode, one
 engine decodes a 16-token random prompt greedily; ``use_cpu_kernels(model, fused=...)`` turns the
@@ -28,6 +32,9 @@ from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.requests import GenerationRequest, SamplingParams
 from tinyloop.tokenizer import default_tokenizer, gpt2_tokenizer
 
+LAYOUTS: dict[str, dict[str, object]] = {"preset": {}, "huginn": {"qk_bias": True},
+                                         "ouro": {"block_style": "peri_ln", "fused_qkv": False}}
+
 
 def decode(engine: Engine, prompt: list[int], n: int, loops: int) -> tuple[float, tuple[int, ...]]:
     greedy = SamplingParams(temperature=0, ignore_eos=True)
@@ -47,41 +54,42 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch's and the C kernels' threads")
+    ap.add_argument("--layout", nargs="+", default=["preset"], choices=sorted(LAYOUTS))
     args = ap.parse_args()
     if not kernels.available():
         raise SystemExit("the C kernels cannot be built here")
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels.set_threads(torch.get_num_threads())
-    config = PRESETS[args.preset]
-    tokenizer = gpt2_tokenizer() if config.vocab_size > default_tokenizer().vocab_size else default_tokenizer()
-    prompt = torch.randint(0, min(config.vocab_size, tokenizer.vocab_size), (16,),
+    base = PRESETS[args.preset]
+    tokenizer = gpt2_tokenizer() if base.vocab_size > default_tokenizer().vocab_size else default_tokenizer()
+    prompt = torch.randint(0, min(base.vocab_size, tokenizer.vocab_size), (16,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     print(f"{args.preset}, batch 1, {args.tokens} tokens, {args.rounds} rounds, {torch.get_num_threads()} threads")
-    print(f"{'weights':>7} {'kv':>5} {'loops':>5} {'fused tok/s':>11} {'unfused':>8} {'ratio':>6} {'same tokens':>11}")
-    for weights in args.weights:
-        for kv in args.kv:
-            model = init_model(config, seed=0)
-            if weights == "bf16":
-                model = model.to(torch.bfloat16)
-            engine = Engine(model, tokenizer, max_seq_len=args.tokens + 32, kv_cache_mb=256, prefix_caching=False,
-                            weights="float" if weights == "bf16" else weights, kv_mode=None if kv == "full" else kv)
-            for loops in args.loops:
-                rates: dict[bool, list[float]] = {True: [], False: []}
-                same = True
-                for round_ in range(args.rounds):
-                    outs = {}
-                    for fused in (True, False) if round_ % 2 == 0 else (False, True):
-                        use_cpu_kernels(engine.model, True, fused=fused)
-                        decode(engine, prompt, 2, loops)  # warm
-                        one, _ = decode(engine, prompt, 1, loops)
-                        full, outs[fused] = decode(engine, prompt, args.tokens, loops)
-                        rates[fused].append((args.tokens - 1) / max(full - one, 1e-9))
-                    same = same and outs[True] == outs[False]
-                use_cpu_kernels(engine.model, True)
-                on, off = statistics.median(rates[True]), statistics.median(rates[False])
-                print(f"{weights:>7} {kv:>5} {loops:>5} {on:>11.1f} {off:>8.1f} {on / off:>6.2f} "
-                      f"{'yes' if same else 'no':>11}")
+    print(f"{'layout':>7} {'weights':>7} {'kv':>5} {'loops':>5} {'fused tok/s':>11} {'unfused':>8} {'ratio':>6} "
+          f"{'same tokens':>11}")
+    for layout, weights, kv in [(la, w, kv) for la in args.layout for w in args.weights for kv in args.kv]:
+        model = init_model(base.replace(**LAYOUTS[layout]), seed=0)
+        if weights == "bf16":
+            model = model.to(torch.bfloat16)
+        engine = Engine(model, tokenizer, max_seq_len=args.tokens + 32, kv_cache_mb=256, prefix_caching=False,
+                        weights="float" if weights == "bf16" else weights, kv_mode=None if kv == "full" else kv)
+        for loops in args.loops:
+            rates: dict[bool, list[float]] = {True: [], False: []}
+            same = True
+            for round_ in range(args.rounds):
+                outs = {}
+                for fused in (True, False) if round_ % 2 == 0 else (False, True):
+                    use_cpu_kernels(engine.model, True, fused=fused)
+                    decode(engine, prompt, 2, loops)  # warm
+                    one, _ = decode(engine, prompt, 1, loops)
+                    full, outs[fused] = decode(engine, prompt, args.tokens, loops)
+                    rates[fused].append((args.tokens - 1) / max(full - one, 1e-9))
+                same = same and outs[True] == outs[False]
+            use_cpu_kernels(engine.model, True)
+            on, off = statistics.median(rates[True]), statistics.median(rates[False])
+            print(f"{layout:>7} {weights:>7} {kv:>5} {loops:>5} {on:>11.1f} {off:>8.1f} {on / off:>6.2f} "
+                  f"{'yes' if same else 'no':>11}")
 
 
 if __name__ == "__main__":

@@ -99,8 +99,27 @@ def test_a_fused_decode_step_equals_the_blocks_modules(fused_calls: list[int], s
     assert_same(fused, plain)
 
 
+@pytest.mark.parametrize("weights", ["float", "int8", "bf16"])
+@pytest.mark.parametrize("changes", [{"qk_bias": True}, {"fused_qkv": False}, {"qk_bias": True, "fused_qkv": False}],
+                         ids=["huginn-qk-bias", "ouro-three-projections", "both"])
+def test_q_k_biases_and_three_projections_are_fused_too(fused_calls: list[int], weights: str,
+                                                         changes: dict[str, object]) -> None:
+    eng = engine("peri_ln" if changes.get("fused_qkv") is False else "sandwich", weights, **changes)
+    assert all(b.fused is not None for b in eng.model.modules() if isinstance(b, Block))
+    if changes.get("qk_bias"):
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # biases far from zero: a step that dropped them would show
+            for b in eng.model.modules():
+                if isinstance(b, Block):
+                    b.attn.q_bias.copy_(torch.randn(b.attn.q_bias.shape, generator=gen) * 0.5)
+                    b.attn.k_bias.copy_(torch.randn(b.attn.k_bias.shape, generator=gen) * 0.5)
+    fused, plain = both(eng)
+    assert fused_calls[0] > 0
+    assert_same(fused, plain)
+
+
 def test_blocks_it_does_not_cover_run_their_modules() -> None:
-    for eng in (engine("post_ln"), engine(qk_bias=True), engine(fused_qkv=False)):
+    for eng in (engine("post_ln"), engine(qk_norm=True)):
         assert all(b.fused is None for b in eng.model.modules() if isinstance(b, Block))
         assert eng.generate_many(REQUESTS[:1])[0].completion_tokens == 8
 

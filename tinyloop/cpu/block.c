@@ -18,7 +18,8 @@
  *   then_w  [H] the next block's input norm, or NULL; then_out [R, H] gets it of the output
  *   x_out   [R, H]   the block's output
  *
- * The block (``layers.Block``): fused [q; k; v] projection, RoPE on q and k, no q/k norm or bias;
+ * The block (``layers.Block``): a fused [q; k; v] projection or three, q and k biases where the
+ * block has them, RoPE on q and k, no q/k norm;
  * SwiGLU MLP with a fused [gate; up] projection; norms placed by `style`:
  *   0 pre_ln:   x = x + attn(n1(x));      x = x + mlp(n3(x))
  *   1 sandwich: x = n2(x + attn(n1(x)));  x = n4(x + mlp(n3(x)))
@@ -51,6 +52,9 @@ typedef struct {
     const float *n1, *n2, *n3, *n4; /* NULL where the style has none */
     tl_weight qkv, o, fc, proj;
     float eps;
+    int64_t fused_qkv; /* 0: q, k and v are three products (Ouro) */
+    tl_weight q, k, v;
+    const float *q_bias, *k_bias; /* [HQ, D] and [KVH, D] added before RoPE (Huginn), or NULL */
 } tl_block;
 
 static int product(const tl_weight *w, const float *x, int64_t M, float *y) {
@@ -88,14 +92,32 @@ int tl_decode_block(const tl_block *b, const float *x, const float *normed, int6
     const int64_t qkv_w = (HQ + 2 * KVH) * D, qk_w = (HQ + KVH) * D, kv_w = KVH * D;
     for (int64_t i = 0; i < R; ++i)
         if (write_rows[i] < 0 || write_rows[i] >= kv->pool_rows) return 2;
-    const size_t floats = (size_t)R * (size_t)(3 * H + qkv_w + qk_w + HQ * D + 3 * I + 2 * kv_w);
+    const size_t floats = (size_t)R * (size_t)(3 * H + 2 * qkv_w + qk_w + HQ * D + 3 * I + 2 * kv_w);
     float *memory = malloc(floats * sizeof(float));
     if (memory == NULL) return 1;
     float *h = memory, *a = h + R * H, *r = a + R * H, *qkv = r + R * H, *qk = qkv + R * qkv_w;
     float *att = qk + R * qk_w, *fc = att + R * HQ * D, *s = fc + R * 2 * I, *new_k = s + R * I, *new_v = new_k + R * kv_w;
+    float *sep = new_v + R * kv_w; /* q, k, v of three products, [R, HQ * D] then [R, kv_w] twice */
     int failed = 0;
     if (normed == NULL) tl_rms_norm(x, b->n1, h, R, H, b->eps);
-    failed |= product(&b->qkv, normed != NULL ? normed : h, R, qkv);
+    const float *in = normed != NULL ? normed : h;
+    if (b->fused_qkv) {
+        failed |= product(&b->qkv, in, R, qkv);
+    } else {
+        float *q = sep, *k = q + R * HQ * D, *v = k + R * kv_w;
+        failed |= product(&b->q, in, R, q) | product(&b->k, in, R, k) | product(&b->v, in, R, v);
+        for (int64_t m = 0; m < R; ++m) {
+            memcpy(qkv + m * qkv_w, q + m * HQ * D, (size_t)(HQ * D) * sizeof(float));
+            memcpy(qkv + m * qkv_w + HQ * D, k + m * kv_w, (size_t)kv_w * sizeof(float));
+            memcpy(qkv + m * qkv_w + qk_w, v + m * kv_w, (size_t)kv_w * sizeof(float));
+        }
+    }
+    if (b->q_bias != NULL) /* (the same float adds as torch's `q + q_bias`) */
+        for (int64_t m = 0; m < R; ++m) {
+            float *row = qkv + m * qkv_w;
+            for (int64_t i = 0; i < HQ * D; ++i) row[i] = row[i] + b->q_bias[i];
+            for (int64_t i = 0; i < kv_w; ++i) row[HQ * D + i] = row[HQ * D + i] + b->k_bias[i];
+        }
     tl_rope(qkv, qkv_w, cos, sin, cs_rows, qk, R, HQ + KVH, 1, D, (int)b->rope_half); /* [R, HQ + KVH, D] */
     const float scale = (float)(1.0 / sqrt((double)D));
     if (kv->int4) { /* the new K and V quantized as the pool stores them, then read back with the rest */

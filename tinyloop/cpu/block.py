@@ -8,8 +8,9 @@ same buffers, so a block's output is the unfused one's (the SwiGLU aside, comput
 rounding).
 
 It covers the plain decode step (one new token a row, a float32 or 4-bit KV pool, no tree, no
-loop gaps: ``PagedContext.decode_rows``) of a float32 block with a fused q/k/v projection, no q/k
-norm or bias, a ``pre_ln``, ``sandwich`` or ``peri_ln`` layout, and every weight on the kernels
+loop gaps: ``PagedContext.decode_rows``) of a float32 block with a fused q/k/v projection or
+three (Ouro), q and k biases or none (Huginn), no q/k norm, a ``pre_ln``, ``sandwich`` or
+``peri_ln`` layout, and every weight on the kernels
 (``cpu_linear.PackedWeight`` with panels, ``quant.QuantWeight`` int8, int4 or bf16 with panels). Anything else (a
 prefill, a verify, h-mode KV, another dtype) returns None from ``run`` and the block
 runs unfused. ``cpu.backend.use_cpu_kernels`` gives each covered block one (``Block.fused``).
@@ -62,7 +63,8 @@ def _kv(fields: Mapping[str, object]) -> _KV | None:
 class _Block(ctypes.Structure):  # block.c's tl_block
     _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("intermediate", _I64),
                 ("style", _I64), ("rope_half", _I64), ("n1", _P), ("n2", _P), ("n3", _P), ("n4", _P),
-                ("qkv", _Weight), ("o", _Weight), ("fc", _Weight), ("proj", _Weight), ("eps", ctypes.c_float)]
+                ("qkv", _Weight), ("o", _Weight), ("fc", _Weight), ("proj", _Weight), ("eps", ctypes.c_float),
+                ("fused_qkv", _I64), ("q", _Weight), ("k", _Weight), ("v", _Weight), ("q_bias", _P), ("k_bias", _P)]
 
 
 def _weight(module: torch.nn.Module) -> tuple[_Weight, torch.Tensor] | None:
@@ -81,12 +83,18 @@ def _weight(module: torch.nn.Module) -> tuple[_Weight, torch.Tensor] | None:
 _Watch = tuple[dict[str, "torch.nn.Module | None"], str, torch.nn.Module, object, object]
 
 
+def _layers(block: Block) -> list[tuple[torch.nn.Module, str]]:
+    """Where a block's linear layers sit: (parent module, name), the q/k/v projection(s) first."""
+    qkv = ["qkv"] if block.attn.config.fused_qkv else ["q", "k", "v"]
+    return [(block.attn, name) for name in (*qkv, "o")] + [(block.mlp, "fc"), (block.mlp, "proj")]
+
+
 def _watched(block: Block) -> tuple[_Watch, ...]:
-    """What a block's struct depends on: each of its four layers where the block holds it (its
+    """What a block's struct depends on: each of its linear layers where the block holds it (its
     parent's module dict, the name), and the object holding the layer's panels with the panels
     it holds now. ``FusedBlock.current`` checks each still holds the same."""
     out: list[_Watch] = []
-    for parent, name in ((block.attn, "qkv"), (block.attn, "o"), (block.mlp, "fc"), (block.mlp, "proj")):
+    for parent, name in _layers(block):
         layer = parent._modules[name]
         assert layer is not None
         holder = getattr(layer, "packed", None) or getattr(layer, "quant", None)
@@ -111,19 +119,27 @@ class FusedBlock:
     @classmethod
     def for_block(cls, block: Block) -> FusedBlock | None:
         attn, c = block.attn, block.attn.config
-        if not kernels.available() or block.style not in _STYLES or not attn.rope_qk_together:
+        if not kernels.available() or block.style not in _STYLES or c.qk_norm:
+            return None
+        if c.rope_style not in ("half", "interleaved"):
             return None
         norms = [getattr(block, name, None) for name in ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm")]
-        if any(n is not None and (n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
-                                  or n.weight.device.type != "cpu") for n in norms):
+        biases = [attn.q_bias, attn.k_bias] if c.qk_bias else []
+        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
+               for t in [*(n.weight for n in norms if n is not None), *biases]):
             return None
-        weights = [_weight(m) for m in (attn.qkv, attn.o, block.mlp.fc, block.mlp.proj)]
-        if any(w is None for w in weights) or c.rope_style not in ("half", "interleaved"):
+        found = [_weight(parent._modules[name]) for parent, name in _layers(block)]  # type: ignore[arg-type]
+        weights = [w for w in found if w is not None]
+        if len(weights) != len(found):
             return None
-        structs = [w[0] for w in weights if w is not None]
+        structs = [w[0] for w in weights]
+        none = _Weight(0, 0, 0, 0, None, None)
+        qkv, q, k, v = (structs[0], none, none, none) if c.fused_qkv else (none, *structs[:3])
+        o, fc, proj = structs[-3:]
         struct = _Block(c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate, _STYLES[block.style],
-                        int(c.rope_style == "half"), *(_norm(n) for n in norms), *structs, block.eps)
-        keep = [w[1] for w in weights if w is not None] + [n.weight for n in norms if n is not None]
+                        int(c.rope_style == "half"), *(_norm(n) for n in norms), qkv, o, fc, proj, block.eps,
+                        int(c.fused_qkv), q, k, v, *(t.data_ptr() for t in biases) if biases else (None, None))
+        keep = [w[1] for w in weights] + [n.weight for n in norms if n is not None] + biases
         return cls(block, struct, keep)
 
     def __deepcopy__(self, memo: dict[int, object]) -> None:
