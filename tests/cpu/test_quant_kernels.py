@@ -204,3 +204,18 @@ def test_bf16_products_equal_the_bf16_activations_times_the_bf16_weight(
 def test_bf16_panels_refuse_another_dtype() -> None:
     with pytest.raises(ValueError, match="bfloat16 weight"):
         kernels.pack_bf16(torch.zeros(16, 8))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_activation_makes_its_rows_outputs_nan_and_no_others(path: str, bad: float) -> None:
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 64, generator=gen)
+    x[1, 40] = bad  # row 1's second block
+    packed, scales, zeros, _ = int4_weight(20, 64, 32, gen)
+    codes8 = torch.randint(-127, 128, (20, 64), generator=gen, dtype=torch.int8)
+    for y in (kernels.matmul_q8(x, kernels.pack_q8(codes8), 20, torch.rand(20, generator=gen), None),
+              kernels.matmul_q4(x, kernels.pack_q4(packed, scales, zeros, 32), 20, 32, None)):
+        assert y[1].isnan().all()
+        assert torch.isfinite(y[[0, 2]]).all()
+    xq, d, _ = kernels.quantize_activations(x)
+    assert d[1, 1].isnan() and (xq[1, 32:] == 0).all() and torch.isfinite(d[[0, 2]]).all()

@@ -37,6 +37,7 @@
  * forced (the tests run each in turn).
  */
 #define _GNU_SOURCE
+#include <float.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -84,7 +85,9 @@ static inline int32_t load_i32(const int8_t *p) {
 }
 
 /* x [M, K] float32 -> xq [M, Kp] int8 (zero past K), per block b of QBLOCK inputs d [M, nb] and
- * the block's sum of xq, sums [M, nb]. */
+ * the block's sum of xq, sums [M, nb]. A block holding a NaN or an infinity gets codes 0 and
+ * scale NaN: the outputs of its row come out NaN, as a float product's would, and the engine's
+ * check of the logits fails that request alone. */
 void tl_quantize_act(const float *x, int64_t M, int64_t K, int64_t Kp, int8_t *xq, float *d, int32_t *sums) {
     const int64_t nb = (Kp + QBLOCK - 1) / QBLOCK;
     for (int64_t m = 0; m < M; ++m) {
@@ -93,11 +96,16 @@ void tl_quantize_act(const float *x, int64_t M, int64_t K, int64_t Kp, int8_t *x
         for (int64_t b = 0; b < nb; ++b) {
             const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < K ? k0 + QBLOCK : K;
             float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-            for (int64_t k = k0; k < k1; ++k) amax = fmaxf(amax, fabsf(xr[k]));
-            const float scale = amax / 127.0f;
+            int bad = 0; /* a NaN or an infinity: the block's scale is NaN, so every output it feeds is */
+#pragma omp simd reduction(max : amax) reduction(| : bad)
+            for (int64_t k = k0; k < k1; ++k) {
+                const float a = fabsf(xr[k]);
+                bad |= !(a <= FLT_MAX);
+                amax = fmaxf(amax, a);
+            }
+            const float scale = bad ? NAN : amax / 127.0f;
             int32_t total = 0;
-            if (scale > 0.0f) {
+            if (!bad && scale > 0.0f) {
 #pragma omp simd reduction(+ : total)
                 for (int64_t k = k0; k < k1; ++k) {
                     const int32_t q = (int32_t)nearbyintf(xr[k] / scale);
