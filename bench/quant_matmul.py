@@ -23,6 +23,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+from engine_vs_hf import copy_bandwidth
 
 from tinyloop.cpu import kernels
 from tinyloop.model.presets import PRESETS
@@ -35,14 +36,6 @@ def weight_shapes(preset: str) -> list[tuple[int, int]]:
              (2 * c.intermediate, c.hidden), (c.hidden, c.intermediate)]
     adapter = [(c.hidden, 2 * c.hidden)] if c.injection == "concat_linear" else []
     return block * (c.n_prelude + c.n_core + c.n_coda) + adapter + [(c.vocab_size, c.hidden)]
-
-
-def copy_bandwidth(mb: int = 256) -> float:
-    src = torch.ones(mb * 2**20 // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
-    return 2 * src.nbytes / best
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -79,7 +72,7 @@ def main() -> None:
 
     configs = [(m, p, t, r) for m in args.modes for p in paths for t in args.threads for r in args.rows]
     times: dict[tuple[str, str, int, int], list[float]] = {c: [] for c in configs}
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(256, 5)
     try:
         for _ in range(args.rounds):
             for mode, path, threads, rows in configs:

@@ -132,11 +132,11 @@ def use_cpu_kernels(model: LoopedLM, on: bool = True, fused: bool = True) -> boo
 def _set_panels(model: LoopedLM, on: bool) -> None:
     """Give every packed float32 and quantized weight of ``model`` its panels (kept where it has
     them; the float32 ones packed together, on huge pages where the OS gives them:
-    ``kernels.pack_panels_all``; int8 and int4 ones each in its own layout), or drop them.
+    ``kernels.pack_panels_all``; int8, int4 and bf16 ones each in its own layout), or drop them.
     Where the kernels run on at least torch's threads the float32 weights' oneDNN blocked copies
     go (the panels serve prefill too); they come back with the panels off."""
-    packed = packed_weights(model)
-    weights: list[PackedWeight | QuantWeight] = [*packed, *quant_weights(model)]
+    packed, quants = packed_weights(model), quant_weights(model)
+    weights: list[PackedWeight | QuantWeight] = [*packed, *quants]
     for one in packed:  # on as many threads as torch the panels serve every row count
         one.set_blocked(not (on and kernels.covers_torch()))
     if not on:
@@ -146,5 +146,5 @@ def _set_panels(model: LoopedLM, on: bool) -> None:
     todo = [w for w in packed if w.panels is None]
     for weight, panels in zip(todo, kernels.pack_panels_all([w.panel_source for w in todo]), strict=True):
         weight.panels = panels
-    for quant in quant_weights(model):  # int8 and int4: their own layouts (qmatmul.c)
+    for quant in quants:  # int8, int4 and bf16: their own layouts (qmatmul.c)
         quant.set_panels(True)

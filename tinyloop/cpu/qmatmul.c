@@ -168,18 +168,60 @@ void tl_pack_q4(const uint8_t *codes, const float *scales, const float *zeros, i
         }
 }
 
-/* One product's work: the activations quantised, the panels, and how the panels are shared. */
+/* A product's panels shared among the threads: `run(job, m, rows, p)` computes rows m .. m + rows
+ * - 1 of panel p. Each task takes a range of panels and every row; past one block of rows, a
+ * chunk of panels at a time, kept in L2 while every block of rows passes over it. A product
+ * whose panels are Q_SPLIT_BYTES or more is split into about Q_TASKS_PER_THREAD tasks a thread
+ * (at any row count: one core does not draw the memory's whole bandwidth), a smaller one stays
+ * on its caller's thread. */
+typedef void (*panel_fn)(const void *job, int64_t m, int rows, int64_t p);
+
 typedef struct {
+    const void *job;
+    panel_fn run;
+    int64_t M, n_panels, per_task, chunk;
+    int max_rows; /* rows the row kernels keep in registers at most */
+} sweep_t;
+
+static void sweep_task(const void *sweep_, int64_t task) {
+    const sweep_t *sw = sweep_;
+    const int64_t first = task * sw->per_task;
+    const int64_t last = first + sw->per_task < sw->n_panels ? first + sw->per_task : sw->n_panels;
+    for (int64_t c0 = first; c0 < last; c0 += sw->chunk) {
+        const int64_t c1 = c0 + sw->chunk < last ? c0 + sw->chunk : last;
+        for (int64_t m = 0; m < sw->M;) {
+            const int64_t left = sw->M - m;
+            const int rows = left >= sw->max_rows ? sw->max_rows : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            for (int64_t p = c0; p < c1; ++p) sw->run(sw->job, m, rows, p);
+            m += rows;
+        }
+    }
+}
+
+static void sweep(const void *job, panel_fn run, int64_t M, int64_t N, int64_t panel_bytes, int max_rows) {
+    const int64_t n_panels = (N + QPANEL - 1) / QPANEL, threads = tl_threads();
+    int64_t per_task = n_panels;
+    if (threads > 1 && n_panels * panel_bytes >= Q_SPLIT_BYTES)
+        per_task = (n_panels + threads * Q_TASKS_PER_THREAD - 1) / (threads * Q_TASKS_PER_THREAD);
+    const int64_t chunk = Q_CHUNK_BYTES / panel_bytes > 1 ? Q_CHUNK_BYTES / panel_bytes : 1;
+    const sweep_t sw = {job, run, M, n_panels, per_task, chunk, max_rows};
+    tl_run_tasks(sweep_task, &sw, (n_panels + per_task - 1) / per_task);
+}
+
+/* One product's work: the activations quantised, the panels, and the row kernels of its path. */
+typedef struct q_job q_job;
+typedef void (*rows_fn)(const q_job *job, int64_t m, const uint8_t *panel, int64_t n0);
+struct q_job {
     const int8_t *xq;     /* [M, Kp] */
     const float *d;       /* [M, nb] */
     const int32_t *sums;  /* [M, nb] */
     const float *xs;      /* int4: [M, G] sum over the group's blocks of d * sums */
-    int64_t M, K, Kp, nb, N, group, panel_bytes, per_task, chunk;
+    int64_t M, K, Kp, nb, N, group, panel_bytes;
     const uint8_t *panels;
     const float *scales, *bias; /* int8: a scale per output; bias may be NULL */
     float *y;
-    int isa;
-} q_job;
+    const rows_fn *kernels; /* for 1, 2, 4 and 8 (or the path's most) rows */
+};
 
 /* Row m's outputs n0 .. n0 + cols - 1 from acc (16 floats), times the int8 scales, plus bias. */
 static inline void store_row(const q_job *job, int64_t m, int64_t n0, const float *acc) {
@@ -425,7 +467,6 @@ ALWAYS_INLINE void q4_vnni(const q_job *job, int64_t m, int R, const uint8_t *pa
 #endif
 
 /* Each path's row kernels for 1, 2, 4 and 8 rows (the row count a compile-time constant). */
-typedef void (*rows_fn)(const q_job *job, int64_t m, const uint8_t *panel, int64_t n0);
 #define ROW_KERNELS(FN, MAXR)                                                                          \
     static void FN##_r1(const q_job *j, int64_t m, const uint8_t *p, int64_t n0) { FN(j, m, 1, p, n0); } \
     static void FN##_r2(const q_job *j, int64_t m, const uint8_t *p, int64_t n0) { FN(j, m, 2, p, n0); } \
@@ -458,35 +499,17 @@ static const rows_fn *row_kernels(int isa, int bits, int *max_rows) {
     return bits == 8 ? q8_portable_rows : q4_portable_rows;
 }
 
-/* Task t: the panels [t * per_task, (t + 1) * per_task), every row; past one block of rows, a
- * chunk of panels at a time (kept in L2 while every block of rows passes over it). */
-static void q_task(const void *job_, int64_t task, int bits) {
+/* Rows m .. m + rows - 1 of panel p, on the path's row kernel for that many rows. */
+static void q_panel(const void *job_, int64_t m, int rows, int64_t p) {
     const q_job *job = job_;
-    int max_rows;
-    const rows_fn *kernels = row_kernels(job->isa, bits, &max_rows);
-    const int64_t n_panels = (job->N + QPANEL - 1) / QPANEL;
-    const int64_t first = task * job->per_task, last = first + job->per_task < n_panels ? first + job->per_task : n_panels;
-    for (int64_t c0 = first; c0 < last; c0 += job->chunk) {
-        const int64_t c1 = c0 + job->chunk < last ? c0 + job->chunk : last;
-        for (int64_t m = 0; m < job->M;) {
-            const int64_t left = job->M - m;
-            const int step = left >= max_rows ? max_rows : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-            const rows_fn fn = kernels[step >= 8 ? 3 : step >= 4 ? 2 : step - 1];
-            for (int64_t p = c0; p < c1; ++p) fn(job, m, job->panels + p * job->panel_bytes, p * QPANEL);
-            m += step;
-        }
-    }
+    job->kernels[rows >= 8 ? 3 : rows >= 4 ? 2 : rows - 1](job, m, job->panels + p * job->panel_bytes, p * QPANEL);
 }
-
-static void q8_task(const void *job, int64_t task) { q_task(job, task, 8); }
-static void q4_task(const void *job, int64_t task) { q_task(job, task, 4); }
 
 /* The product: quantise x, then the panels shared among the threads. Returns 0, or -1 where the
  * scratch memory could not be allocated. */
 static int q_matmul(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, int64_t group,
                     const float *scales, const float *bias, float *y, int bits) {
     const int64_t Kp = (K + 3) / 4 * 4, nb = (Kp + QBLOCK - 1) / QBLOCK, G = bits == 4 ? K / group : 0;
-    const int64_t n_panels = (N + QPANEL - 1) / QPANEL;
     const int64_t panel_bytes = bits == 8 ? Kp * QPANEL : G * (group * 8 + 64);
     const size_t scratch = (size_t)(M * Kp) + (size_t)(M * nb) * (sizeof(float) + sizeof(int32_t))
                            + (size_t)(M * G) * sizeof(float) + 64;
@@ -504,15 +527,10 @@ static int q_matmul(const float *x, int64_t M, int64_t K, const uint8_t *panels,
                 total = fmaf(d[m * nb + b], (float)sums[m * nb + b], total);
             xs[m * G + g] = total;
         }
-    const int threads = tl_threads();
-    int64_t per_task = n_panels;
-    if (threads > 1 && n_panels * panel_bytes >= Q_SPLIT_BYTES)
-        per_task = (n_panels + threads * Q_TASKS_PER_THREAD - 1) / (threads * Q_TASKS_PER_THREAD);
-    int64_t chunk = Q_CHUNK_BYTES / panel_bytes;
-    chunk = chunk < 1 ? 1 : chunk;
-    const q_job job = {xq, d, sums, xs, M, K, Kp, nb, N, group, panel_bytes, per_task, chunk, panels, scales, bias,
-                       y, tl_quant_isa()};
-    tl_run_tasks(bits == 8 ? q8_task : q4_task, &job, (n_panels + per_task - 1) / per_task);
+    int max_rows;
+    const rows_fn *kernels = row_kernels(tl_quant_isa(), bits, &max_rows);
+    const q_job job = {xq, d, sums, xs, M, K, Kp, nb, N, group, panel_bytes, panels, scales, bias, y, kernels};
+    sweep(&job, q_panel, M, N, panel_bytes, max_rows);
     free(memory);
     return 0;
 }
@@ -553,11 +571,11 @@ PACK_INTERLEAVED(tl_pack_bf16, uint16_t, uint16_t, 2, 0)
 
 typedef struct {
     const uint32_t *xb; /* [M, Kp / 2]: x rounded to bf16, two inputs a word */
-    int64_t M, Kp, N, per_task, chunk;
+    int64_t M, Kp, N;
     const uint16_t *panels;
     const float *bias;
     float *y;
-    int isa;
+    int native; /* on AVX-512 BF16 (the best path chosen, and built in) */
 } bf16_job;
 
 static void bf16_store(const bf16_job *job, int64_t m, int64_t n0, const float *acc) {
@@ -624,42 +642,28 @@ static void bf16_native_r8(const bf16_job *j, int64_t m, const uint16_t *p, int6
 /* Whether this build multiplies bf16 weights with AVX-512 BF16 (else the portable path). */
 int tl_bf16_native(void) { return BF16_NATIVE; }
 
-/* Task t: the panels [t * per_task, (t + 1) * per_task), every row; a chunk of panels at a time,
- * kept in L2 while every block of rows passes over it (as `q_task`). */
-static void bf16_task(const void *job_, int64_t task) {
+/* Rows m .. m + rows - 1 of panel p. */
+static void bf16_panel(const void *job_, int64_t m, int rows, int64_t p) {
     const bf16_job *job = job_;
-    const int64_t n_panels = (job->N + QPANEL - 1) / QPANEL;
-    const int64_t first = task * job->per_task, last = first + job->per_task < n_panels ? first + job->per_task : n_panels;
-    for (int64_t c0 = first; c0 < last; c0 += job->chunk) {
-        const int64_t c1 = c0 + job->chunk < last ? c0 + job->chunk : last;
-        for (int64_t m = 0; m < job->M;) {
-            const int64_t left = job->M - m;
-            const int step = left >= QMAX_ROWS ? QMAX_ROWS : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-            for (int64_t p = c0; p < c1; ++p) {
-                const uint16_t *panel = job->panels + p * job->Kp * QPANEL;
+    const uint16_t *panel = job->panels + p * job->Kp * QPANEL;
 #if BF16_NATIVE
-                if (job->isa >= 2) {
-                    switch (step) {
-                    case 8: bf16_native_r8(job, m, panel, p * QPANEL); break;
-                    case 4: bf16_native_r4(job, m, panel, p * QPANEL); break;
-                    case 2: bf16_native_r2(job, m, panel, p * QPANEL); break;
-                    default: bf16_native_r1(job, m, panel, p * QPANEL); break;
-                    }
-                    continue;
-                }
-#endif
-                bf16_portable(job, m, step, panel, p * QPANEL);
-            }
-            m += step;
+    if (job->native) {
+        switch (rows) {
+        case 8: bf16_native_r8(job, m, panel, p * QPANEL); return;
+        case 4: bf16_native_r4(job, m, panel, p * QPANEL); return;
+        case 2: bf16_native_r2(job, m, panel, p * QPANEL); return;
+        default: bf16_native_r1(job, m, panel, p * QPANEL); return;
         }
     }
+#endif
+    bf16_portable(job, m, rows, panel, p * QPANEL);
 }
 
 /* y [M, N] = bf16(x) [M, K] W^T (+ bias) for W as `tl_pack_bf16` laid it out. Returns 0, or -1
  * where the scratch memory could not be allocated. */
 int tl_matmul_bf16(const float *x, int64_t M, int64_t K, const uint16_t *panels, int64_t N, const float *bias,
                    float *y) {
-    const int64_t Kp = (K + 1) / 2 * 2, n_panels = (N + QPANEL - 1) / QPANEL;
+    const int64_t Kp = (K + 1) / 2 * 2;
     uint32_t *xb = malloc((size_t)(M * Kp / 2) * sizeof(uint32_t) + 4);
     if (xb == NULL) return -1;
     for (int64_t m = 0; m < M; ++m)
@@ -668,14 +672,8 @@ int tl_matmul_bf16(const float *x, int64_t M, int64_t K, const uint16_t *panels,
             const uint16_t hi = 2 * p + 1 < K ? float_to_bf16(x[m * K + 2 * p + 1]) : 0;
             xb[m * (Kp / 2) + p] = (uint32_t)lo | ((uint32_t)hi << 16);
         }
-    const int threads = tl_threads();
-    int64_t per_task = n_panels;
-    if (threads > 1 && n_panels * Kp * QPANEL * 2 >= Q_SPLIT_BYTES)
-        per_task = (n_panels + threads * Q_TASKS_PER_THREAD - 1) / (threads * Q_TASKS_PER_THREAD);
-    int64_t chunk = Q_CHUNK_BYTES / (Kp * QPANEL * 2);
-    chunk = chunk < 1 ? 1 : chunk;
-    const bf16_job job = {xb, M, Kp, N, per_task, chunk, panels, bias, y, tl_quant_isa()};
-    tl_run_tasks(bf16_task, &job, (n_panels + per_task - 1) / per_task);
+    const bf16_job job = {xb, M, Kp, N, panels, bias, y, BF16_NATIVE && tl_quant_isa() >= 2};
+    sweep(&job, bf16_panel, M, N, Kp * QPANEL * 2, QMAX_ROWS);
     free(xb);
     return 0;
 }

@@ -66,12 +66,12 @@ class QuantWeight:
     def __init__(self, weight: torch.Tensor, mode: str, group: int = _INT4_GROUP) -> None:
         if mode not in ("int8", "int4", "bf16"):
             raise ValueError(f"weight mode must be int8, int4 or bf16, got {mode!r}")
-        w = weight.detach().float()
-        n, k = w.shape
+        n, k = weight.shape
         self.mode, self.shape, self.group = mode, (n, k), group
         self.codes4: torch.Tensor | None = None  # int4: the codes, two a byte, for ``set_panels``
+        w = weight.detach() if mode == "bf16" else weight.detach().float()  # (bf16: no float32 copy)
         if mode == "bf16":  # the weight itself, rounded to bfloat16 (no scales)
-            self.q = weight.detach().to(torch.bfloat16).contiguous()
+            self.q = w.to(torch.bfloat16).contiguous()
             self.scales = torch.empty(0)
         elif mode == "int8":
             scale = (w.abs().amax(1) / 127).clamp_min(1e-12)  # [N]
