@@ -205,8 +205,9 @@ def _print_inspect(info: dict[str, Any]) -> None:
     print(f"tokenizer       {info['tokenizer_vocab_size']} tokens; bos {special['bos_id']}, "
           f"eos {special['eos_id']}, eos_ids {special['eos_ids']}, pad {pad}")
     print("config")
+    width = max(map(len, info["config"]), default=0) + 2  # the longest key, then two spaces
     for key, value in info["config"].items():
-        print(f"  {key:<16}{value}")
+        print(f"  {key:<{width}}{value}")
     print(f"KV cache per token (loops {kv['loops']}, cache_window {kv['cache_window']}, "
           f"mode {kv['kv_mode']}): {kv['bytes_fp16']:,} B fp16, {kv['bytes_dtype']:,} B {kv['dtype']}")
     print(f"  {'cache_window':>12} {'slots':>6} {'fp16':>10} {kv['dtype']:>10}")
