@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     "Runtime": "tinyloop.actors.runtime",
@@ -43,6 +41,11 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # the installed package's (tinyloop.version), read on first use
+        from tinyloop.version import package_version
+
+        globals()[name] = version = package_version()
+        return version
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tinyloop' has no attribute {name!r}")
@@ -52,10 +55,11 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted({*globals(), *_EXPORTS, "__version__"})
 
 
 if TYPE_CHECKING:
+    __version__: str
     from tinyloop.actors.port import EnginePort as EnginePort
     from tinyloop.actors.runtime import Runtime as Runtime
     from tinyloop.actors.runtime import RuntimeStatistics as RuntimeStatistics

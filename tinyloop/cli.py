@@ -455,7 +455,11 @@ _COMMANDS = (_add_init, _add_convert, _add_inspect, _add_export_tokenizer, _add_
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tinyloop.version import package_version
+
     parser = argparse.ArgumentParser(prog="tinyloop", description="Serve looped transformer LMs.")
+    parser.add_argument("--version", action="version", version=f"tinyloop {package_version()}",
+                        help="print tinyloop's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _COMMANDS:
         add(sub)

@@ -40,6 +40,7 @@ _GETS = {"/v1/models": "List models", "/v1/models/{model}": "One model",
          "/api/v0/models": "List models (LM Studio shape)", "/api/v0/models/{model}": "One model (LM Studio)",
          "/healthz": "Health probe (text)", "/health": "Health probe (text), vLLM's path",
          "/metrics": "Prometheus metrics (text)",
+         "/version": "The server's version (as tinyloop --version), torch's and the engines' devices",
          "/tokenizer_info": "The tokenizer's tokenizer_config.json (vLLM's route, lm-eval's remote tokenizer)",
          "/v1/tokenizer_info": "The tokenizer's tokenizer_config.json, under /v1"}
 

@@ -1,4 +1,5 @@
-"""Operations routes: ``/healthz`` (plain text) and ``/metrics`` (Prometheus exposition).
+"""Operations routes: ``/healthz`` (plain text), ``/metrics`` (Prometheus exposition) and
+``/version`` (the package's version, torch's and the engines' devices, as JSON).
 
 ``/health`` is the same probe under vLLM's name: routers built for vLLM (vllm-router waits on it
 at startup whatever its ``--health-check-endpoint``) find a TinyLoop replica healthy the same way.
@@ -6,9 +7,13 @@ at startup whatever its ``--health-check-endpoint``) find a TinyLoop replica hea
 
 from __future__ import annotations
 
+from typing import Any
+
 from quart import Blueprint, Response, current_app
 
+import tinyloop
 from tinyloop.metrics import CONTENT_TYPE
+from tinyloop.version import torch_version
 
 __all__ = ["blueprint"]
 
@@ -39,3 +44,14 @@ async def metrics() -> Response:
     if state is None:
         return Response("", content_type=CONTENT_TYPE)
     return Response(state.runtime.metrics_text(), content_type=CONTENT_TYPE)
+
+
+@blueprint.get("/version")
+async def version() -> dict[str, Any]:
+    """``{"version": ...}`` (what ``tinyloop --version`` prints), torch's version and, once a
+    model is loaded, the devices its engines run on."""
+    out: dict[str, Any] = {"version": tinyloop.__version__, "torch": torch_version()}
+    state = current_app.extensions.get("tinyloop")
+    if state is not None:
+        out["devices"] = list(dict.fromkeys(state.settings.engine_devices))
+    return out
