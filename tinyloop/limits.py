@@ -20,6 +20,10 @@ The checks, in order (the first that fails is reported):
                    draft_loops <= loops                                     draft_loops
                    cache_window >= loops                                    cache_window
     KV             the request's worst case fits the whole KV pool          max_tokens
+
+A request that sets no ``max_tokens`` gets ``ModelLimits.max_tokens``: what is left of the
+model's own context after the prompt (``trained_context``: the context its artifact says it was
+built for, which the served context may extend), vLLM's default.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class ModelLimits:
     kv: KVLimits | None = None
     gate: bool = False  # the model has an exit gate although its own rule is not ``gate``
     coda: bool = False  # the model has coda layers (after the loop)
+    trained_context: int | None = None  # the context the model was built for (None: not known)
 
     @classmethod
     def from_engine(cls, engine: Any) -> ModelLimits:
@@ -96,6 +101,19 @@ class ModelLimits:
     def loops(self, asked: int | None) -> int:
         """The loops a request runs at: what it asked, or the model's default."""
         return asked or self.default_loops
+
+    def max_tokens(self, prompt_len: int, asked: int | None, default: int | None = None) -> int:
+        """The tokens a request may generate: ``asked`` when the client set it (``check`` then
+        holds it to the served context); else the route's ``default`` (None: no cap of its own)
+        capped by what is left of the model's own context after the prompt (vLLM's default:
+        context - prompt). A prompt that already fills the model's own context, or a model
+        whose own context is not known, is left the served context's room instead."""
+        if asked is not None:
+            return asked
+        room = self.max_seq_len - prompt_len
+        if self.trained_context is not None and self.trained_context > prompt_len:
+            room = min(room, self.trained_context - prompt_len)
+        return room if default is None else min(default, room)
 
     def outside_vocabulary(self, tokens: Sequence[int]) -> int | None:
         """The first token id that is not in the vocabulary, or None."""

@@ -29,7 +29,8 @@ from tinyloop.model.artifact import read_config
 from tinyloop.model.config import ModelConfig
 from tinyloop.settings import Settings
 
-__all__ = ["serve", "load_engine", "load_engines", "lazy_app", "check_device", "check_default_loops", "served_model"]
+__all__ = ["serve", "load_engine", "load_engines", "lazy_app", "check_device", "check_default_loops", "served_model",
+           "load_served", "trained_context"]
 
 log = logging.getLogger("tinyloop")
 
@@ -76,13 +77,7 @@ def load_engine(settings: Settings) -> Engine:
     KV cache mode of the KV flags. A Hugging Face model directory is converted first (once: the
     artifact is kept in the cache directory, ``tinyloop.convert.cache``)."""
     check_device(settings.device)
-    path = settings.resolve_model_path()
-    options = {}
-    if is_hf_dir(path):
-        options["name"] = path.resolve().name  # the model's id: the directory's name
-        path = converted_artifact(path, Path(settings.cache_dir) if settings.cache_dir else None,
-                                  FileLimits(tokenizer_bytes=int(settings.max_tokenizer_mb * 2**20),
-                                             json_bytes=int(settings.max_json_mb * 2**20)))
+    path, options = _artifact(settings)
     config = read_config(path)
     check_default_loops(settings, config)
     max_position = config.max_position
@@ -101,6 +96,25 @@ def load_engine(settings: Settings) -> Engine:
                     "%d loops; set TINYLOOP_KV_CACHE_MB or TINYLOOP_MAX_SEQ_LEN to change it",
                     engine.max_seq_len, max_position, engine.config.default_loops)
     return engine
+
+
+def _artifact(settings: Settings) -> tuple[Path, dict[str, str]]:
+    """The artifact the settings name, and the engine options its source implies: a Hugging Face
+    directory is converted (once) and named after the directory."""
+    path = settings.resolve_model_path()
+    options = {}
+    if is_hf_dir(path):
+        options["name"] = path.resolve().name  # the model's id: the directory's name
+        path = converted_artifact(path, Path(settings.cache_dir) if settings.cache_dir else None,
+                                  FileLimits(tokenizer_bytes=int(settings.max_tokenizer_mb * 2**20),
+                                             json_bytes=int(settings.max_json_mb * 2**20)))
+    return path, options
+
+
+def trained_context(settings: Settings) -> int:
+    """The context the settings' model was built for: its artifact's ``max_position``, read from
+    the header (a loaded engine's config holds the served context, which may extend it)."""
+    return read_config(_artifact(settings)[0]).max_position
 
 
 def load_engines(settings: Settings) -> list[Engine]:
@@ -129,13 +143,21 @@ def load_engines(settings: Settings) -> list[Engine]:
     return engines
 
 
-def served_model(engine: Engine, settings: Settings) -> ServedModel:
-    """What the HTTP layer serves of ``engine``, once its chat templates rendered a sample chat
-    (ConfigError naming the template otherwise: a model whose template fails, or does not end
-    in time, on an ordinary chat is refused at load rather than on every request)."""
-    model = ServedModel.from_engine(engine, settings)
+def served_model(engine: Engine, settings: Settings, context: int | None = None) -> ServedModel:
+    """What the HTTP layer serves of ``engine`` (``context``: the context the model was built for,
+    None when not known), once its chat templates rendered a sample chat (ConfigError naming the
+    template otherwise: a model whose template fails, or does not end in time, on an ordinary
+    chat is refused at load rather than on every request)."""
+    model = ServedModel.from_engine(engine, settings, trained_context=context)
     model.check_chat_templates()
     return model
+
+
+def load_served(settings: Settings) -> tuple[list[Engine], ServedModel]:
+    """The engines the settings describe and what the HTTP layer serves of them, which knows
+    the context the model was built for."""
+    engines = load_engines(settings)
+    return engines, served_model(engines[0], settings, trained_context(settings))
 
 
 async def serve(settings: Settings, *, engine: Engine | None = None,
@@ -145,10 +167,13 @@ async def serve(settings: Settings, *, engine: Engine | None = None,
     """Load the model, start the runtime and serve HTTP until a signal or ``shutdown_trigger``.
 
     Reports the bound addresses (``http://host:port``) through ``task_status``. An ``engine``
-    given is served as built (its default loops are its own, not ``settings.default_loops``).
+    given is served as built (its default loops are its own, not ``settings.default_loops``; the
+    context its model was built for is not known).
     """
-    engines = [engine] if engine is not None else await trio.to_thread.run_sync(load_engines, settings)
-    model = await trio.to_thread.run_sync(served_model, engines[0], settings)
+    if engine is None:
+        engines, model = await trio.to_thread.run_sync(load_served, settings)
+    else:
+        engines, model = [engine], await trio.to_thread.run_sync(served_model, engine, settings)
     async with open_runtime(engines, settings) as rt:
         await serve_http(rt, model, settings, shutdown_trigger=shutdown_trigger,
                          handle_signals=handle_signals, task_status=task_status)
@@ -162,8 +187,7 @@ def lazy_app() -> QuartTrio:
     scope: dict[str, Any] = {}
 
     async def run_runtime(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        engines = await trio.to_thread.run_sync(load_engines, settings)
-        model = await trio.to_thread.run_sync(served_model, engines[0], settings)
+        engines, model = await trio.to_thread.run_sync(load_served, settings)
         with trio.CancelScope() as cancel:
             scope["cancel"] = cancel
             async with open_runtime(engines, settings) as rt:

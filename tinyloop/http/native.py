@@ -75,7 +75,7 @@ async def _generate(body: GenerateBase, mode: str, rename: dict[str, str] | None
         fields["constraint"] = await s.model.check_constraint(constraint, param)
         rename = {"response_format": param, **(rename or {})}
     reqs = make_requests(body, s.model, tokens, prompt_param="prompt" if text else "prompt_tokens",
-                         max_tokens=body.max_tokens, seed=body.sample_seed, stop=tuple(body.stop or ()),
+                         seed=body.sample_seed, stop=tuple(body.stop or ()),
                          logprobs=body.logprobs or body.top_logprobs > 0,
                          top_logprobs=body.top_logprobs, mode=mode, rename=rename, **fields)
     streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms, streaming=body.stream)

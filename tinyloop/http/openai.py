@@ -40,6 +40,7 @@ from tinyloop.http.service import (
     DONE,
     Choices,
     ServedModel,
+    asked_max_tokens,
     collect,
     interleave,
     make_requests,
@@ -83,7 +84,7 @@ class Flavour:
     chunk_object: str  # of each streamed chunk
     prompt_param: str  # the field a prompt error names
     plan: Callable[[ServedModel, Any], Awaitable[Plan]]
-    max_tokens: Callable[[Any], tuple[int | None, str]]  # the limit (None, -1: to the context end), its field
+    max_tokens_param: Callable[[Any], str]  # the body's field that holds the limit
     logprobs: Callable[[Any], tuple[bool, int]]  # whether logprobs are asked, how many alternatives
     render_logprobs: Callable[[Tokenizer, list[TokenLogprob] | None, int], dict[str, Any] | None]
     opening: dict[str, Any] | None = None  # each choice's first streamed chunk, before any token
@@ -110,22 +111,20 @@ def _echoed(model: ServedModel, tokens: list[int]) -> str:
         raise ApiError(400, str(exc), param="prompt", code="invalid_value") from None
 
 
-def _max_tokens(body: Any) -> tuple[int | None, str]:
-    if body.max_completion_tokens is not None:
-        return body.max_completion_tokens, "max_completion_tokens"
-    return body.max_tokens, "max_tokens"
+def _max_tokens_param(body: Any) -> str:
+    return "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
 
 
 CHAT = Flavour(
     ChatCompletionRequest, "chatcmpl", "chat.completion", "chat.completion.chunk", "messages",
-    plan=_chat_plan, max_tokens=_max_tokens,
+    plan=_chat_plan, max_tokens_param=_max_tokens_param,
     logprobs=lambda body: (body.logprobs, body.top_logprobs or 0),
     render_logprobs=lambda tok, lps, offset: chat_logprobs(tok, lps),
     opening={"delta": {"role": "assistant", "content": ""}})
 
 TEXT = Flavour(
     CompletionRequest, "cmpl", "text_completion", "text_completion", "prompt",
-    plan=_text_plan, max_tokens=_max_tokens,
+    plan=_text_plan, max_tokens_param=_max_tokens_param,
     logprobs=lambda body: (body.logprobs is not None, body.logprobs or 0),
     render_logprobs=completion_logprobs)
 
@@ -161,19 +160,19 @@ async def complete(flavour: Flavour, *, lmstudio: bool) -> Response:
     body = await parse_body(flavour.schema)
     s.model.check_name(body.model)
     plan = await flavour.plan(s.model, body)
-    max_tokens, max_tokens_param = flavour.max_tokens(body)
+    max_tokens_param = flavour.max_tokens_param(body)
     want_lp, top_lp = flavour.logprobs(body)
     fields = {**speculation(body), "prompt_logprobs": _prompt_logprobs_wanted(flavour, body)}
     if plan.constraint is not None:
         fields["constraint"] = await s.model.check_constraint(plan.constraint)
-    groups = [make_requests(body, s.model, p.tokens, prompt_param=flavour.prompt_param, max_tokens=max_tokens,
+    groups = [make_requests(body, s.model, p.tokens, prompt_param=flavour.prompt_param,
                             max_tokens_param=max_tokens_param, n=body.n, seed=body.seed,
                             stop=body.stop_list(), logprobs=want_lp, top_logprobs=top_lp, **fields)
               for p in plan.prompts]
     reqs = Choices([r for g in groups for r in g.requests], groups[0].blame)
     streams = await start_all(s.runtime, reqs, body.priority, body.slo_ms, streaming=body.stream)
     head = {"id": new_id(flavour.id_prefix), "created": int(time.time()), "model": s.model.id}
-    context_limited = max_tokens in (None, -1)
+    context_limited = asked_max_tokens(body, max_tokens_param) == (None, None)  # no limit but the context
     echo = [p for p in plan.prompts for _ in range(body.n)] if flavour is TEXT and body.echo else None
 
     def extras(result: GenerationResult) -> dict[str, Any]:

@@ -37,6 +37,7 @@ __all__ = [
     "ServedModel",
     "ChatOptions",
     "Choices",
+    "asked_max_tokens",
     "collect",
     "interleave",
     "make_requests",
@@ -78,17 +79,22 @@ class ServedModel:
     gate: bool = False  # the model has an exit gate although its own rule is not ``gate`` (Ouro)
     chat_templates: Mapping[str, str] = field(default_factory=dict, hash=False)  # named, beside the default
     render_limits: RenderLimits = field(default_factory=RenderLimits)  # what one chat template render may spend
+    trained_context: int | None = None  # the context the model was built for (None: not known)
     limits: ModelLimits = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "limits", ModelLimits(
             max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, default_loops=self.default_loops,
-            max_loops=self.max_loops, exit=self.exit, kv=self.kv, gate=self.gate))
+            max_loops=self.max_loops, exit=self.exit, kv=self.kv, gate=self.gate,
+            trained_context=self.trained_context))
 
     @classmethod
-    def from_engine(cls, engine: Any, settings: Settings, name: str | None = None) -> ServedModel:
+    def from_engine(cls, engine: Any, settings: Settings, name: str | None = None,
+                    trained_context: int | None = None) -> ServedModel:
         """Describe a loaded ``Engine`` (its KV mode, or the settings' for an engine without one);
-        its chat templates render under ``render_limits(settings)``."""
+        its chat templates render under ``render_limits(settings)``. ``trained_context``: the
+        context its artifact says the model was built for (a loaded engine's config may hold the
+        served context instead, extended past it)."""
         cfg = engine.config
         limits = ModelLimits.from_engine(engine)
         kv_mode = getattr(engine, "kv_mode", None)
@@ -101,7 +107,7 @@ class ServedModel:
                    kv_cache_mode=settings.kv_cache_mode if kv_mode is None else kv_mode.name,
                    exit=limits.exit, kv=limits.kv, parameters=_parameters(engine), gate=limits.gate,
                    chat_templates=dict(getattr(engine.tokenizer, "chat_templates", {})),
-                   render_limits=render_limits(settings))
+                   render_limits=render_limits(settings), trained_context=trained_context)
 
     def check_name(self, name: str | None) -> None:
         if name is not None and name != self.id:
@@ -292,25 +298,38 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+def asked_max_tokens(body: Any, name: str = "max_tokens") -> tuple[int | None, int | None]:
+    """The body's ``name`` as the client sent it (None when it sent none: null and -1 mean the
+    same, up to the context's end) and, when it sent none, the route's own default (its schema's:
+    16 on ``/v1/completions``, 64 on ``/generate``, none on chat)."""
+    if name in body.model_fields_set:
+        value = getattr(body, name)
+        return (None if value == -1 else value), None
+    return None, type(body).model_fields[name].default
+
+
 def make_requests(body: Any, model: ServedModel, tokens: list[int], *, prompt_param: str,
-                  max_tokens: int | None, max_tokens_param: str = "max_tokens", n: int = 1,
+                  max_tokens_param: str = "max_tokens", n: int = 1,
                   seed: int | None, stop: tuple[str, ...], logprobs: bool, top_logprobs: int,
                   mode: str = "generate", rename: Mapping[str, str] | None = None,
                   **fields: Any) -> Choices:
     """One request per choice; choice ``i`` samples with ``seed + i`` so choices differ.
-    ``max_tokens`` None or -1 means up to the context's end. ``fields`` are further
+    The body's ``max_tokens_param`` field is the limit; where the client set none
+    (``asked_max_tokens``) the request gets the route's default, at most what is left of the
+    model's own context after the prompt (``ModelLimits.max_tokens``). ``fields`` are further
     ``GenerationRequest`` fields (a mode's own: draft loops, beams). The model's limits check
     them at admission (``start_all``), and a refusal is a 400 naming the field the client set:
     ``prompt_param`` for the prompt, ``max_tokens_param`` for ``max_tokens``, ``rename`` for the
     rest."""
     if not tokens:
         raise ApiError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
+    asked, default = asked_max_tokens(body, max_tokens_param)
     room = model.limits.max_seq_len - len(tokens)
-    if room < 1 and max_tokens != 0:  # the prompt's fault, whatever max_tokens says (0: only scored)
+    if room < 1 and asked != 0:  # the prompt's fault, whatever max_tokens says (0: only scored)
         raise ApiError(400, f"the prompt is {len(tokens)} tokens; this model's context is "
                        f"{model.limits.max_seq_len} tokens, prompt and completion together",
                        param=prompt_param, code="context_length_exceeded")
-    limit = room if max_tokens is None or max_tokens == -1 else max_tokens
+    limit = model.limits.max_tokens(len(tokens), asked, default)
     out = []
     blame = {"prompt": prompt_param, "max_tokens": max_tokens_param, **(rename or {})}
     with _blaming(blame):
