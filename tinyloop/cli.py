@@ -359,6 +359,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
+    from tinyloop.logs import log_to_stderr
     from tinyloop.server import check_default_loops, check_device, serve
     from tinyloop.settings import Settings
 
@@ -369,6 +370,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_default_loops(settings)
     if args.detach:
         return _detach(args, settings)
+    log_to_stderr()  # the banner, the shutdown's steps, the access log
 
     async def main() -> None:
         async def announce(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import trio
 from quart_trio import QuartTrio
 
 from tinyloop.actors.runtime import open_runtime
+from tinyloop.banner import banner
 from tinyloop.convert.cache import converted_artifact, is_hf_dir
 from tinyloop.convert.hfdir import FileLimits
 from tinyloop.cpu import kernels
@@ -25,6 +27,8 @@ from tinyloop.http.connection import install_protocol_errors
 from tinyloop.http.factory import attach, create_app
 from tinyloop.http.serve import serve_http
 from tinyloop.http.service import ServedModel
+from tinyloop.http.web import web_root
+from tinyloop.logs import log_to_stderr
 from tinyloop.model.artifact import read_config
 from tinyloop.model.config import ModelConfig
 from tinyloop.settings import Settings
@@ -166,17 +170,24 @@ async def serve(settings: Settings, *, engine: Engine | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Load the model, start the runtime and serve HTTP until a signal or ``shutdown_trigger``.
 
-    Reports the bound addresses (``http://host:port``) through ``task_status``. An ``engine``
-    given is served as built (its default loops are its own, not ``settings.default_loops``; the
+    Reports the bound addresses (``http://host:port``) through ``task_status`` and logs the
+    banner (``tinyloop.banner``) then, on shutdown, each step of the drain. An ``engine`` given
+    is served as built (its default loops are its own, not ``settings.default_loops``; the
     context its model was built for is not known).
     """
     if engine is None:
         engines, model = await trio.to_thread.run_sync(load_served, settings)
     else:
         engines, model = [engine], await trio.to_thread.run_sync(served_model, engine, settings)
+    path = None if engine is not None else str(settings.resolve_model_path())
     async with open_runtime(engines, settings) as rt:
-        await serve_http(rt, model, settings, shutdown_trigger=shutdown_trigger,
-                         handle_signals=handle_signals, task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(partial(serve_http, rt, model, settings, shutdown_trigger=shutdown_trigger,
+                                                handle_signals=handle_signals))
+            log.info("%s", banner(engines, model, settings, binds, path, playground=web_root() is not None))
+            task_status.started(binds)
+        log.info("shutdown: stopping the engines")
+    log.info("shutdown: engines stopped; bye")
 
 
 def lazy_app() -> QuartTrio:
@@ -188,6 +199,7 @@ def lazy_app() -> QuartTrio:
 
     async def run_runtime(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         engines, model = await trio.to_thread.run_sync(load_served, settings)
+        log.info("%s", banner(engines, model, settings, (), str(settings.resolve_model_path())))
         with trio.CancelScope() as cancel:
             scope["cancel"] = cancel
             async with open_runtime(engines, settings) as rt:
@@ -197,6 +209,7 @@ def lazy_app() -> QuartTrio:
 
     @app.before_serving
     async def startup() -> None:
+        log_to_stderr()  # serving starts: the banner, the access log
         await app.nursery.start(run_runtime)
 
     @app.after_serving

@@ -139,6 +139,9 @@ class Settings:
     allowed_hosts: str | None = _opt(None, "TINYLOOP_ALLOWED_HOSTS",
                                      "comma-separated Host names accepted besides localhost names "
                                      "and the bound address (* accepts any)")
+    access_log: bool = _opt(False, "TINYLOOP_ACCESS_LOG",
+                             "log one line per HTTP request to stderr: client, method, path, status and "
+                             "duration in ms")
 
     def __post_init__(self) -> None:
         if self.max_seq_len is not None and self.max_seq_len < 1:

@@ -40,7 +40,7 @@ from hypercorn.trio.tcp_server import TCPServer
 
 from tinyloop.http.errors import error_body
 
-__all__ = ["ConnectionGuard", "ServerConfig", "Writes", "install_protocol_errors", "json_error_parts"]
+__all__ = ["ConnectionGuard", "HttpMiddleware", "ServerConfig", "Writes", "install_protocol_errors", "json_error_parts"]
 
 DEFAULT_SEND_TIMEOUT = 60.0  # Settings.send_timeout's default: for a plain hypercorn Config
 # Over TLS (no socket to ask), each piece of a write gets its own send_timeout, so a client that
@@ -68,9 +68,9 @@ def json_error_parts(status: int, message: str, code: str | None = None
     return headers, body
 
 
-class ConnectionGuard:
-    """ASGI middleware around the app: refuses ambiguous framing, and lets hypercorn finish the
-    end of every response (see the module docstring)."""
+class HttpMiddleware:
+    """An ASGI middleware that handles each HTTP request in ``http`` and passes every other
+    scope (the lifespan) straight to the app."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -79,6 +79,17 @@ class ConnectionGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Any, send: Any) -> None:
+        raise NotImplementedError
+
+
+class ConnectionGuard(HttpMiddleware):
+    """ASGI middleware around the app: refuses ambiguous framing, and lets hypercorn finish the
+    end of every response (see the module docstring)."""
+
+    async def http(self, scope: Scope, receive: Any, send: Any) -> None:
         names = {name.lower() for name, _ in scope["headers"]}
         if b"transfer-encoding" in names and b"content-length" in names:
             await _refuse(receive, send, 400, "The request has both Content-Length and "

@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 from tinyloop.actors.runtime import Runtime
 from tinyloop.errors import TinyLoopError
 from tinyloop.http import lmstudio, native, openai, ops
+from tinyloop.http.access import AccessLog
 from tinyloop.http.connection import ConnectionGuard
 from tinyloop.http.drain import DRAIN_KEY, Drain
 from tinyloop.http.errors import ApiError, error_response, from_exception
@@ -46,6 +47,8 @@ def create_app(runtime: Runtime | None, model: ServedModel | None = None,
     # and an HTML body that no error handler sees: matched as sent, it is a 404 error object.
     app.url_map.merge_slashes = False
     app.asgi_app = ConnectionGuard(app.asgi_app)  # type: ignore[method-assign,assignment]
+    if settings.access_log:  # outermost: it sees what ConnectionGuard refuses too
+        app.asgi_app = AccessLog(app.asgi_app)  # type: ignore[method-assign,assignment]
     app.extensions[DRAIN_KEY] = Drain()
     if runtime is not None and model is not None:
         attach(app, runtime, model, settings)

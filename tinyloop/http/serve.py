@@ -6,6 +6,10 @@ SIGTERM, SIGINT or SIGHUP (or ``shutdown_trigger``) first makes the runtime refu
 (503), then stops hypercorn accepting connections; in-flight requests and streams get
 ``graceful_timeout`` seconds to finish, then the runtime drains and the process exits 0.
 
+Each step is logged on the ``tinyloop.http`` logger at INFO: admission stopping, how many
+requests are left to drain, the HTTP server stopped (``tinyloop.server.serve`` adds the
+engines' stop).
+
 A second signal while that drain runs forces the shutdown (as uvicorn's second Ctrl-C does):
 it is logged, every open stream ends now with the ``shutting down`` error event and
 ``[DONE]``, and after ``FORCE_FLUSH_S`` for those last events to reach their clients (less
@@ -16,6 +20,7 @@ serve`` then exits with 128 + the forcing signal's number (143 for SIGTERM, 130 
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -33,6 +38,8 @@ from tinyloop.http.service import ServedModel
 from tinyloop.settings import Settings
 
 __all__ = ["serve_http", "hypercorn_config", "ShutdownForced", "DRAIN_SIGNALS", "FORCE_FLUSH_S"]
+
+log = logging.getLogger("tinyloop.http")
 
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 FORCE_FLUSH_S = 1.0  # what the last events of a forced shutdown get to reach their clients
@@ -80,6 +87,7 @@ async def serve_http(rt: Runtime, model: ServedModel, settings: Settings, *,
         task_status.started(binds)
     if shutdown.forced_by is not None:
         raise ShutdownForced(shutdown.forced_by)
+    log.info("shutdown: HTTP server stopped, every connection closed")
 
 
 async def _run_hypercorn(app: QuartTrio, config: Config, stop: trio.Event, nursery: trio.Nursery,
@@ -100,11 +108,18 @@ class _Shutdown:
     def begun(self) -> bool:
         return self.stop.is_set()
 
-    def begin(self) -> None:
+    def begin(self, cause: str = "shutdown trigger", forcible: bool = False) -> None:
+        """Start the drain, logging its first steps; ``cause`` names what started it and
+        ``forcible`` says a second signal may force it."""
         if self.begun:
             return
         timeout = self.config.graceful_timeout
+        log.info("%s: shutting down; stopping admission (new requests get 503)", cause)
         self.rt.refuse_new_requests()
+        stats = self.rt.statistics()
+        log.info("shutdown: draining %d in-flight request%s (%d queued) for up to %g s%s", stats.in_flight,
+                 "" if stats.in_flight == 1 else "s", stats.queue_depth, timeout,
+                 " (a second signal forces it)" if forcible else "")
         self.drain.begin(timeout)  # streams still open near the deadline end in-band
         self.config.writes.close_by(trio.current_time() + timeout)  # hypercorn's deadline binds writes too
         self.stop.set()
@@ -126,9 +141,7 @@ async def _on_signal(shutdown: _Shutdown, log: Logger) -> None:
         async for signum in signals:
             name = signal.Signals(signum).name
             if not shutdown.begun:
-                shutdown.begin()
-                await log.info(f"{name}: shutting down; in-flight requests get "
-                               f"{shutdown.config.graceful_timeout:g} s (a second signal forces it)")
+                shutdown.begin(name, forcible=True)
             elif shutdown.forced_by is None:
                 shutdown.force(signum)
                 await log.warning(f"second signal ({name}): forcing shutdown; open streams end now")
