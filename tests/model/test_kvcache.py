@@ -67,3 +67,26 @@ def test_exhaustion_is_all_or_nothing() -> None:
     kv.reserve(4)
     assert pool.free_blocks == 2
     assert "used=3/5" in repr(pool)
+
+
+def test_pool_rows_follow_every_change_to_the_tables() -> None:
+    pool = KVPool(CFG, 64, block_size=4)
+    kv = SeqKV(pool, 2)
+
+    def expected() -> list[list[int]]:
+        return [[block * 4 + offset for block in table for offset in range(4)] for table in kv.tables]
+
+    kv.reserve(6)
+    assert kv.pool_rows().tolist() == expected()
+    assert not kv.pool_rows().flags.writeable  # (a cache: contexts copy what they take)
+    kv.length = 6
+    child = kv.fork()
+    assert child.pool_rows().tolist() == kv.pool_rows().tolist()
+    child.reserve(7)  # copy-on-write: the child's second blocks are new ones
+    assert child.pool_rows().tolist() != kv.pool_rows().tolist()
+    kv.reserve(13)  # a new block a slot
+    assert kv.pool_rows().shape == (2, 16) and kv.pool_rows().tolist() == expected()
+    kv.truncate(3)
+    assert kv.pool_rows().tolist() == expected()
+    kv.free()
+    assert kv.pool_rows().shape == (2, 0)

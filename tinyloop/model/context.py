@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tinyloop.model.backend import TORCH, Backend
@@ -30,6 +31,22 @@ _IN_PLACE_TOKENS = 16
 
 def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t[rows]
+
+
+def _key_rows(seqs: Sequence[SeqKV], n_slots: int, key_len: int, block_size: int, null_block: int) -> np.ndarray:
+    """Every row's pool rows of its first ``key_len`` positions at every slot, ``[B, S, L]`` int64
+    on the host: slices of each sequence's cached ``pool_rows``; positions past a sequence's
+    blocks, and slots past its own, read the pool's null block (attention masks them)."""
+    if len(seqs) == 1 and seqs[0].n_slots == n_slots and seqs[0].capacity() >= key_len:
+        return seqs[0].pool_rows()[None, :, :key_len].copy()  # (the cache is read-only)
+    pad = null_block * block_size + np.arange(key_len, dtype=np.int64) % block_size
+    out = np.empty((len(seqs), n_slots, key_len), dtype=np.int64)
+    out[:] = pad
+    for b, s in enumerate(seqs):
+        rows = s.pool_rows()
+        n = min(rows.shape[1], key_len)
+        out[b, :s.n_slots, :n] = rows[:, :n]
+    return out
 
 
 def block_tables(seqs: Sequence[SeqKV], max_blocks: int, n_slots: int, pad: int) -> torch.Tensor:
@@ -57,38 +74,32 @@ class PagedContext:
         self.pool = pool
         self.backend = backend
         self._rope = rope
-        bs = pool.block_size
+        self._seqs = seqs
         n_slots = max(s.n_slots for s in seqs)
-        max_blocks = max(s.blocks_per_slot for s in seqs)
-        # The index math runs on the host (small, and int() below reads it), then moves once.
-        dev, host = pool.device, torch.device("cpu")
-        tables = block_tables(seqs, max_blocks, n_slots, pool.null_block)  # [B, S, MB]
-        start = torch.tensor(list(starts), dtype=torch.long, device=host)  # [B]
-        offsets = torch.arange(n_new, dtype=torch.long, device=host)
-        slots_pos = start[:, None] + offsets  # [B, T] where each new token is stored
-        key_len = int((start + n_new).max())
-        key_pos = torch.arange(key_len, dtype=torch.long, device=host)  # [L]
-        write_block, write_offset = slots_pos // bs, slots_pos % bs  # [B, T]
-        key_block, key_offset = key_pos // bs, key_pos % bs  # [L]
-        # Pool rows of every (row, slot) at once, so a layer's lookup is two index ops.
-        b, s_count, _ = tables.shape
-        write_rows = (tables.gather(2, write_block[:, None].expand(b, s_count, n_new)) * bs
-                      + write_offset[:, None])  # [B, S, T]
-        key_rows = tables[:, :, key_block] * bs + key_offset  # [B, S, L]
-        self.tables = tables.to(dev, non_blocking=True)
-        self._write_rows = write_rows.to(dev, non_blocking=True)
-        self._key_rows = key_rows.to(dev, non_blocking=True)
+        # The index math runs on the host in numpy (a decode step's is a slice of each sequence's
+        # cached pool rows, ``SeqKV.pool_rows``: no torch op), then moves once.
+        dev = pool.device
+        start = np.asarray(starts, dtype=np.int64)  # [B]
+        slots_pos = start[:, None] + np.arange(n_new, dtype=np.int64)  # [B, T] where each new token is stored
+        key_len = int(start.max()) + n_new
+        key_rows = _key_rows(seqs, n_slots, key_len, pool.block_size, pool.null_block)  # [B, S, L]
+        b = len(seqs)
+        write_rows = key_rows[np.arange(b)[:, None, None], np.arange(n_slots)[:, None], slots_pos[:, None, :]]
+        self._write_rows = torch.from_numpy(write_rows).to(dev, non_blocking=True)  # [B, S, T]
+        self._key_rows = torch.from_numpy(key_rows).to(dev, non_blocking=True)  # [B, S, L]
         # The same per slot, ready for a layer whose rows all share one (an int slot): no index op.
-        self._write_by_slot = write_rows.transpose(0, 1).reshape(s_count, b * n_new).to(dev).unbind(0)  # [B*T] each
-        self._keys_by_slot = key_rows.transpose(0, 1).contiguous().to(dev).unbind(0)  # [B, L] each
-        self._all_rows = torch.arange(b, dtype=torch.long, device=dev)
-        self._key_pos = key_pos.to(dev, non_blocking=True)
+        self._write_by_slot = torch.from_numpy(np.ascontiguousarray(
+            write_rows.transpose(1, 0, 2).reshape(n_slots, b * n_new))).to(dev, non_blocking=True)  # [S, B*T]
+        self._keys_by_slot = torch.from_numpy(np.ascontiguousarray(
+            key_rows.transpose(1, 0, 2))).to(dev, non_blocking=True)  # [S, B, L]
+        self._key_len = key_len
         self._starts = list(starts)
         self._positions = positions
         self._key_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._tables: torch.Tensor | None = None
         # the mask is made when first asked for (``mask``): a decode step on the kernels reads
         # each row's key count instead, and never needs it
-        self._mask_of = (key_pos, slots_pos, extra_mask, dev)
+        self._mask_of = (slots_pos, extra_mask, dev)
         self._mask_tensor: torch.Tensor | None = None
         self._additive_mask: torch.Tensor | None = None
         # One new token that may see every key (decode at equal lengths: every row's start is the
@@ -102,20 +113,36 @@ class PagedContext:
         # start_b + t + 1 keys, what Backend.decode_attention reads in place; a tree's node only to
         # the new tokens of its ancestors (``_tree``, which self.mask says too).
         few = n_new <= _IN_PLACE_TOKENS
-        self._n_keys = (start + 1).to(dev) if few else None  # [B]
+        self._n_keys = torch.from_numpy(start + 1).to(dev) if few else None  # [B]
         self._tree = extra_mask.to(dev, non_blocking=True) if few and extra_mask is not None else None  # [B, T, T]
-        rope_pos = (slots_pos if positions is None else positions).to(dev)  # tree tokens share depths
+        rope_pos = (torch.from_numpy(slots_pos) if positions is None else positions).to(dev)  # tree tokens share depths
         self.cos, self.sin = rope.tables(rope_pos)  # [B, T, D]
-        self._cos_sin = self.cos[:, None], self.sin[:, None]  # [B, 1, T, D]: broadcast over heads
+        self._cos_sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)  # [B, 1, T, D]: broadcast over heads
         self._gaps = self._gap_depths(seqs, key_len)
+
+    @property
+    def tables(self) -> torch.Tensor:
+        """Every row's block ids ``[B, S, MB]`` (int64 on the pool's device, padded with the null
+        block), made when first asked for."""
+        if self._tables is None:
+            seqs = self._seqs
+            tables = block_tables(seqs, max(s.blocks_per_slot for s in seqs), max(s.n_slots for s in seqs),
+                                  self.pool.null_block)
+            self._tables = tables.to(self.pool.device, non_blocking=True)
+        return self._tables
+
+    @property
+    def _key_pos(self) -> torch.Tensor:
+        return torch.arange(self._key_len, dtype=torch.long, device=self.pool.device)  # [L]
 
     @property
     def mask(self) -> torch.Tensor:
         """``[B, 1, T, L]``, True where a new token may attend a key: causal by position, and
         among the new tokens as ``extra_mask`` says."""
         if self._mask_tensor is None:
-            key_pos, slots_pos, extra_mask, dev = self._mask_of
-            mask = key_pos[None, None, :] <= slots_pos[:, :, None]  # [B, T, L]
+            slots_pos, extra_mask, dev = self._mask_of
+            key_pos = torch.arange(self._key_len, dtype=torch.long, device="cpu")
+            mask = key_pos[None, None, :] <= torch.from_numpy(slots_pos)[:, :, None]  # [B, T, L]
             if extra_mask is not None:
                 n_new = slots_pos.shape[1]
                 for b, s in enumerate(self._starts):
@@ -170,23 +197,39 @@ class PagedContext:
         """Pool rows where ``rows`` (at ``slots``: one per row, or one for all) write their new
         tokens ``[R*T]`` and read their keys ``[R, L]``."""
         if rows is None and isinstance(slots, int):
-            return self._write_by_slot[slots], self._keys_by_slot[slots]
-        at = self._all_rows if rows is None else rows
+            return self._write_by_slot[slots], self._keys_by_slot[slots]  # [B*T], [B, L]
+        at = torch.arange(self.cos.shape[0], dtype=torch.long, device=self.cos.device) if rows is None else rows
         return self._write_rows[at, slots].flatten(), self._key_rows[at, slots]
 
+    def _plain_decode(self) -> bool:
+        """One new token a row that may see its first n_keys keys (no tree, no loop gaps), K and
+        V stored, on the host."""
+        return not (self._n_keys is None or self._gaps is not None or self._tree is not None
+                    or self.cos.shape[1] != 1 or self.pool.store.mode.h_mode
+                    or torch.device(self.pool.device).type != "cpu")
+
     def decode_rows(self, rows: torch.Tensor | None, slots: torch.Tensor | int) -> tuple[torch.Tensor, ...] | None:
-        """For a plain decode step (one new token a row that may see its first n_keys keys: no
-        tree, no loop gaps, K and V stored): where ``rows`` at ``slots`` write their new K and V
-        ``[R]``, the keys they read ``[R, L]``, how many of them each attends ``[R]``, and cos and
-        sin at their positions ``[R or 1, 1, D]``, all contiguous on the host (what a fused
-        decode block, ``cpu.block``, takes); None for any other step."""
-        if (self._n_keys is None or self._gaps is not None or self._tree is not None or self.cos.shape[1] != 1
-                or self.pool.store.mode.h_mode or torch.device(self.pool.device).type != "cpu"):
+        """For a plain decode step (``_plain_decode``): where ``rows`` at ``slots`` write their
+        new K and V ``[R]``, the keys they read ``[R, L]``, how many of them each attends
+        ``[R]``, and cos and sin at their positions ``[R or 1, 1, D]``, all contiguous on the
+        host (what a fused decode block, ``cpu.block``, takes); None for any other step."""
+        if not self._plain_decode():
             return None
+        assert self._n_keys is not None
         write, keys = self._flat_index(rows, slots)
         cos, sin = _take(self.cos, rows), _take(self.sin, rows)
         return (write.contiguous(), keys.contiguous(), _take(self._n_keys, rows).contiguous(), cos.contiguous(),
                 sin.contiguous())
+
+    def decode_slots(self) -> tuple[torch.Tensor, ...] | None:
+        """``decode_rows`` of every row at every slot at once: write rows ``[S, B]``, key rows
+        ``[S, B, L]``, key counts ``[B]``, cos and sin ``[B, 1, D]``, contiguous on the host (a
+        fused stack of blocks, ``cpu.block``, indexes them by slot); None for any other step."""
+        if not self._plain_decode():
+            return None
+        assert self._n_keys is not None
+        return (self._write_by_slot, self._keys_by_slot, self._n_keys, self.cos.contiguous(),
+                self.sin.contiguous())
 
     def key_rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at every key position of ``rows``, ``[R, L, D]`` each (h-mode's recompute).

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tinyloop.errors import KVCacheExhausted
@@ -199,6 +200,7 @@ class SeqKV:
         self.length = 0  # positions written (the same in every slot)
         self.gaps: dict[int, int] = {}
         self.version = 0  # bumped by every change to ``tables`` (a copy kept elsewhere knows it is stale)
+        self._rows: tuple[int, int, np.ndarray] | None = None  # pool_rows at (version, blocks_per_slot)
 
     @property
     def blocks_per_slot(self) -> int:
@@ -210,6 +212,19 @@ class SeqKV:
 
     def __repr__(self) -> str:
         return f"<SeqKV slots={self.n_slots} length={self.length} blocks={self.num_blocks}>"
+
+    def pool_rows(self) -> np.ndarray:
+        """The pool row of every slot and position this sequence has blocks for, ``[n_slots,
+        capacity]`` int64 on the host (read-only): made again only when the tables change, so a
+        decode step's index math is a slice of it (``PagedContext``)."""
+        blocks = self.blocks_per_slot
+        if self._rows is None or self._rows[:2] != (self.version, blocks):
+            bs = self.pool.block_size
+            tables = np.asarray(self.tables, dtype=np.int64).reshape(self.n_slots, blocks)
+            rows = (tables[:, :, None] * bs + np.arange(bs, dtype=np.int64)).reshape(self.n_slots, blocks * bs)
+            rows.flags.writeable = False
+            self._rows = (self.version, blocks, rows)
+        return self._rows[2]
 
     def capacity(self) -> int:
         return self.blocks_per_slot * self.pool.block_size

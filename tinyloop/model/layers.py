@@ -129,7 +129,9 @@ class Rope:
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.build()
-        return cos[positions], sin[positions]
+        flat = positions.reshape(-1)  # index_select: a fraction of advanced indexing's cost per call
+        shape = (*positions.shape, cos.shape[-1])
+        return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x ``[R, H, T, D]``; cos/sin ``[R, T, D]`` or ``[R, 1, T, D]``."""
@@ -275,6 +277,12 @@ class FusedStep(Protocol):
 
     def run(self, x: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None, slots: torch.Tensor | int,
             normed: torch.Tensor | None, then: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        ...
+
+    def run_stack(self, blocks: nn.ModuleList, x: torch.Tensor, ctx: AttentionContext,
+                  slot0: int) -> torch.Tensor | None:
+        """Every row of x through ``blocks`` (this one first), block i at slot ``slot0 + i``, in
+        one native call: the stack's output, or None where the call is not covered."""
         ...
 
 
