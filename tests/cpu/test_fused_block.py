@@ -165,3 +165,67 @@ def test_a_copied_block_runs_unfused_until_given_its_own() -> None:
     assert block.fused is not None
     twin = copy.deepcopy(block)  # (the struct points at the original's panels)
     assert twin.fused is None and block.fused is not None
+
+
+@pytest.fixture
+def stack_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """How many stacks of blocks ran as one call ([stacked, declined]); each stacked one is
+    checked against its blocks run one by one on the same input (each fused on its own)."""
+    counts = [0, 0]
+    run_stack = FusedBlock.run_stack
+
+    def counted(self: FusedBlock, blocks: torch.nn.ModuleList, x: torch.Tensor, ctx: object,
+                slot0: int) -> torch.Tensor | None:
+        out = run_stack(self, blocks, x, ctx, slot0)  # type: ignore[arg-type]
+        counts[out is None] += 1
+        if out is not None:
+            layers = list(blocks)
+            want, normed = x, None
+            for i, layer in enumerate(layers):
+                then = layers[i + 1].attn_norm if i + 1 < len(layers) else None
+                want, normed = layer.run(want, ctx, ctx._rope, None, slot0 + i, normed, then)  # type: ignore[attr-defined]
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+        return out
+
+    monkeypatch.setattr(FusedBlock, "run_stack", counted)
+    yield counts
+
+
+# rows with one loop count share every slot: their stacks of blocks run as one call each
+SAME_LOOPS = [req([5, 6, 7], max_tokens=8, loops=3, sampling=GREEDY),
+              req(list(range(10, 31)), max_tokens=6, loops=3, sampling=GREEDY)]
+
+
+@pytest.mark.parametrize("style", ["pre_ln", "sandwich", "peri_ln"])
+@pytest.mark.parametrize("weights", ["float", "int8", "int4", "bf16"])
+@pytest.mark.parametrize("kv_mode", [None, "int4"])
+def test_a_decode_stack_is_one_call_and_equals_its_blocks(stack_calls: list[int], style: str, weights: str,
+                                                         kv_mode: str | None) -> None:
+    eng = engine(style, weights, kv_mode=kv_mode)
+    stacked = eng.generate_many(SAME_LOOPS)
+    assert stack_calls[0] > 0  # (prelude, every loop of the core, coda: each one call)
+    use_cpu_kernels(eng.model, True, fused=False)
+    assert_same(stacked, eng.generate_many(SAME_LOOPS))
+
+
+def test_a_stack_with_a_block_it_cannot_fuse_runs_block_by_block(stack_calls: list[int],
+                                                                 fused_calls: list[int]) -> None:
+    eng = engine(weights="int8")
+    core = [m for m in eng.model.core if isinstance(m, Block)]
+    core[1].fused = None  # e.g. a layout the C step does not cover
+    stacked = eng.generate_many(SAME_LOOPS)
+    assert stack_calls[0] > 0 and stack_calls[1] > 0  # prelude and coda stacked, the core declined
+    assert fused_calls[0] > 0  # the core's other blocks still fused one by one
+    use_cpu_kernels(eng.model, True, fused=False)
+    assert_same(stacked, eng.generate_many(SAME_LOOPS))
+
+
+def test_a_stack_notices_a_rebuilt_block(stack_calls: list[int]) -> None:
+    eng = engine(weights="int8")
+    eng.generate_many(SAME_LOOPS[:1])
+    first = stack_calls[0]
+    use_cpu_kernels(eng.model, True)  # every FusedBlock rebuilt: the stacks' struct arrays too
+    again = eng.generate_many(SAME_LOOPS[:1])
+    assert stack_calls[0] > first
+    use_cpu_kernels(eng.model, True, fused=False)
+    assert_same(again, eng.generate_many(SAME_LOOPS[:1]))

@@ -19,6 +19,7 @@ runs unfused. ``cpu.backend.use_cpu_kernels`` gives each covered block one (``Bl
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -179,8 +180,49 @@ class FusedBlock:
             write.data_ptr(), keys.data_ptr(), keys.shape[1], n_keys.data_ptr(),
             None if then is None else then.weight.data_ptr(), out.data_ptr(),
             None if then_out is None else then_out.data_ptr())
-        if code == 2:
-            raise IndexError(f"a KV row is outside the pool of {kv.pool_rows} rows")
-        if code:
-            raise MemoryError("a fused decode block could not allocate its scratch memory")
+        _check(code, kv)
         return out, then_out
+
+    def run_stack(self, blocks: torch.nn.ModuleList, x: torch.Tensor, ctx: AttentionContext,
+                  slot0: int) -> torch.Tensor | None:
+        """``LoopedLM.stack`` of a plain decode step through ``blocks`` (this block first, every
+        one fused), all rows, block i at slot ``slot0 + i``, in one C call (``tl_decode_stack``);
+        None where any block or the call is not covered (the blocks then run one by one)."""
+        fused = [getattr(layer, "fused", None) for layer in blocks]
+        if (x.dtype is not torch.float32 or x.dim() != 3 or x.shape[1] != 1 or not x.is_contiguous()
+                or not isinstance(ctx, PagedContext)):
+            return None
+        steps = [f for f in fused if isinstance(f, FusedBlock) and f.current()]
+        if len(steps) != len(fused):
+            return None
+        index = ctx.decode_slots()
+        kv = None if index is None else _kv(ctx.pool.store.fields)
+        if index is None or kv is None:
+            return None
+        write, keys, n_keys, cos, sin = index
+        if not 0 <= slot0 <= write.shape[0] - len(steps):
+            return None
+        cached = _STACKS.get(blocks)
+        if cached is None or cached[0] != tuple(steps):  # (identity: a rebuilt FusedBlock is another object)
+            cached = tuple(steps), (_P * len(steps))(*(ctypes.addressof(f._struct) for f in steps))
+            _STACKS[blocks] = cached
+        r = x.shape[0]
+        out, scratch = x.clone(), torch.empty_like(x)
+        code = kernels.load().tl_decode_stack(
+            cached[1], len(steps), slot0, out.data_ptr(), None, scratch.data_ptr(), r, cos.data_ptr(), sin.data_ptr(),
+            cos.shape[0], ctypes.byref(kv), write.data_ptr(), keys.data_ptr(), keys.shape[2], n_keys.data_ptr())
+        _check(code, kv)
+        return out
+
+
+# Each stack's block structs as the array tl_decode_stack takes, with the FusedBlocks they belong
+# to (the structs live in them); keyed weakly by the stack's ModuleList.
+_Structs = tuple[tuple["FusedBlock", ...], ctypes.Array[ctypes.c_void_p]]
+_STACKS: weakref.WeakKeyDictionary[torch.nn.Module, _Structs] = weakref.WeakKeyDictionary()
+
+
+def _check(code: int, kv: _KV) -> None:
+    if code == 2:
+        raise IndexError(f"a KV row is outside the pool of {kv.pool_rows} rows")
+    if code:
+        raise MemoryError("a fused decode block could not allocate its scratch memory")

@@ -75,6 +75,7 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_matmul_bf16", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 2),
     # block.c
     ("tl_decode_block", ctypes.c_int, [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I] + [_P] * 4),
+    ("tl_decode_stack", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _P]),
 ]
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not

@@ -196,6 +196,10 @@ class LoopedLM(nn.Module):
         """x through ``blocks``, block i at slot ``base + i`` (one per row, or one for all); each
         block's input norm comes out of the block before's last backend call (``Block.run``)."""
         layers = cast(Sequence[Block], blocks)
+        if rows is None and isinstance(base, int) and len(layers) and (first := layers[0].fused) is not None:
+            out = first.run_stack(blocks, x, ctx, base)  # a plain decode step: the stack in one call
+            if out is not None:
+                return out
         normed = None
         for i, layer in enumerate(layers):
             then = layers[i + 1].attn_norm if i + 1 < len(layers) and layer.style != "post_ln" else None
