@@ -135,19 +135,6 @@ def test_inspect_reports_kv_bytes_per_mode(tiny_artifact: Path, capsys: pytest.C
     assert f"mode {mode})" in text and "h-mode-fp16-qkv+int4" in text
 
 
-def test_the_readme_documents_every_setting_with_its_flag() -> None:
-    from pathlib import Path
-
-    from tinyloop.settings import Settings
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    rows = [line for line in readme.splitlines() if line.startswith("| `TINYLOOP_")]
-    for f in Settings.fields():
-        env, flag = f.metadata["env"], "--" + f.name.replace("_", "-")
-        flags = {flag, "--model"} if f.name == "model_path" else {flag}  # the serve parser's alias
-        assert any(row.startswith(f"| `{env}` |") and any(f"`{x}`" in row for x in flags) for row in rows), env
-
-
 def test_convert_takes_the_json_size_caps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hf = Path(__file__).parent / "data" / "checkpoints" / "huginn-tiny"
     assert main(["convert", str(hf), str(tmp_path / "a.tinyloop"), "--max-json-mb", "0.0001"]) != 0
