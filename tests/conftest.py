@@ -39,12 +39,13 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def one_torch_thread() -> Iterator[None]:
-    """Run the test on one torch thread, then restore the count. Tiny matmuls gain nothing from
+    """Run every test on one torch thread, then restore the count. Tiny matmuls gain nothing from
     a second thread, and on a shared CPU two OpenMP threads spin against each other (4-10x
-    slower measured beside a training job). Modules opt in with
-    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    slower measured beside a training job; the suite always has a neighbour, the benchmarks'
+    smoke run). A test about threads sets its own count (``tests/model/test_cpu_linear.py``),
+    and a count a test leaves behind (``load_engines`` sets the engines') is not passed on."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
