@@ -14,6 +14,7 @@ from tests.cpu.test_cpu_kernels import key_rows, needs_kernel, pool
 from tests.cpu.test_quant_kernels import dequantized_activations
 from tinyloop.cpu import kernels
 from tinyloop.cpu.backend import CPU
+from tinyloop.model.backend import TORCH
 from tinyloop.model.quant import QuantWeight
 
 pytestmark = needs_kernel
@@ -138,3 +139,22 @@ def test_a_small_product_of_few_rows_stays_on_its_callers_thread(threads: None) 
         before = kernels.task_counts()[0]
         kernels.panel_matmul(x, panels, n, None)
         assert (kernels.task_counts()[0] > before) == shared
+
+
+@pytest.mark.parametrize("mode", [None, "int4"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_few_rows_split_their_heads_among_threads(threads: None, mode: str | None, rows: int) -> None:
+    """At batch 1 (and 2) a row's KV heads are split among about two tasks a thread: the same
+    result as one thread computing whole rows, and against the torch reference."""
+    store = pool(3, 64, mode)  # three KV heads: the split's runs are uneven
+    keys = key_rows(rows, 40, 128)
+    gen = torch.Generator().manual_seed(5)
+    n_keys = torch.randint(1, 41, (rows,), generator=gen)
+    q = torch.randn(rows, 12, 1, 64, generator=gen)
+    alone = on_threads(1, lambda: CPU.decode_attention(store, q, keys, n_keys, None))
+    shared_before = kernels.task_counts()[0]
+    split = on_threads(2, lambda: CPU.decode_attention(store, q, keys, n_keys, None))
+    assert torch.equal(split, alone)
+    assert kernels.task_counts()[0] - shared_before == rows * min(3, -(-4 // rows))  # (2 threads: 4 tasks wanted)
+    mask = (torch.arange(40)[None, :] < n_keys[:, None])[:, None, None, :]
+    torch.testing.assert_close(alone, TORCH.decode_attention(store, q, keys, n_keys, mask), rtol=1e-5, atol=1e-5)

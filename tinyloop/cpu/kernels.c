@@ -202,26 +202,18 @@ static inline void prefetch(const void *start, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)start + i);
 }
 
-static inline void prefetch_row(const field_t *f, int64_t row) {
-    if (f->plain != NULL) {
-        prefetch(f->plain + row * f->width, f->width * 4);
-    } else {
-        prefetch(f->codes + row * (f->width / 2), f->width / 2);
-        prefetch(f->meta + row * (f->width / f->group) * 2, f->width / f->group * 4);
-    }
-}
-
-/* Row `row` of field `f` as floats: the pool's own memory, or `scratch` dequantized. */
-static inline const float *row_of(const field_t *f, int64_t row, float *scratch) {
-    if (f->plain != NULL) return f->plain + row * f->width;
-    const uint8_t *codes = f->codes + row * (f->width / 2);
-    const uint16_t *meta = f->meta + row * (f->width / f->group) * 2;
+/* Elements [lo, lo + n) of row `row` of field `f`: the pool's own memory, or `scratch`
+ * dequantized (4-bit: lo and n whole groups). */
+static inline const float *row_part(const field_t *f, int64_t row, int64_t lo, int64_t n, float *scratch) {
+    if (f->plain != NULL) return f->plain + row * f->width + lo;
+    const uint8_t *codes = f->codes + row * (f->width / 2) + lo / 2;
+    const uint16_t *meta = f->meta + row * (f->width / f->group) * 2 + (lo / f->group) * 2;
 #pragma omp simd
-    for (int64_t i = 0; i < f->width / 2; ++i) {
+    for (int64_t i = 0; i < n / 2; ++i) {
         scratch[2 * i] = (float)(codes[i] & 15u);
         scratch[2 * i + 1] = (float)(codes[i] >> 4);
     }
-    for (int64_t g = 0; g < f->width / f->group; ++g) {
+    for (int64_t g = 0; g < n / f->group; ++g) {
         const float s = half_to_float(meta[2 * g]), minimum = half_to_float(meta[2 * g + 1]);
         float *x = scratch + g * f->group;
         for (int64_t i = 0; i < f->group; ++i) x[i] *= s; /* two loops: rounded as torch rounds */
@@ -230,18 +222,29 @@ static inline const float *row_of(const field_t *f, int64_t row, float *scratch)
     return scratch;
 }
 
+static inline void prefetch_part(const field_t *f, int64_t row, int64_t lo, int64_t n) {
+    if (f->plain != NULL) {
+        prefetch(f->plain + row * f->width + lo, n * 4);
+    } else {
+        prefetch(f->codes + row * (f->width / 2) + lo / 2, n / 2);
+        prefetch(f->meta + row * (f->width / f->group) * 2 + (lo / f->group) * 2, n / f->group * 4);
+    }
+}
+
 typedef struct {
     const float *q; /* row r's [HQ, T, D] at q + r * ldq */
     const field_t *k, *v;
     const int64_t *rows, *n_keys;
     float *out;
     int64_t ldq, HQ, KVH, D, L, T;
+    int64_t parts; /* tasks a row: its KV heads split in `parts` runs */
     float scale;
     _Atomic int failed;
 } attend_job;
 
-/* One row's attention: task r of an `attend_job`. */
-static void attend_row(const void *job_, int64_t r) {
+/* One row's attention for a run of its KV heads (and their query heads): task
+ * r * parts + part of an `attend_job`. */
+static void attend_row(const void *job_, int64_t task) {
     attend_job *job = (attend_job *)job_;
     const float *q = job->q, scale = job->scale;
     const field_t *k = job->k, *v = job->v;
@@ -249,6 +252,9 @@ static void attend_row(const void *job_, int64_t r) {
     float *out = job->out;
     const int64_t HQ = job->HQ, KVH = job->KVH, D = job->D, L = job->L, T = job->T;
     const int64_t G = HQ / KVH, head = T * D; /* q and out [R, HQ, T, D]: a head's stride */
+    const int64_t r = task / job->parts, part = task % job->parts;
+    const int64_t h0 = KVH * part / job->parts, h1 = KVH * (part + 1) / job->parts; /* KV heads [h0, h1) */
+    const int64_t q0 = h0 * G, q1 = h1 * G, lo = h0 * D, width = (h1 - h0) * D;
     /* [HQ, L] scores, then 1 / sum per head, then a scratch row for a 4-bit key */
     float *scores = malloc(sizeof(float) * (size_t)(HQ * L + HQ + k->width));
     if (scores == NULL) {
@@ -263,10 +269,10 @@ static void attend_row(const void *job_, int64_t r) {
         float *out_r = out + r * HQ * head + t * D;
         /* scores: one pass over the keys' K rows, every head of a key while its row is in cache */
         for (int64_t j = 0; j < n; ++j) {
-            if (j + AHEAD < n) prefetch_row(k, key_rows[j + AHEAD]);
-            const float *kj = row_of(k, key_rows[j], scratch);
-            for (int64_t h = 0, hq = 0; h < KVH; ++h) {
-                const float *kh = kj + h * D;
+            if (j + AHEAD < n) prefetch_part(k, key_rows[j + AHEAD], lo, width);
+            const float *kj = row_part(k, key_rows[j], lo, width, scratch); /* head h0 first */
+            for (int64_t h = h0, hq = q0; h < h1; ++h) {
+                const float *kh = kj + (h - h0) * D;
                 for (int64_t g = 0; g < G; ++g, ++hq) {
                     const float *qh = qr + hq * head;
                     float s = 0.0f;
@@ -276,7 +282,7 @@ static void attend_row(const void *job_, int64_t r) {
                 }
             }
         }
-        for (int64_t hq = 0; hq < HQ; ++hq) { /* softmax per query head: float32, max first */
+        for (int64_t hq = q0; hq < q1; ++hq) { /* softmax per query head: float32, max first */
             float *sh = scores + hq * L;
             float top = -INFINITY, total = 0.0f;
             for (int64_t j = 0; j < n; ++j) top = sh[j] > top ? sh[j] : top;
@@ -287,13 +293,13 @@ static void attend_row(const void *job_, int64_t r) {
             inv[hq] = 1.0f / total;
         }
         /* the weighted sum: one pass over the keys' V rows, normalised at the end */
-        for (int64_t hq = 0; hq < HQ; ++hq)
+        for (int64_t hq = q0; hq < q1; ++hq)
             for (int64_t d = 0; d < D; ++d) out_r[hq * head + d] = 0.0f;
         for (int64_t j = 0; j < n; ++j) {
-            if (j + AHEAD < n) prefetch_row(v, key_rows[j + AHEAD]);
-            const float *vj = row_of(v, key_rows[j], scratch);
-            for (int64_t h = 0, hq = 0; h < KVH; ++h) {
-                const float *vh = vj + h * D;
+            if (j + AHEAD < n) prefetch_part(v, key_rows[j + AHEAD], lo, width);
+            const float *vj = row_part(v, key_rows[j], lo, width, scratch);
+            for (int64_t h = h0, hq = q0; h < h1; ++h) {
+                const float *vh = vj + (h - h0) * D;
                 for (int64_t g = 0; g < G; ++g, ++hq) {
                     const float p = scores[hq * L + j];
                     float *oh = out_r + hq * head;
@@ -302,7 +308,7 @@ static void attend_row(const void *job_, int64_t r) {
                 }
             }
         }
-        for (int64_t hq = 0; hq < HQ; ++hq)
+        for (int64_t hq = q0; hq < q1; ++hq)
             for (int64_t d = 0; d < D; ++d) out_r[hq * head + d] *= inv[hq];
     }
     free(scores);
@@ -313,8 +319,14 @@ static void attend_row(const void *job_, int64_t r) {
 static int attend(const float *q, int64_t ldq, const field_t *k, const field_t *v, const int64_t *rows,
                   const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L,
                   int64_t T, float scale) {
-    attend_job job = {q, k, v, rows, n_keys, out, ldq, HQ, KVH, D, L, T, scale, 0};
-    tl_run_tasks(attend_row, &job, R);
+    /* Few rows (batch 1) would leave threads idle: each row's KV heads are split among about
+     * two tasks a thread (a 4-bit row in whole groups). Each head's result is the same either way. */
+    int64_t parts = 1;
+    const int64_t want = 2 * (int64_t)tl_threads();
+    if (R < want && (k->plain != NULL || (D % k->group == 0 && D % v->group == 0)))
+        parts = (want + R - 1) / R < KVH ? (want + R - 1) / R : KVH;
+    attend_job job = {q, k, v, rows, n_keys, out, ldq, HQ, KVH, D, L, T, parts, scale, 0};
+    tl_run_tasks(attend_row, &job, R * parts);
     return atomic_load(&job.failed);
 }
 
