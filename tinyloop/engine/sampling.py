@@ -339,10 +339,12 @@ def sample_batch(
         picked = batch_sampling.sample_on_device(rows, params, generators, prompt_tokens, output_tokens, eos_ids)
         return [None if r is None else SampleResult(*r) for r in picked]
     rows = rows.float()
-    # one pass: the row maximum is NaN when any logit is, +inf when one is, -inf when none is finite
-    usable = torch.isfinite(rows.amax(dim=-1)).tolist()  # [B]
+    # one pass: the row maximum is NaN when any logit is, +inf when one is, -inf when none is
+    # finite; where it is finite its index is the argmax (the first maximum, as argmax picks)
+    top, where = rows.max(dim=-1)  # [B]
+    usable = torch.isfinite(top).tolist()
     fast = [i for i, p in enumerate(params) if usable[i] and _is_plain_greedy(p)]
-    argmax = (rows if len(fast) == batch else rows[fast]).argmax(dim=-1).tolist() if fast else []  # [F]
+    argmax = (where if len(fast) == batch else where[fast]).tolist() if fast else []  # [F]
     results: dict[int, SampleResult | None] = dict(zip(fast, (SampleResult(int(t)) for t in argmax)))
     for i in range(batch):
         if i not in results:
