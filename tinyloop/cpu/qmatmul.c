@@ -179,6 +179,7 @@ typedef void (*panel_fn)(const void *job, int64_t m, int rows, int64_t p);
 typedef struct {
     const void *job;
     panel_fn run;
+    panel_fn run2; /* or NULL: 4 rows of panels p and p + 1 at once (where blocks of rows are 4 or 8) */
     int64_t M, n_panels, per_task, chunk;
     int max_rows; /* rows the row kernels keep in registers at most */
 } sweep_t;
@@ -192,19 +193,24 @@ static void sweep_task(const void *sweep_, int64_t task) {
         for (int64_t m = 0; m < sw->M;) {
             const int64_t left = sw->M - m;
             const int rows = left >= sw->max_rows ? sw->max_rows : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-            for (int64_t p = c0; p < c1; ++p) sw->run(sw->job, m, rows, p);
+            int64_t p = c0;
+            if (sw->run2 != NULL && rows % 4 == 0)
+                for (; p + 1 < c1; p += 2)
+                    for (int r0 = 0; r0 < rows; r0 += 4) sw->run2(sw->job, m + r0, 4, p);
+            for (; p < c1; ++p) sw->run(sw->job, m, rows, p);
             m += rows;
         }
     }
 }
 
-static void sweep(const void *job, panel_fn run, int64_t M, int64_t N, int64_t panel_bytes, int max_rows) {
+static void sweep(const void *job, panel_fn run, panel_fn run2, int64_t M, int64_t N, int64_t panel_bytes,
+                  int max_rows) {
     const int64_t n_panels = (N + QPANEL - 1) / QPANEL, threads = tl_threads();
     int64_t per_task = n_panels;
     if (threads > 1 && n_panels * panel_bytes >= Q_SPLIT_BYTES)
         per_task = (n_panels + threads * Q_TASKS_PER_THREAD - 1) / (threads * Q_TASKS_PER_THREAD);
     const int64_t chunk = Q_CHUNK_BYTES / panel_bytes > 1 ? Q_CHUNK_BYTES / panel_bytes : 1;
-    const sweep_t sw = {job, run, M, n_panels, per_task, chunk, max_rows};
+    const sweep_t sw = {job, run, run2, M, n_panels, per_task, chunk, max_rows};
     tl_run_tasks(sweep_task, &sw, (n_panels + per_task - 1) / per_task);
 }
 
@@ -221,6 +227,7 @@ struct q_job {
     const float *scales, *bias; /* int8: a scale per output; bias may be NULL */
     float *y;
     const rows_fn *kernels; /* for 1, 2, 4 and 8 (or the path's most) rows */
+    rows_fn pair4;          /* or NULL: 4 rows of two panels at once */
 };
 
 /* Row m's outputs n0 .. n0 + cols - 1 from acc (16 floats), times the int8 scales, plus bias. */
@@ -390,79 +397,125 @@ ALWAYS_INLINE void store_acc512(const q_job *job, int64_t m, int64_t n0, __m512 
 
 /* int8: two chains of dot products per row (even and odd groups of four inputs), so one or two
  * rows do not wait on `vpdpbusd`'s latency. */
-ALWAYS_INLINE void q8_vnni(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
-    __m512 acc[QMAX_ROWS];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const int64_t Kp = job->Kp, nb = job->nb;
+ALWAYS_INLINE void q8_vnni_p(const q_job *job, int64_t m, int R, int P, const uint8_t *panel, int64_t n0) {
+    __m512 acc[QMAX_ROWS][2];
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
+    const int64_t Kp = job->Kp, nb = job->nb, pb = job->panel_bytes;
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < Kp ? k0 + QBLOCK : Kp;
-        __m512i dot[QMAX_ROWS], dot2[QMAX_ROWS]; /* dot2: a second chain for one or two rows only */
-        for (int r = 0; r < R; ++r) dot[r] = dot2[r] = _mm512_setzero_si512();
+        __m512i dot[QMAX_ROWS][2], dot2[QMAX_ROWS]; /* dot2: a second chain for one or two rows only */
+        for (int r = 0; r < R; ++r) {
+            dot2[r] = _mm512_setzero_si512();
+            for (int q = 0; q < P; ++q) dot[r][q] = _mm512_setzero_si512();
+        }
         int64_t k = k0;
         for (; k + 8 <= k1; k += 8) {
-            const uint8_t *w = panel + k * QPANEL;
-            __builtin_prefetch(w + Q_AHEAD, 0, 0);
-            __builtin_prefetch(w + Q_AHEAD + 64, 0, 0);
-            const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
+            __m512i w0[2], w1[2];
+            for (int q = 0; q < P; ++q) {
+                const uint8_t *w = panel + q * pb + k * QPANEL;
+                __builtin_prefetch(w + Q_AHEAD, 0, 0);
+                __builtin_prefetch(w + Q_AHEAD + 64, 0, 0);
+                w0[q] = _mm512_loadu_si512(w);
+                w1[q] = _mm512_loadu_si512(w + 64);
+            }
             for (int r = 0; r < R; ++r) {
                 const int8_t *x = job->xq + (m + r) * Kp + k;
-                dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(load_i32(x)));
-                if (R <= 2) dot2[r] = _mm512_dpbusd_epi32(dot2[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
-                else dot[r] = _mm512_dpbusd_epi32(dot[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
+                const __m512i x0 = _mm512_set1_epi32(load_i32(x)), x1 = _mm512_set1_epi32(load_i32(x + 4));
+                for (int q = 0; q < P; ++q) {
+                    dot[r][q] = _mm512_dpbusd_epi32(dot[r][q], w0[q], x0);
+                    if (R <= 2 && P == 1) dot2[r] = _mm512_dpbusd_epi32(dot2[r], w1[q], x1);
+                    else dot[r][q] = _mm512_dpbusd_epi32(dot[r][q], w1[q], x1);
+                }
             }
         }
-        if (k < k1) { /* a last block of 4 inputs more than a multiple of 8 */
-            const __m512i w0 = _mm512_loadu_si512(panel + k * QPANEL);
-            for (int r = 0; r < R; ++r)
-                dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(load_i32(job->xq + (m + r) * Kp + k)));
-        }
+        if (k < k1) /* a last block of 4 inputs more than a multiple of 8 */
+            for (int q = 0; q < P; ++q) {
+                const __m512i w0 = _mm512_loadu_si512(panel + q * pb + k * QPANEL);
+                for (int r = 0; r < R; ++r)
+                    dot[r][q] = _mm512_dpbusd_epi32(dot[r][q], w0, _mm512_set1_epi32(load_i32(job->xq + (m + r) * Kp + k)));
+            }
         for (int r = 0; r < R; ++r) {
-            const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(dot[r], dot2[r]),
-                                                   _mm512_set1_epi32(128 * job->sums[(m + r) * nb + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(job->d[(m + r) * nb + b]), acc[r]);
+            const __m512i fix = _mm512_set1_epi32(128 * job->sums[(m + r) * nb + b]);
+            const __m512 d = _mm512_set1_ps(job->d[(m + r) * nb + b]);
+            for (int q = 0; q < P; ++q) {
+                const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(dot[r][q], dot2[r]), fix);
+                acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), d, acc[r][q]);
+            }
         }
     }
-    for (int r = 0; r < R; ++r) store_acc512(job, m + r, n0, acc[r]);
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < P; ++q) store_acc512(job, m + r, n0 + q * QPANEL, acc[r][q]);
+}
+
+/* int8: two chains of dot products per row (even and odd groups of four inputs), so one or two
+ * rows do not wait on `vpdpbusd`'s latency. */
+ALWAYS_INLINE void q8_vnni(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
+    q8_vnni_p(job, m, R, 1, panel, n0);
+}
+
+ALWAYS_INLINE void q4_vnni_p(const q_job *job, int64_t m, int R, int P, const uint8_t *panel, int64_t n0) {
+    const int64_t group = job->group, G = job->K / group, gbytes = group * 8 + 64, per = group / QBLOCK;
+    const int64_t Kp = job->Kp, nb = job->nb, pb = job->panel_bytes;
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 acc[QMAX_ROWS][2];
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        __m512 t[QMAX_ROWS][2];
+        for (int r = 0; r < R; ++r)
+            for (int q = 0; q < P; ++q) t[r][q] = _mm512_setzero_ps();
+        for (int64_t bb = 0; bb < per; ++bb) {
+            const int64_t b = g * per + bb;
+            __m512i lo_dot[QMAX_ROWS][2], hi_dot[QMAX_ROWS]; /* hi_dot: a second chain for one or two rows only */
+            for (int r = 0; r < R; ++r) {
+                hi_dot[r] = _mm512_setzero_si512();
+                for (int q = 0; q < P; ++q) lo_dot[r][q] = _mm512_setzero_si512();
+            }
+            for (int64_t c = 0; c < QBLOCK / 8; ++c) {
+                __m512i lo[2], hi[2];
+                for (int q = 0; q < P; ++q) {
+                    const uint8_t *chunk = panel + q * pb + g * gbytes + (bb * (QBLOCK / 8) + c) * 64;
+                    __builtin_prefetch(chunk + Q_AHEAD, 0, 0);
+                    const __m512i v = _mm512_loadu_si512(chunk);
+                    lo[q] = _mm512_and_si512(v, low);
+                    hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
+                for (int r = 0; r < R; ++r) {
+                    const int8_t *xk = job->xq + (m + r) * Kp + b * QBLOCK + 8 * c;
+                    const __m512i x0 = _mm512_set1_epi32(load_i32(xk)), x1 = _mm512_set1_epi32(load_i32(xk + 4));
+                    for (int q = 0; q < P; ++q) {
+                        lo_dot[r][q] = _mm512_dpbusd_epi32(lo_dot[r][q], lo[q], x0);
+                        if (R <= 2 && P == 1) hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], hi[q], x1);
+                        else lo_dot[r][q] = _mm512_dpbusd_epi32(lo_dot[r][q], hi[q], x1);
+                    }
+                }
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m512 d = _mm512_set1_ps(job->d[(m + r) * nb + b]);
+                for (int q = 0; q < P; ++q)
+                    t[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo_dot[r][q], hi_dot[r])), d, t[r][q]);
+            }
+        }
+        for (int q = 0; q < P; ++q) {
+            const uint8_t *pg = panel + q * pb + g * gbytes;
+            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(pg + group * 8)));
+            const __m512 sh = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(pg + group * 8 + 32)));
+            for (int r = 0; r < R; ++r) {
+                acc[r][q] = _mm512_fmadd_ps(t[r][q], s, acc[r][q]);
+                acc[r][q] = _mm512_fmadd_ps(sh, _mm512_set1_ps(job->xs[(m + r) * G + g]), acc[r][q]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < P; ++q) store_acc512(job, m + r, n0 + q * QPANEL, acc[r][q]);
 }
 
 ALWAYS_INLINE void q4_vnni(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
-    const int64_t group = job->group, G = job->K / group, gbytes = group * 8 + 64, per = group / QBLOCK;
-    const int64_t Kp = job->Kp, nb = job->nb;
-    const __m512i low = _mm512_set1_epi8(15);
-    __m512 acc[QMAX_ROWS];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-        const uint8_t *pg = panel + g * gbytes;
-        __m512 t[QMAX_ROWS];
-        for (int r = 0; r < R; ++r) t[r] = _mm512_setzero_ps();
-        for (int64_t bb = 0; bb < per; ++bb) {
-            const int64_t b = g * per + bb;
-            __m512i lo_dot[QMAX_ROWS], hi_dot[QMAX_ROWS]; /* hi_dot: a second chain for one or two rows only */
-            for (int r = 0; r < R; ++r) lo_dot[r] = hi_dot[r] = _mm512_setzero_si512();
-            for (int64_t c = 0; c < QBLOCK / 8; ++c) {
-                const uint8_t *chunk = pg + (bb * (QBLOCK / 8) + c) * 64;
-                __builtin_prefetch(chunk + Q_AHEAD, 0, 0);
-                const __m512i v = _mm512_loadu_si512(chunk);
-                const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                for (int r = 0; r < R; ++r) {
-                    const int8_t *xk = job->xq + (m + r) * Kp + b * QBLOCK + 8 * c;
-                    lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], lo, _mm512_set1_epi32(load_i32(xk)));
-                    if (R <= 2) hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], hi, _mm512_set1_epi32(load_i32(xk + 4)));
-                    else lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], hi, _mm512_set1_epi32(load_i32(xk + 4)));
-                }
-            }
-            for (int r = 0; r < R; ++r)
-                t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo_dot[r], hi_dot[r])),
-                                       _mm512_set1_ps(job->d[(m + r) * nb + b]), t[r]);
-        }
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(pg + group * 8)));
-        const __m512 sh = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(pg + group * 8 + 32)));
-        for (int r = 0; r < R; ++r) {
-            acc[r] = _mm512_fmadd_ps(t[r], s, acc[r]);
-            acc[r] = _mm512_fmadd_ps(sh, _mm512_set1_ps(job->xs[(m + r) * G + g]), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) store_acc512(job, m + r, n0, acc[r]);
+    q4_vnni_p(job, m, R, 1, panel, n0);
+}
+ALWAYS_INLINE void q4_vnni_pair(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
+    q4_vnni_p(job, m, R, 2, panel, n0);
 }
 #endif
 
@@ -482,12 +535,19 @@ ROW_KERNELS(q4_avx2, 4)
 #if Q_BEST >= 2
 ROW_KERNELS(q8_vnni, 8)
 ROW_KERNELS(q4_vnni, 8)
+static void q4_vnni_pair4(const q_job *j, int64_t m, const uint8_t *p, int64_t n0) { q4_vnni_pair(j, m, 4, p, n0); }
 #endif
 
-static const rows_fn *row_kernels(int isa, int bits, int *max_rows) {
+static const rows_fn *row_kernels(int isa, int bits, int *max_rows, rows_fn *pair4) {
     *max_rows = QMAX_ROWS;
+    *pair4 = NULL;
 #if Q_BEST >= 2
-    if (isa >= 2) return bits == 8 ? q8_vnni_rows : q4_vnni_rows;
+    if (isa >= 2) {
+        /* int4: two panels share each nibble unpack's row broadcasts (measured 1.3-1.7x at 4 and 8
+         * rows, in cache); int8 measured no faster paired (its 8-row kernel keeps every row) */
+        *pair4 = bits == 4 ? q4_vnni_pair4 : NULL;
+        return bits == 8 ? q8_vnni_rows : q4_vnni_rows;
+    }
 #endif
 #if Q_BEST >= 1
     if (isa >= 1) {
@@ -503,6 +563,13 @@ static const rows_fn *row_kernels(int isa, int bits, int *max_rows) {
 static void q_panel(const void *job_, int64_t m, int rows, int64_t p) {
     const q_job *job = job_;
     job->kernels[rows >= 8 ? 3 : rows >= 4 ? 2 : rows - 1](job, m, job->panels + p * job->panel_bytes, p * QPANEL);
+}
+
+/* Rows m .. m + 3 of panels p and p + 1. */
+static void q_pair(const void *job_, int64_t m, int rows, int64_t p) {
+    const q_job *job = job_;
+    (void)rows;
+    job->pair4(job, m, job->panels + p * job->panel_bytes, p * QPANEL);
 }
 
 /* The product: quantise x, then the panels shared among the threads. Returns 0, or -1 where the
@@ -528,9 +595,10 @@ static int q_matmul(const float *x, int64_t M, int64_t K, const uint8_t *panels,
             xs[m * G + g] = total;
         }
     int max_rows;
-    const rows_fn *kernels = row_kernels(tl_quant_isa(), bits, &max_rows);
-    const q_job job = {xq, d, sums, xs, M, K, Kp, nb, N, group, panel_bytes, panels, scales, bias, y, kernels};
-    sweep(&job, q_panel, M, N, panel_bytes, max_rows);
+    rows_fn pair4;
+    const rows_fn *kernels = row_kernels(tl_quant_isa(), bits, &max_rows, &pair4);
+    const q_job job = {xq, d, sums, xs, M, K, Kp, nb, N, group, panel_bytes, panels, scales, bias, y, kernels, pair4};
+    sweep(&job, q_panel, pair4 != NULL ? q_pair : NULL, M, N, panel_bytes, max_rows);
     free(memory);
     return 0;
 }
@@ -673,7 +741,7 @@ int tl_matmul_bf16(const float *x, int64_t M, int64_t K, const uint16_t *panels,
             xb[m * (Kp / 2) + p] = (uint32_t)lo | ((uint32_t)hi << 16);
         }
     const bf16_job job = {xb, M, Kp, N, panels, bias, y, BF16_NATIVE && tl_quant_isa() >= 2};
-    sweep(&job, bf16_panel, M, N, Kp * QPANEL * 2, QMAX_ROWS);
+    sweep(&job, bf16_panel, NULL, M, N, Kp * QPANEL * 2, QMAX_ROWS);
     free(xb);
     return 0;
 }
