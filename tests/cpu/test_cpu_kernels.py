@@ -167,6 +167,14 @@ def test_without_a_compiler_the_engine_runs_on_torch(fresh_build: Path, monkeypa
     assert not list(fresh_build.iterdir())
 
 
+def test_a_named_compiler_that_is_missing_is_not_replaced_by_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINYLOOP_CC", "/nonexistent/cc")
+    assert kernels.compiler() is None  # (gcc is on this PATH: it is not taken in its place)
+    monkeypatch.setenv("TINYLOOP_CC", "")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert kernels.compiler() in (None, "cc", "gcc", "clang")  # $CC is a hint: the usual names follow
+
+
 def test_a_failed_build_says_why_and_is_not_retried(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "compiler", lambda: "false")  # a "compiler" that always fails
     with pytest.raises(kernels.KernelUnavailable, match="could not build"):

@@ -10,7 +10,8 @@ object is kept under ``cache_dir()`` in a file named by the SHA-256 of those, so
 source, another compiler or another CPU (``-march=native``) builds afresh. Where that directory
 cannot be created, each process builds into a temporary directory of its own (left behind).
 
-``TINYLOOP_CC`` names the compiler (else ``$CC``, else ``cc``, ``gcc`` or ``clang`` on the PATH).
+``TINYLOOP_CC`` names the compiler (only that one then), else ``$CC``, else ``cc``, ``gcc`` or ``clang``
+on the PATH.
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ def cache_dir() -> Path:
 
 def compiler() -> str | None:
     """The C compiler to build with, or None where there is none."""
-    for name in (os.environ.get("TINYLOOP_CC"), os.environ.get("CC"), "cc", "gcc", "clang"):
+    chosen = os.environ.get("TINYLOOP_CC")
+    if chosen:  # named on purpose: that one or none (a fallback would build with another compiler unasked)
+        return chosen if shutil.which(chosen) else None
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
     return None
@@ -150,14 +154,16 @@ def load() -> ctypes.CDLL:
         try:
             cc = compiler()
             if cc is None:
-                raise KernelUnavailable("no C compiler (cc, gcc or clang; or set TINYLOOP_CC)")
+                named = os.environ.get("TINYLOOP_CC")
+                raise KernelUnavailable(f"no C compiler: TINYLOOP_CC={named} is not on the PATH" if named else
+                                        "no C compiler (cc, gcc or clang; or set TINYLOOP_CC)")
             lib = ctypes.CDLL(str(_build(cc)))
             for name, restype, argtypes in _SIGNATURES:
                 fn = getattr(lib, name)  # AttributeError: a library without it
                 fn.restype, fn.argtypes = restype, argtypes
         except (KernelUnavailable, OSError, AttributeError) as exc:
             _state["error"] = str(exc)
-            log.warning("CPU kernels unavailable, decode attention and RMSNorm run on torch ops: %s", exc)
+            log.warning("CPU kernels unavailable, the model runs on torch's ops (slower decode): %s", exc)
             raise KernelUnavailable(str(exc)) from exc
         _state["lib"] = lib
         return lib

@@ -95,13 +95,34 @@ void tl_quantize_act(const float *x, int64_t M, int64_t K, int64_t Kp, int8_t *x
         int8_t *qr = xq + m * Kp;
         for (int64_t b = 0; b < nb; ++b) {
             const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < K ? k0 + QBLOCK : K;
+#if defined(__AVX512F__)
+            if (k1 - k0 == QBLOCK) { /* a whole block in two registers: what the loops below compute */
+                const __m512 v0 = _mm512_loadu_ps(xr + k0), v1 = _mm512_loadu_ps(xr + k0 + 16);
+                const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1), big = _mm512_set1_ps(FLT_MAX);
+                const int bad = (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) != 0;
+                const float scale = bad ? NAN : _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) / 127.0f;
+                int32_t total = 0;
+                if (!bad && scale > 0.0f) { /* x / scale rounded to nearest even, as nearbyintf */
+                    const __m512 s = _mm512_set1_ps(scale);
+                    const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(v0, s)), q1 = _mm512_cvtps_epi32(_mm512_div_ps(v1, s));
+                    _mm_storeu_si128((__m128i *)(void *)(qr + k0), _mm512_cvtepi32_epi8(q0));
+                    _mm_storeu_si128((__m128i *)(void *)(qr + k0 + 16), _mm512_cvtepi32_epi8(q1));
+                    total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+                } else {
+                    memset(qr + k0, 0, QBLOCK);
+                }
+                d[m * nb + b] = scale;
+                sums[m * nb + b] = total;
+                continue;
+            }
+#endif
             float amax = 0.0f;
             int bad = 0; /* a NaN or an infinity: the block's scale is NaN, so every output it feeds is */
 #pragma omp simd reduction(max : amax) reduction(| : bad)
             for (int64_t k = k0; k < k1; ++k) {
                 const float a = fabsf(xr[k]);
                 bad |= !(a <= FLT_MAX);
-                amax = fmaxf(amax, a);
+                amax = a > amax ? a : amax; /* (vectorises, where fmaxf is a call a value; NaN: `bad`) */
             }
             const float scale = bad ? NAN : amax / 127.0f;
             int32_t total = 0;
