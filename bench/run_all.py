@@ -1,17 +1,30 @@
-"""Run every benchmark and append a dated section with the machine's description to RESULTS.md.
+"""Run every benchmark and rewrite RESULTS.md: one table per benchmark, with the run's date, commit and machine.
 
-    python bench/run_all.py [--quick] [--only overhead batching ...] [--threads N]
+    python bench/run_all.py [--quick] [--only overhead batching ...] [--peers] [--threads N]
                             [--output bench/RESULTS.md] [--timeout 1800]
 
 Runs ``overhead``, ``engine_vs_hf``, ``batching``, ``kv_modes``, ``speculative``, ``prefix``,
-``demo_model``, ``multi_engine``, ``decode_attention`` and ``panel_matmul`` one after another (each in its own
-process, with this interpreter), echoes their output, and appends one section to ``--output``:
-date, commit, machine (nproc, CPU model, RAM, torch version and threads, Python, transformers)
-and each benchmark's command, wall time, exit status and output.
+``demo_model``, ``multi_engine``, ``decode_attention``, ``panel_matmul``, ``fused_block``,
+``quant_matmul``, ``sampling`` and ``structured`` one after another (each in its own process, with
+this interpreter) and echoes their output. Then it rewrites ``--output``: a header with the date,
+commit, machine (nproc, CPU model, RAM, torch version and threads, Python, transformers) and this
+command, then one section per benchmark with its command, wall time, exit status and the table
+part of its output (``PROGRESS`` names the progress lines a bench prints between its tables,
+left out). Each section keeps the date, commit and machine of the run that produced it: a run of
+some benchmarks (``--only``) replaces their sections and keeps the others' from the file as it
+was (``results.py`` parses them by their markers). Writing ``bench/RESULTS.md`` redraws
+``docs/img/headlines.svg`` (``plot_headlines.py``), and a full run (no ``--only``) adds a short
+dated entry (its benches and wall times) to ``bench/LOG.md``, where the narrative of how each
+figure was reached lives.
+
+``--peers`` adds the peer benchmarks (``PEERS``), opt-in because they need what the core ones do
+not: ``vs_llamacpp`` needs ``pip install -e ".[bench-peers]"`` and builds llama.cpp into its cache
+the first time (12-20 minutes on 2 cores), then runs about 7 minutes. ``--only vs_llamacpp`` runs
+it alone. A run without it keeps its section from the last run that had it.
 
 ``--quick`` runs the smoke sizes (seconds each) to prove every script works. A smoke run
 writes nothing unless ``--output`` is given explicitly, so RESULTS.md only ever holds full runs;
-a section written from a smoke run is headed "SMOKE RUN (--quick): not results".
+a file written from a smoke run is headed "SMOKE RUN (--quick): not results".
 ``--threads`` is passed to every benchmark that takes it (all but ``overhead``, which runs no
 model).
 """
@@ -22,14 +35,27 @@ import argparse
 import datetime as dt
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from plot_headlines import write_headlines
+from results import merge, parse_sections, render_file, render_section, table_part
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+RESULTS = HERE / "RESULTS.md"
+LOG = HERE / "LOG.md"
+HEADLINES = ROOT / "docs" / "img" / "headlines.svg"
+INTRO = ("The current table of every benchmark, rewritten by `python bench/run_all.py` (the narrative of how "
+         "each figure was reached: `bench/LOG.md`; the headline ratios drawn: `docs/img/headlines.svg`). Each "
+         "section names the run that produced it, its date, commit and machine: a run of some benchmarks "
+         "(`--only`) keeps the others' sections from earlier runs. Compare ratios within a section; absolute "
+         "figures only between runs on the same machine.")
 
 # name -> (smoke arguments, full arguments, takes --threads)
 BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
@@ -53,6 +79,17 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
     "sampling": (["--vocab", "4096", "--batches", "1", "4", "--repeat", "20"], [], True),
     "structured": (["--quick"], [], True),
 }
+# opt-in (--peers): vs_llamacpp needs the bench-peers extra and builds llama.cpp once (12-20 min)
+PEERS: dict[str, tuple[list[str], list[str], bool]] = {
+    "vs_llamacpp": (["--quick"], [], True),
+}
+# lines a bench prints while it works, left out of RESULTS.md (matched from the line's start)
+PROGRESS: dict[str, re.Pattern[str]] = {
+    "demo_model": re.compile(r"  loops \d+: [\d.]+s$|weights \w+: \d+ weights quantized$"),
+    "vs_llamacpp": re.compile(r"waiting for the llama\.cpp build |llama\.cpp: /|downloading the llama-cpp-python |"
+                              r"building llama\.cpp into |llama\.cpp built in |  wrote |  quantised "),
+    "structured": re.compile(r"\(trained a \d+-token BPE in "),
+}
 
 
 def _sh(*cmd: str) -> str:
@@ -62,7 +99,8 @@ def _sh(*cmd: str) -> str:
         return ""
 
 
-def machine() -> list[str]:
+def machine() -> tuple[str, list[str]]:
+    """The CPU in a few words (each section names it), and the header's lines about the machine."""
     cpu = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -83,10 +121,46 @@ def machine() -> list[str]:
              "print(torch.__version__, torch.get_num_threads(), tf)")
     torch_v, threads, tf = (_sh(sys.executable, "-c", probe).split() + ["?"] * 3)[:3]
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return [f"- CPU: {cpu}; nproc {os.cpu_count()} (usable {len(os.sched_getaffinity(0))}); RAM {ram}",
-            f"- torch {torch_v} ({threads} threads by default); Python {platform.python_version()}; "
-            f"transformers {tf}; {platform.platform()}",
-            f"- load average at start: {load}"]
+    return f"{cpu} (nproc {os.cpu_count()})", [
+        f"- CPU: {cpu}; nproc {os.cpu_count()} (usable {len(os.sched_getaffinity(0))}); RAM {ram}",
+        f"- torch {torch_v} ({threads} threads by default); Python {platform.python_version()}; "
+        f"transformers {tf}; {platform.platform()}",
+        f"- load average at start: {load}"]
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """What the sections of one run share."""
+
+    started: dt.datetime
+    commit: str  # short hash, "(uncommitted changes)" after it when the tree was dirty
+    cpu: str  # the CPU in a few words, for each section
+    machine: list[str]  # the header's lines
+    command: str  # this run's command line
+
+    @classmethod
+    def now(cls) -> Run:
+        commit = _sh("git", "rev-parse", "--short", "HEAD") or "unknown"
+        dirty = " (uncommitted changes)" if _sh("git", "status", "--porcelain") else ""
+        cpu, lines = machine()
+        return cls(dt.datetime.now(dt.UTC), commit + dirty, cpu, lines,
+                   shlex.join(["python", "bench/run_all.py", *sys.argv[1:]]))
+
+    def stamp(self) -> str:
+        return f"{self.started:%Y-%m-%d %H:%M} UTC, commit {self.commit}"
+
+    def header(self, quick: bool) -> str:
+        title = "# Benchmark results" + (": SMOKE RUN (--quick), not results" if quick else "")
+        return (f"{title}\n\n{INTRO}\n\nLast written {self.stamp()}: `{self.command}`\n\n"
+                + "\n".join(self.machine))
+
+    def log_entry(self, walls: dict[str, tuple[float, int]]) -> str:
+        """bench/LOG.md's dated entry for a full run: which benches, their wall times and exits."""
+        rows = "\n".join(f"| {name} | {wall:.0f} | {rc} |" for name, (wall, rc) in walls.items())
+        total = sum(wall for wall, _ in walls.values())
+        return (f"\n## {self.stamp()}, `{self.command}`\n\nThe tables: `bench/RESULTS.md` as this run wrote it; "
+                f"{total / 60:.0f} min in all.\n\n" + "\n".join(self.machine)
+                + f"\n\n| bench | wall s | exit |\n|---|---:|---:|\n{rows}\n")
 
 
 def run_bench(name: str, args: list[str], timeout: float) -> tuple[str, int, float, str]:
@@ -109,47 +183,54 @@ def run_bench(name: str, args: list[str], timeout: float) -> tuple[str, int, flo
     return shown, rc, wall, out.rstrip()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_results(path: Path, header: str, sections: dict[str, str]) -> None:
+    """Rewrite ``path``: ``header``, then this run's sections, and the earlier sections of the
+    benches this run did not run, in the order of BENCHES and PEERS."""
+    old = parse_sections(path.read_text(encoding="utf-8")) if path.exists() else {}
+    path.write_text(render_file(header, merge(old, sections, [*BENCHES, *PEERS])), encoding="utf-8")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke sizes; writes nothing unless --output")
-    ap.add_argument("--only", nargs="+", choices=list(BENCHES), help="run these benchmarks only")
+    ap.add_argument("--only", nargs="+", choices=[*BENCHES, *PEERS], help="run these benchmarks only")
+    ap.add_argument("--peers", action="store_true", help=f"add {', '.join(PEERS)} (opt-in: see the docstring)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for every benchmark")
     ap.add_argument("--output", type=Path, default=None,
-                    help="file to append to (default: bench/RESULTS.md for a full run, none for --quick)")
+                    help="file to rewrite (default: bench/RESULTS.md for a full run, none for --quick)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per benchmark")
-    args = ap.parse_args()
-    output = args.output or (None if args.quick else HERE / "RESULTS.md")
-    started = dt.datetime.now(dt.UTC)
-    commit = _sh("git", "rev-parse", "--short", "HEAD") or "unknown"
-    dirty = " (uncommitted changes)" if _sh("git", "status", "--porcelain") else ""
-    desc = machine()
-    print("\n".join(desc))
-    sections = []
-    failed = []
-    for name in args.only or list(BENCHES):
-        smoke, full, threads = BENCHES[name]
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    output = args.output or (None if args.quick else RESULTS)
+    every = {**BENCHES, **PEERS}
+    run = Run.now()
+    print("\n".join(run.machine))
+    sections: dict[str, str] = {}
+    walls: dict[str, tuple[float, int]] = {}
+    for name in args.only or [*BENCHES, *(PEERS if args.peers else {})]:
+        smoke, full, threads = every[name]
         bench_args = list(smoke if args.quick else full)
         if threads and args.threads:
             bench_args += ["--threads", str(args.threads)]
         shown, rc, wall, out = run_bench(name, bench_args, args.timeout)
-        if rc != 0:
-            failed.append(name)
-        # "~~~" fences: an output may hold ``` blocks of its own (demo_model's samples)
-        sections.append(f"### {name}\n\n`{shown}`: {wall:.0f} s, exit {rc}\n\n~~~\n{out}\n~~~\n")
-    if output is not None:
-        kind = "SMOKE RUN (--quick): not results" if args.quick else "full run"
-        head = (f"\n## {started:%Y-%m-%d %H:%M} UTC, {kind}, commit {commit}{dirty}"
-                + (f", --threads {args.threads}" if args.threads else "") + "\n\n")
-        preamble = "" if output.exists() else (
-            "# Benchmark results\n\nOne section per run of `python bench/run_all.py`, newest last, "
-            "each with its date, commit and machine. Compare ratios within a section; absolute "
-            "figures only between sections from the same machine.\n")
-        with open(output, "a", encoding="utf-8") as f:
-            f.write(preamble + head + "\n".join(desc) + "\n\n" + "\n".join(sections))
-        print(f"\nappended to {output}")
-    else:
+        walls[name] = wall, rc
+        sections[name] = render_section(name, shown, f"{wall:.0f} s, exit {rc}; {run.stamp()}, {run.cpu}",
+                                        table_part(out, PROGRESS.get(name)))
+    if output is None:
         print("\n(smoke run: nothing written; pass --output FILE to keep it)")
-    if failed:
+    else:
+        write_results(output, run.header(args.quick), sections)
+        print(f"\nwrote {output}")
+        if output.resolve() == RESULTS and not args.quick:
+            print(f"drew {write_headlines(RESULTS, HEADLINES)} ratios into {HEADLINES}")
+            if not args.only:
+                with open(LOG, "a", encoding="utf-8") as f:
+                    f.write(run.log_entry(walls))
+                print(f"appended this run's entry to {LOG}")
+    if failed := [name for name, (_, rc) in walls.items() if rc != 0]:
         raise SystemExit(f"failed: {', '.join(failed)}")
 
 

@@ -10,7 +10,6 @@ runs beside the first modules of the suite, and the test collects its result.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -19,17 +18,15 @@ from typing import IO
 
 import pytest
 
+from tests.bench_scripts import load
+
 ROOT = Path(__file__).resolve().parents[1]
 # smoke-run by their own tests: tests/test_bundled_model.py, tests/cpu/test_cpu_kernels.py, below
 SMOKED_ELSEWHERE = {"demo_model", "decode_attention", "structured"}  # structured: below, its tables checked
 
 
 def bench_names() -> list[str]:
-    spec = importlib.util.spec_from_file_location("run_all", ROOT / "bench" / "run_all.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return [name for name in module.BENCHES if name not in SMOKED_ELSEWHERE]
+    return [name for name in load("run_all").BENCHES if name not in SMOKED_ELSEWHERE]
 
 
 class SmokeRun:
