@@ -382,3 +382,48 @@ def test_rope_in_c_is_torchs_to_the_bit(style: str, rows: int, heads: int, token
         assert torch.equal(CPU.rope(x, c, s, style), TORCH.rope(x, c, s, style))
     half = x.to(torch.bfloat16)  # not float32: torch's ops
     assert torch.equal(CPU.rope(half, cos, sin, style), TORCH.rope(half, cos, sin, style))
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 100, 4099])
+def test_max_rows_gives_argmax_and_the_samplers_check(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    x[1] = 0.0  # all equal: the first
+    x[2, vocab // 2:] = x[2].max() + 1  # ties: the first of them, in any lane
+    x[3, -1] = float("nan")
+    x[4, 0] = float("inf")
+    x[5] = float("-inf")  # nothing finite
+    x[6, :] = float("-inf")
+    x[6, -1] = -1e30  # one finite value, the last
+    x[7, vocab // 3] = float("-inf")
+    x[8] = -0.0
+    x[8, -1] = 0.0  # -0.0 and 0.0 are equal: the first
+    where, usable = kernels.max_rows(x)
+    want = x.argmax(dim=-1).tolist()
+    top = x.amax(dim=-1)
+    assert usable == torch.isfinite(top).tolist()
+    assert [w for w, ok in zip(where, usable) if ok] == [w for w, ok in zip(want, usable) if ok]
+
+
+@needs_kernel
+def test_the_sampler_picks_the_same_with_and_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinyloop.engine.sampling import sample_batch
+    from tinyloop.requests import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 3000, generator=gen)
+    logits[1, 7] = float("nan")
+    logits[3, 2999] = logits[3].max() + 2
+    params = [SamplingParams(temperature=0)] * 4 + [SamplingParams(temperature=0.8, seed=1)]
+
+    def picks() -> list[object]:
+        gens = [torch.Generator().manual_seed(i) for i in range(5)]
+        got = sample_batch(logits, params, gens, [[1]] * 5, [[]] * 5)
+        return [None if r is None else r.token_id for r in got]
+
+    kernels.load()
+    with_kernel = picks()
+    monkeypatch.setattr(kernels, "loaded", lambda: False)
+    assert with_kernel == picks()
+    assert with_kernel[1] is None and with_kernel[3] == 2999

@@ -635,3 +635,51 @@ int tl_panel_matmul(const float *x, int64_t M, int64_t K, const float *panels, i
                     float *y) {
     return matmul_f32(x, M, K, panels, N, NULL, bias, y);
 }
+
+/* Each row of x [B, V] float32: the index of its first maximum (as torch's argmax picks it) and
+ * whether the row can be sampled from (no NaN, no +inf, some finite value: its maximum finite).
+ * One pass; the sampler's check and its greedy pick together. */
+void tl_max_rows(const float *x, int64_t B, int64_t V, int64_t *index, int8_t *usable) {
+    for (int64_t b = 0; b < B; ++b) {
+        const float *row = x + b * V;
+        float top = -INFINITY;
+        int64_t at = 0, v = 0;
+        int nan = 0;
+#if defined(__AVX512F__)
+        if (V >= 16) { /* per lane: its first maximum (updated only on a strictly greater value) */
+            __m512 best = _mm512_set1_ps(-INFINITY);
+            __m512i where = _mm512_setzero_si512(), lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                                12, 13, 14, 15);
+            __mmask16 unordered = 0;
+            for (; v + 16 <= V; v += 16) {
+                const __m512 xv = _mm512_loadu_ps(row + v);
+                unordered |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+                const __mmask16 greater = _mm512_cmp_ps_mask(xv, best, _CMP_GT_OQ);
+                best = _mm512_mask_mov_ps(best, greater, xv);
+                where = _mm512_mask_mov_epi32(where, greater, _mm512_add_epi32(lanes, _mm512_set1_epi32((int)v)));
+            }
+            nan = unordered != 0;
+            float lane_best[16];
+            int32_t lane_at[16];
+            _mm512_storeu_ps(lane_best, best);
+            _mm512_storeu_si512(lane_at, where);
+            at = -1;
+            for (int l = 0; l < 16; ++l) /* the greatest value; among equal ones the first index */
+                if (at < 0 || lane_best[l] > top || (lane_best[l] == top && lane_at[l] < at)) {
+                    top = lane_best[l];
+                    at = lane_at[l];
+                }
+        }
+#endif
+        for (; v < V; ++v) {
+            const float value = row[v];
+            if (value != value) nan = 1;
+            else if (value > top) {
+                top = value;
+                at = v;
+            }
+        }
+        index[b] = at;
+        usable[b] = !nan && top > -INFINITY && top < INFINITY;
+    }
+}

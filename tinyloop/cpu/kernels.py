@@ -76,6 +76,7 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_matmul_bf16", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 2),
     # block.c
     ("tl_decode_block", ctypes.c_int, [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I] + [_P] * 4),
+    ("tl_max_rows", None, [_P, _I, _I, _P, _P]),
     ("tl_decode_stack", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _P]),
 ]
 _lock = threading.Lock()
@@ -280,6 +281,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: bool) -> t
     load().tl_rope(x.data_ptr(), ldx, cos.data_ptr(), sin.data_ptr(), cos.shape[0], out.data_ptr(), r, h, t, d,
                    int(half))
     return out
+
+
+def max_rows(x: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """For each row of float32 x ``[B, V]`` (contiguous, on the CPU): the index of its first
+    maximum (``argmax``'s), and whether it can be sampled from (no NaN, no +inf, a finite value),
+    in one pass (``tl_max_rows``)."""
+    b, v = x.shape
+    index = torch.empty(b, dtype=torch.int64, device="cpu")
+    usable = torch.empty(b, dtype=torch.int8, device="cpu")
+    load().tl_max_rows(x.data_ptr(), b, v, index.data_ptr(), usable.data_ptr())
+    return index.tolist(), [bool(u) for u in usable.tolist()]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -66,7 +66,10 @@ class PlainDecoding:
     def sample(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> list[TokenEvent]:
         """Sample every row and accept its token; a row with NaN or +inf logits, or with no
         finite one, fails its own sequence only (as does a sampler or stop-check failure)."""
-        logits = torch.stack(rows).float()  # [B, V]
+        if len(rows) == 1 and seqs[0].matcher is None:  # (nothing writes into it: no copy)
+            logits = rows[0].float().unsqueeze(0).contiguous()  # [1, V]
+        else:
+            logits = torch.stack(rows).float()  # [B, V]
         raw = {id(s): logits[i].clone() for i, s in enumerate(seqs) if s.matcher is not None and _reports(s)}
         seqs, logits = self._constrain(seqs, logits)  # grammar masks on the constrained rows
         if not seqs:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyloop.cpu import kernels
 from tinyloop.engine import batch_sampling
 from tinyloop.engine.batch_sampling import banned_tokens, bias_table
 from tinyloop.requests import SamplingParams, TokenLogprob
@@ -341,10 +342,13 @@ def sample_batch(
     rows = rows.float()
     # one pass: the row maximum is NaN when any logit is, +inf when one is, -inf when none is
     # finite; where it is finite its index is the argmax (the first maximum, as argmax picks)
-    top, where = rows.max(dim=-1)  # [B]
-    usable = torch.isfinite(top).tolist()
+    if kernels.loaded() and rows.is_contiguous():  # (the CPU kernels the engine runs on: one C pass)
+        where, usable = kernels.max_rows(rows)
+    else:
+        top, first = rows.max(dim=-1)  # [B]
+        where, usable = first.tolist(), torch.isfinite(top).tolist()
     fast = [i for i, p in enumerate(params) if usable[i] and _is_plain_greedy(p)]
-    argmax = (where if len(fast) == batch else where[fast]).tolist() if fast else []  # [F]
+    argmax = [where[i] for i in fast]  # [F]
     results: dict[int, SampleResult | None] = dict(zip(fast, (SampleResult(int(t)) for t in argmax)))
     for i in range(batch):
         if i not in results:
