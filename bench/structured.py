@@ -24,8 +24,8 @@ measured when importable (``pip install xgrammar`` in a separate venv: it requir
 and triton, which TinyLoop may not depend on).
 
 ``--quick`` is the smoke size (seconds): 2 streams, 8 tokens, 1 round, the 4096-token vocabulary.
-Why TinyLoop took llguidance from these figures: ``tinyloop/grammar/__init__.py``; the figures:
-``bench/RESULTS.md``.
+Why TinyLoop took llguidance from these figures: ``tinyloop/grammar/__init__.py``; the run behind
+the choice: ``bench/LOG.md`` (2026-12-01 23:34 UTC); the current table: ``bench/RESULTS.md``.
 """
 
 from __future__ import annotations

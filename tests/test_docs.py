@@ -186,6 +186,25 @@ def test_every_metric_is_on_the_http_page() -> None:
     assert not missing, f"metrics missing from docs/http-api.md's table: {missing}"
 
 
+def test_the_http_page_states_the_max_tokens_defaults() -> None:
+    """A request without ``max_tokens`` runs to the model's own context (the demo's figure as its
+    artifact says), or the route's own default where smaller: the figures the page gives are the
+    artifact's and the schemas'."""
+    from tinyloop.http.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
+    from tinyloop.model.artifact import read_config
+
+    text = " ".join(page("http-api.md").split())
+    demo = read_config(ROOT / "tinyloop" / "data" / "demo.tinyloop").max_position
+    completions = CompletionRequest.model_fields["max_tokens"].default
+    native = GenerateRequest.model_fields["max_tokens"].default
+    assert ChatCompletionRequest.model_fields["max_tokens"].default is None  # "none on chat"
+    assert "A request that sets no `max_tokens` gets what is left of the model's own context" in text
+    assert f"`max_position`: {demo} for the demo model" in text, demo
+    assert f"({completions} on `/v1/completions` and `/api/v0/completions`, {native} on `/generate`" in text
+    assert f"the demo model's {demo}" in " ".join(page("configuration.md").split())
+    assert f"`max_position`: {demo} for the demo model" in page("openai-compatibility.md")
+
+
 def test_the_tokenize_example_gives_the_ids_shown() -> None:
     from tinyloop.tokenizer import default_tokenizer
 

@@ -1,7 +1,7 @@
 """Structured outputs: a request's ``Constraint`` compiled to a grammar that masks its logits.
 
 Built on llguidance (the grammar engine llama.cpp uses), chosen by measurement
-(``bench/structured.py``, ``bench/RESULTS.md``) over xgrammar (vLLM's, SGLang's): on a 65k
+(``bench/structured.py``, ``bench/LOG.md``) over xgrammar (vLLM's, SGLang's): on a 65k
 byte-level BPE vocabulary, a realistic nested JSON schema compiles in 3-4 ms against xgrammar's
 70-100 ms (an untrusted schema arrives with each request, so compile time is on the request's
 path), and a token's mask takes 0.07-0.08 ms on average (1.5 ms at worst, in length-bounded

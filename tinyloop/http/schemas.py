@@ -5,8 +5,8 @@
 several is refused naming every one (``errors.from_validation``). An explicit ``null`` is the
 field left out, as OpenAI takes it (``Strict._nulls_are_absent``), and values that change
 nothing (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type": "text"}``,
-``logit_bias: {}``, ``store: false``, ``metadata``) are accepted. README's "OpenAI
-compatibility" table lists every field.
+``logit_bias: {}``, ``store: false``, ``metadata``) are accepted. docs/openai-compatibility.md
+lists every field.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class Sampling(Knobs):
     logit_bias: dict[str, Float] = Field(default_factory=dict, description="token id -> bias in [-100, 100]")
     min_tokens: int = Field(0, ge=0, description="vLLM's: no EOS, stop token or stop string before this many")
     include_stop_str_in_output: bool = Field(False, description="vLLM's: keep a matched stop string in the text")
-    # accepted and ignored: they change nothing here (README's compatibility table says why)
+    # accepted and ignored: they change nothing here (docs/openai-compatibility.md says why)
     store: bool = False
     metadata: dict[str, str] | None = Field(None, max_length=16)
     service_tier: str | None = Field(None, max_length=32)
@@ -364,7 +364,7 @@ class CompletionRequest(OpenAIBase):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    NULLABLE: ClassVar[frozenset[str]] = frozenset({"max_tokens"})  # null: to the context's end
+    NULLABLE: ClassVar[frozenset[str]] = frozenset({"max_tokens"})  # null: no limit but the context
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
