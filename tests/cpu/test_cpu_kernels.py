@@ -427,3 +427,49 @@ def test_the_sampler_picks_the_same_with_and_without_the_kernel(monkeypatch: pyt
     monkeypatch.setattr(kernels, "loaded", lambda: False)
     assert with_kernel == picks()
     assert with_kernel[1] is None and with_kernel[3] == 2999
+
+
+@needs_kernel
+@pytest.mark.parametrize("style", ["pre_ln", "sandwich", "peri_ln", "post_ln"])
+@pytest.mark.parametrize("rows", [8, 37])
+def test_a_prefills_residual_joins_run_threaded_in_c_as_op_by_op(style: str, rows: int) -> None:
+    from tinyloop.cpu.backend import CPU
+    from tinyloop.model.backend import TORCH, TorchBackend
+
+    gen = torch.Generator().manual_seed(rows)
+    x, a = torch.randn(rows, 96, generator=gen), torch.randn(rows, 96, generator=gen)
+    w_in, w_out = torch.rand(96, generator=gen) + 0.5, torch.rand(96, generator=gen) + 0.5
+    kernels.set_threads(2)
+    try:
+        for out_w in (w_out, None):
+            got = CPU.residual_norm(x, a, None if style == "pre_ln" else w_in, out_w, style, 1e-6, False)
+            # the same adds and C norms one op at a time (the path a decode step's few rows take)
+            same = TorchBackend.residual_norm(CPU, x, a, None if style == "pre_ln" else w_in, out_w, style, 1e-6, False)
+            torch_ops = TORCH.residual_norm(x, a, None if style == "pre_ln" else w_in, out_w, style, 1e-6, False)
+            for g, s, t in zip(got, same, torch_ops):
+                if s is None:
+                    assert g is None and t is None
+                    continue
+                assert torch.equal(g, s)
+                torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-5)
+    finally:
+        kernels.set_threads(1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(8, 2 * 50), (3, 7, 2 * 3072)])
+def test_a_prefills_swiglu_runs_threaded_in_c(shape: tuple[int, ...]) -> None:
+    from tinyloop.cpu.backend import CPU
+    from tinyloop.model.backend import TORCH
+
+    gen = torch.Generator().manual_seed(len(shape))
+    fc = torch.randn(*shape, generator=gen) * 4
+    fc.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    kernels.set_threads(2)
+    try:
+        got = CPU.swiglu(fc)
+    finally:
+        kernels.set_threads(1)
+    want = TORCH.swiglu(fc)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)

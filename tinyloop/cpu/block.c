@@ -57,43 +57,6 @@ typedef struct {
     const float *q_bias, *k_bias; /* [HQ, D] and [KVH, D] added before RoPE (Huginn), or NULL */
 } tl_block;
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* exp of 16 floats: Cephes' expf (2^n times a degree-6 polynomial of the rest, ln 2 split in
- * two), within 1-2 ulp of libm's; NaN stays NaN, large inputs give inf and 0 as expf does. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x)); /* (NaN: x) */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
-
-/* SwiGLU of one row: out = silu(gate) * up = gate / (1 + exp(-gate)) * up, as torch computes it
- * (its exp vectorised too: the two agree to a few ulp). Scalar expf took ~10 us a row at
- * intermediate 3072, a tenth of a small model's block. */
-static void swiglu(const float *gate, const float *up, float *out, int64_t I) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; i + 16 <= I; i += 16) {
-        const __m512 g = _mm512_loadu_ps(gate + i);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
-    }
-#endif
-    for (; i < I; ++i) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-}
-
 static int product(const tl_weight *w, const float *x, int64_t M, float *y) {
     switch (w->kind) {
     case 0: return tl_panel_matmul(x, M, w->k, w->panels, w->n, NULL, y);
@@ -174,7 +137,7 @@ int tl_decode_block(const tl_block *b, const float *x, const float *normed, int6
     failed |= product(&b->o, att, R, a);
     join(b, x, a, b->n2, b->n3, R, r, h); /* r: the stream after attention, h: n3(r) */
     failed |= product(&b->fc, h, R, fc);
-    for (int64_t m = 0; m < R; ++m) swiglu(fc + m * 2 * I, fc + m * 2 * I + I, s + m * I, I);
+    for (int64_t m = 0; m < R; ++m) tl_swiglu_row(fc + m * 2 * I, fc + m * 2 * I + I, s + m * I, I);
     failed |= product(&b->proj, s, R, a);
     join(b, r, a, b->n4, then_w, R, x_out, then_out);
     free(memory);

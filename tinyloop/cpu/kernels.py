@@ -77,6 +77,8 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     # block.c
     ("tl_decode_block", ctypes.c_int, [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I] + [_P] * 4),
     ("tl_max_rows", None, [_P, _I, _I, _P, _P]),
+    ("tl_swiglu_rows", None, [_P, _I, _I, _P]),
+    ("tl_residual_norm", None, [_P] * 4 + [_I] * 3 + [_F] + [_P] * 2),
     ("tl_decode_stack", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _P]),
 ]
 _lock = threading.Lock()
@@ -292,6 +294,32 @@ def max_rows(x: torch.Tensor) -> tuple[list[int], list[bool]]:
     usable = torch.empty(b, dtype=torch.int8, device="cpu")
     load().tl_max_rows(x.data_ptr(), b, v, index.data_ptr(), usable.data_ptr())
     return index.tolist(), [bool(u) for u in usable.tolist()]
+
+
+def swiglu(fc: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of float32 ``fc`` = ``[gate; up]`` ``[..., 2I]`` (contiguous, on the
+    CPU) -> ``[..., I]``, the rows shared among the kernel threads."""
+    two_i = fc.shape[-1]
+    out = torch.empty(*fc.shape[:-1], two_i // 2, dtype=torch.float32, device="cpu")
+    load().tl_swiglu_rows(fc.data_ptr(), fc.numel() // two_i, two_i // 2, out.data_ptr())
+    return out
+
+
+_STYLE_CODES = {"pre_ln": 0, "sandwich": 1, "peri_ln": 2, "post_ln": 2}
+
+
+def residual_norm(x: torch.Tensor, a: torch.Tensor, w_in: torch.Tensor | None, w_out: torch.Tensor | None,
+                  style: str, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``Backend.residual_norm`` of float32 x and a ``[..., H]`` (contiguous, on the CPU; the
+    norms' weights ``[H]`` likewise, w_in where the style has one), the rows shared among the
+    kernel threads."""
+    h = x.shape[-1]
+    r = torch.empty_like(x)
+    y = None if w_out is None else torch.empty_like(x)
+    load().tl_residual_norm(x.data_ptr(), a.data_ptr(), None if w_in is None else w_in.data_ptr(),
+                            None if w_out is None else w_out.data_ptr(), x.numel() // h, h, _STYLE_CODES[style], eps,
+                            r.data_ptr(), None if y is None else y.data_ptr())
+    return r, y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
