@@ -90,3 +90,17 @@ def test_pool_rows_follow_every_change_to_the_tables() -> None:
     assert kv.pool_rows().tolist() == expected()
     kv.free()
     assert kv.pool_rows().shape == (2, 0)
+
+
+@pytest.mark.parametrize("blocks", [[3, 4, 5, 9], [7], list(range(40, 0, -2))])  # runs; one; scattered (index_fill)
+def test_allocated_blocks_are_zeroed_whatever_their_last_owner_left(blocks: list[int]) -> None:
+    pool = KVPool(CFG, 64, block_size=4)
+    pool.k.fill_(float("nan"))
+    pool.v.fill_(float("inf"))
+    pool._free = sorted(set(range(64)) - set(blocks), reverse=True) + list(reversed(blocks))
+    got = pool.allocate(len(blocks))
+    assert sorted(got) == sorted(blocks)
+    for b in range(64):
+        cleared = b in blocks
+        assert bool((pool.k[b] == 0).all()) == cleared  # [block_size, kv_heads, head_dim] a block
+        assert bool((pool.v[b] == 0).all()) == cleared

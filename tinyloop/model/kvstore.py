@@ -134,6 +134,25 @@ class Int4Buffer:
 Buffer = PlainBuffer | Int4Buffer
 
 
+# Up to this many runs of consecutive blocks are zeroed run by run (``zero_``: a memset, 5x
+# index_fill_'s speed on a prefill's 256 blocks); more scattered ones by one index_fill_.
+_ZERO_RUNS = 16
+
+
+def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """``blocks`` as [first, end) runs of consecutive ids, in ascending order."""
+    ordered = sorted(blocks)
+    runs: list[tuple[int, int]] = []
+    first = prev = ordered[0]
+    for b in ordered[1:]:
+        if b != prev + 1:
+            runs.append((first, prev + 1))
+            first = b
+        prev = b
+    runs.append((first, prev + 1))
+    return runs
+
+
 class KVStore:
     """The fields of one pool: ``k`` and ``v`` ``[KVH, D]`` per row, or ``h`` ``[H]`` in h-mode."""
 
@@ -189,12 +208,18 @@ class KVStore:
         """Zero every row of ``blocks``."""
         if not blocks:
             return
+        runs = _runs(blocks)
         index: torch.Tensor | None = None
         for field in self.fields.values():
             for t in field.tensors:
+                per_block = t.view(-1, self.block_size * t[0].numel())
+                if len(runs) <= _ZERO_RUNS:  # a few runs of neighbours (a fresh pool's): a memset each
+                    for first, end in runs:
+                        per_block[first:end].zero_()
+                    continue
                 if index is None:  # every field lives on the one device
                     index = torch.tensor(blocks, dtype=torch.long, device=t.device)
-                t.view(-1, self.block_size * t[0].numel()).index_fill_(0, index, 0)
+                per_block.index_fill_(0, index, 0)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The plain tensor of field ``name`` as ``[blocks, block_size, *row_shape]`` (full mode)."""
