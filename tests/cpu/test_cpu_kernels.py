@@ -372,7 +372,8 @@ def test_rows_slices_of_a_batch_are_read_in_place() -> None:
 @needs_kernel
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 @pytest.mark.parametrize(("rows", "heads", "tokens", "dim", "table_rows"),
-                         [(1, 4, 1, 64, 1), (16, 6, 1, 64, 16), (3, 2, 5, 16, 3), (2, 3, 4, 8, 1)])
+                         [(1, 4, 1, 64, 1), (16, 6, 1, 64, 16), (3, 2, 5, 16, 3), (2, 3, 4, 8, 1),
+                          (1, 5, 300, 64, 1), (2, 3, 200, 64, 2)])  # (the last two: a prefill's, threaded)
 def test_rope_in_c_is_torchs_to_the_bit(style: str, rows: int, heads: int, tokens: int, dim: int,
                                         table_rows: int) -> None:
     gen = torch.Generator().manual_seed(rows * heads + tokens)

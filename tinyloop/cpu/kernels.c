@@ -436,6 +436,27 @@ void tl_swiglu_row(const float *gate, const float *up, float *out, int64_t I) {
 }
 
 
+typedef struct {
+    const float *x, *cos, *sin;
+    float *out;
+    int64_t ldx, cs_rows, R, H, T, D;
+    int half;
+} rope_job;
+
+static void rope_task(const void *job_, int64_t task) { /* one (row, head): its T positions */
+    const rope_job *j = job_;
+    const int64_t r = task / j->H, h = task % j->H, table = (j->cs_rows == 1 ? 0 : r) * j->T * j->D;
+    tl_rope(j->x + r * j->ldx + h * j->T * j->D, 0, j->cos + table, j->sin + table, 1,
+            j->out + (r * j->H + h) * j->T * j->D, 1, 1, j->T, j->D, j->half);
+}
+
+/* `tl_rope` with its (row, head) pairs shared among the threads: a prefill's. */
+void tl_rope_threaded(const float *x, int64_t ldx, const float *cos, const float *sin, int64_t cs_rows, float *out,
+                      int64_t R, int64_t H, int64_t T, int64_t D, int half) {
+    const rope_job job = {x, cos, sin, out, ldx, cs_rows, R, H, T, D, half};
+    tl_run_tasks(rope_task, &job, R * H);
+}
+
 /* Rows of a prefill: a task a run of rows, every row's result as one row alone gives it. */
 #define ROWS_PER_TASK 16
 

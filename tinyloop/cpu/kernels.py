@@ -77,6 +77,7 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     # block.c
     ("tl_decode_block", ctypes.c_int, [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I] + [_P] * 4),
     ("tl_max_rows", None, [_P, _I, _I, _P, _P]),
+    ("tl_rope_threaded", None, [_P, _I] + [_P] * 2 + [_I, _P] + [_I] * 4 + [ctypes.c_int]),
     ("tl_swiglu_rows", None, [_P, _I, _I, _P]),
     ("tl_residual_norm", None, [_P] * 4 + [_I] * 3 + [_F] + [_P] * 2),
     ("tl_decode_stack", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _P]),
@@ -271,6 +272,11 @@ def decode_attention_int4(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor],
     return _allocated(code, out)
 
 
+# Values past which RoPE's (row, head) pairs are shared among the threads (a prefill chunk's; a
+# decode step's few stay on the calling thread)
+_ROPE_THREADED = 64 * 1024
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: bool) -> torch.Tensor:
     """``x * cos + rotate(x) * sin`` for float32 x ``[R, H, T, D]`` (each row read in place where
     contiguous: ``rows_of``) and cos, sin ``[R or 1, T, D]`` (or ``[R or 1, 1, T, D]``) float32
@@ -280,8 +286,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: bool) -> t
     r, h, t, d = x.shape
     out = torch.empty((r, h, t, d), dtype=torch.float32, device=x.device)
     x, ldx = rows_of(x)  # (cos and sin may be [R or 1, 1, T, D]: the same memory)
-    load().tl_rope(x.data_ptr(), ldx, cos.data_ptr(), sin.data_ptr(), cos.shape[0], out.data_ptr(), r, h, t, d,
-                   int(half))
+    run = load().tl_rope_threaded if r * h * t * d >= _ROPE_THREADED else load().tl_rope  # (a prefill's: threaded)
+    run(x.data_ptr(), ldx, cos.data_ptr(), sin.data_ptr(), cos.shape[0], out.data_ptr(), r, h, t, d, int(half))
     return out
 
 

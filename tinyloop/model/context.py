@@ -275,6 +275,10 @@ class PagedContext:
                 return kernels.decode_attention(store, q, keys, _take(self._n_keys, rows),
                                                 self._mask(rows, slots, q.dtype),
                                                 None if self._tree is None else _take(self._tree, rows))
+            if self._unmasked and self._gaps is None and not store.mode.int4 and store.dtype == q.dtype:
+                # every key is one of this call's tokens (a first prefill chunk) and the pool keeps
+                # them as they are: attend over k and v themselves, not a gathered copy of them
+                return kernels.attention(q, k, v, None)
             keys_k = kernels.kv_read(store, "k", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
             keys_v = kernels.kv_read(store, "v", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
         return kernels.attention(q, keys_k, keys_v, self._mask(rows, slots, q.dtype))
