@@ -650,7 +650,7 @@ typedef struct {
 /* Products of at least PARALLEL_ROWS rows and PARALLEL_WORK multiply-adds run on the helper threads
  * too, and so do products of fewer rows whose weights are PARALLEL_BYTES or more: one core does
  * not draw the memory's whole bandwidth (a decode step's one-row products streamed 20 GB/s on one
- * thread, 27 GB/s on two: bench/RESULTS.md 2026-12-02), while a smaller product ends before a
+ * thread, 27 GB/s on two: bench/LOG.md 2026-12-02), while a smaller product ends before a
  * helper joins. In about TASKS_PER_THREAD tasks a thread, so a late helper leaves little to wait
  * for. */
 #define PARALLEL_ROWS 4

@@ -20,7 +20,7 @@ One ``Speculator.run`` serves every speculative sequence of an engine step, batc
    draft probability below that, it is the chain's last, since the tokens after it would
    likely be rejected (each costs a draft forward and a verify row for nothing). On the demo
    model a chain of ``draft_ahead`` 8 at 1 draft loop went from 57% of its drafts accepted and
-   1.04x plain decoding to 94% and 1.3x (``bench/RESULTS.md``). The stop depends on the draft
+   1.04x plain decoding to 94% and 1.3x (``bench/LOG.md``). The stop depends on the draft
    only, so greedy output stays that of plain decoding and sampled output keeps its exact
    distribution (a draft length chosen from the drafted prefix leaves each position's
    accept-or-resample law as it is). The root drafts in

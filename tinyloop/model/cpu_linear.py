@@ -39,7 +39,7 @@ steps). Where they run on at least torch's threads (the
 server's default: torch keeps one core fewer), the panels replace the blocked copy
 (``cpu.backend.use_cpu_kernels``): the kernel then runs prefill's products too, each chunk of
 panels kept in L2 while every block of 16 rows passes over it, at 0.85-1.2x oneDNN's speed on
-one thread (bench/RESULTS.md, 2026-12-01 00:33), and the weights are held twice, not three times.
+one thread (bench/LOG.md, 2026-12-01 00:33), and the weights are held twice, not three times.
 
 The blocked and panel copies are made once: a model whose weights change afterwards must be
 packed again (``pack_linears`` re-packs; ``unpack_linears`` drops the copies). The engine packs

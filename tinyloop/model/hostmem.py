@@ -5,7 +5,7 @@ A step reads tens of megabytes spread over these buffers. On 4 KiB pages each pa
 miss and the hardware prefetchers stop at every page edge; torch's allocator gets no huge pages
 where transparent huge pages are ``madvise``-only (a common default, this machine's). So these
 buffers are private anonymous maps advised ``MADV_HUGEPAGE``: measured here, a one-row product
-over the panels reads 16.6-19 GB/s against 14.5-15 (bench/RESULTS.md, 2026-11-30 23:50), decode
+over the panels reads 16.6-19 GB/s against 14.5-15 (bench/LOG.md, 2026-11-30 23:50), decode
 attention over a cold pool of scattered blocks runs 1.14-1.19x faster. Where the kernel has no
 transparent huge pages, or the platform no ``madvise``, the pages stay small: same memory, same
 values. ``zeros`` writes every page once, as ``torch.zeros`` does: the memory is committed when
