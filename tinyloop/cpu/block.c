@@ -68,18 +68,9 @@ static int product(const tl_weight *w, const float *x, int64_t M, float *y) {
 
 /* A residual add with its norms (`Backend.residual_norm`): r from x and the sublayer's a (`a`
  * is overwritten), then h = norm(r) by w_out where there is one. */
-static void join(const tl_block *b, const float *x, float *a, const float *w_in, const float *w_out, int64_t R,
-                 float *r, float *h) {
-    const int64_t n = R * b->hidden;
-    if (b->style == 2) { /* peri_ln: x + n(a) */
-        tl_rms_norm(a, w_in, r, R, b->hidden, b->eps);
-        for (int64_t i = 0; i < n; ++i) r[i] = x[i] + r[i];
-    } else {
-        for (int64_t i = 0; i < n; ++i) a[i] = x[i] + a[i];
-        if (b->style == 1) tl_rms_norm(a, w_in, r, R, b->hidden, b->eps); /* sandwich: n(x + a) */
-        else memcpy(r, a, (size_t)n * sizeof(float));                      /* pre_ln: x + a */
-    }
-    if (w_out != NULL) tl_rms_norm(r, w_out, h, R, b->hidden, b->eps);
+static void join(const tl_block *b, const float *x, const float *a, const float *w_in, const float *w_out,
+                 int64_t R, float *r, float *h) {
+    tl_residual_rows(x, a, w_in, w_out, R, b->hidden, b->style, b->eps, r, h);
 }
 
 /* Returns 0; 1 where scratch memory could not be allocated; 2 where a write row is outside the
@@ -147,16 +138,15 @@ int tl_decode_block(const tl_block *b, const float *x, const float *normed, int6
 /* A stack of blocks (a prelude, one loop of the core, a coda) in one call: block i runs at slot
  * `slot0 + i`, its write and key rows the slot's rows of `write_by_slot` [S, R] and
  * `keys_by_slot` [S, R, L]; each block's output norm feeds the next block's input (as
- * `LoopedLM.stack` passes `then`), the last block's none. x [R, H] is updated in place;
- * `normed` is n1(x) of the first block or NULL; `scratch` [R, H] holds the norms between blocks.
+ * `LoopedLM.stack` passes `then`), the last block's none; the first block norms its own input.
+ * x [R, H] is updated in place; `scratch` [R, H] holds the norms between blocks.
  * Returns the first failing block's code (the stack stops there). */
-int tl_decode_stack(const tl_block *const *blocks, int64_t n, int64_t slot0, float *x, const float *normed,
-                    float *scratch, int64_t R, const float *cos, const float *sin, int64_t cs_rows, const tl_kv *kv,
-                    const int64_t *write_by_slot, const int64_t *keys_by_slot, int64_t L, const int64_t *n_keys) {
+int tl_decode_stack(const tl_block *const *blocks, int64_t n, int64_t slot0, float *x, float *scratch, int64_t R,
+                    const float *cos, const float *sin, int64_t cs_rows, const tl_kv *kv, const int64_t *write_by_slot, const int64_t *keys_by_slot, int64_t L, const int64_t *n_keys) {
     for (int64_t i = 0; i < n; ++i) {
         const int64_t slot = slot0 + i;
         const float *then_w = i + 1 < n ? blocks[i + 1]->n1 : NULL;
-        const int code = tl_decode_block(blocks[i], x, i == 0 ? normed : scratch, R, cos, sin, cs_rows, kv,
+        const int code = tl_decode_block(blocks[i], x, i == 0 ? NULL : scratch, R, cos, sin, cs_rows, kv,
                                          write_by_slot + slot * R, keys_by_slot + slot * R * L, L, n_keys, then_w,
                                          x, then_w != NULL ? scratch : NULL);
         if (code) return code;

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections.abc import Mapping
+from typing import TypeGuard
 
 import torch
 
@@ -157,8 +158,7 @@ class FusedBlock:
             normed: torch.Tensor | None, then: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``Block.run`` for a plain decode step (x ``[R, 1, H]`` float32 contiguous); None where
         this call is not one it covers (the block then runs unfused)."""
-        if (x.dtype is not torch.float32 or x.dim() != 3 or x.shape[1] != 1 or not x.is_contiguous()
-                or not isinstance(ctx, PagedContext) or not self.current()):
+        if not _decode_step(ctx, x) or not self.current():
             return None
         index = ctx.decode_rows(rows, slots)
         if index is None:
@@ -189,8 +189,7 @@ class FusedBlock:
         one fused), all rows, block i at slot ``slot0 + i``, in one C call (``tl_decode_stack``);
         None where any block or the call is not covered (the blocks then run one by one)."""
         fused = [getattr(layer, "fused", None) for layer in blocks]
-        if (x.dtype is not torch.float32 or x.dim() != 3 or x.shape[1] != 1 or not x.is_contiguous()
-                or not isinstance(ctx, PagedContext)):
+        if not _decode_step(ctx, x):
             return None
         steps = [f for f in fused if isinstance(f, FusedBlock) and f.current()]
         if len(steps) != len(fused):
@@ -209,7 +208,7 @@ class FusedBlock:
         r = x.shape[0]
         out, scratch = x.clone(), torch.empty_like(x)
         code = kernels.load().tl_decode_stack(
-            cached[1], len(steps), slot0, out.data_ptr(), None, scratch.data_ptr(), r, cos.data_ptr(), sin.data_ptr(),
+            cached[1], len(steps), slot0, out.data_ptr(), scratch.data_ptr(), r, cos.data_ptr(), sin.data_ptr(),
             cos.shape[0], ctypes.byref(kv), write.data_ptr(), keys.data_ptr(), keys.shape[2], n_keys.data_ptr())
         _check(code, kv)
         return out
@@ -219,6 +218,13 @@ class FusedBlock:
 # to (the structs live in them); keyed weakly by the stack's ModuleList.
 _Structs = tuple[tuple["FusedBlock", ...], ctypes.Array[ctypes.c_void_p]]
 _STACKS: weakref.WeakKeyDictionary[torch.nn.Module, _Structs] = weakref.WeakKeyDictionary()
+
+
+def _decode_step(ctx: AttentionContext, x: torch.Tensor) -> TypeGuard[PagedContext]:
+    """Whether x ``[R, 1, H]`` (float32, contiguous) goes through a paged context: what both the
+    fused block and the fused stack take (the context then says whether the step is plain)."""
+    return (isinstance(ctx, PagedContext) and x.dtype is torch.float32 and x.dim() == 3 and x.shape[1] == 1
+            and x.is_contiguous())
 
 
 def _check(code: int, kv: _KV) -> None:

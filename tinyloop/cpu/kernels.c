@@ -486,28 +486,31 @@ typedef struct {
     float eps;
 } residual_job;
 
-static void residual_task(const void *job_, int64_t task) {
-    const residual_job *j = job_;
-    const int64_t r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < j->R ? r0 + ROWS_PER_TASK : j->R, H = j->H;
-    for (int64_t row = r0; row < r1; ++row) {
-        const float *x = j->x + row * H, *a = j->a + row * H;
-        float *r = j->r + row * H;
-        if (j->style == 2) { /* peri_ln (and post_ln): x + n(a) */
-            tl_rms_norm(a, j->w_in, r, 1, H, j->eps);
-            for (int64_t h = 0; h < H; ++h) r[h] = x[h] + r[h];
-        } else if (j->style == 1) { /* sandwich: n(x + a), the sum first held in r */
-            for (int64_t h = 0; h < H; ++h) r[h] = x[h] + a[h];
-            tl_rms_norm(r, j->w_in, r, 1, H, j->eps);
-        } else { /* pre_ln: x + a */
-            for (int64_t h = 0; h < H; ++h) r[h] = x[h] + a[h];
-        }
-        if (j->w_out != NULL) tl_rms_norm(r, j->w_out, j->y + row * H, 1, H, j->eps);
+/* `Backend.residual_norm` of R rows x and a [R, H] into r (style 0 pre_ln: x + a; 1 sandwich:
+ * n(x + a); 2 peri_ln and post_ln: x + n(a)), and the next norm of r into y where w_out is given:
+ * the same adds and norms (`tl_rms_norm`) as the op-by-op path, on the calling thread. */
+void tl_residual_rows(const float *x, const float *a, const float *w_in, const float *w_out, int64_t R, int64_t H,
+                      int64_t style, float eps, float *r, float *y) {
+    const int64_t n = R * H;
+    if (style == 2) {
+        tl_rms_norm(a, w_in, r, R, H, eps);
+        for (int64_t i = 0; i < n; ++i) r[i] = x[i] + r[i];
+    } else {
+        for (int64_t i = 0; i < n; ++i) r[i] = x[i] + a[i];
+        if (style == 1) tl_rms_norm(r, w_in, r, R, H, eps); /* (in place: each row's sum read first) */
     }
+    if (w_out != NULL) tl_rms_norm(r, w_out, y, R, H, eps);
 }
 
-/* `Backend.residual_norm` of rows x and a [R, H] (style 0 pre_ln, 1 sandwich, 2 peri_ln or
- * post_ln) into r, and the next norm of r into y where w_out is given; the same adds and norms
- * (`tl_rms_norm`) as the op-by-op path, the rows shared among the threads. */
+static void residual_task(const void *job_, int64_t task) {
+    const residual_job *j = job_;
+    const int64_t r0 = task * ROWS_PER_TASK, rows = (r0 + ROWS_PER_TASK < j->R ? r0 + ROWS_PER_TASK : j->R) - r0;
+    const int64_t at = r0 * j->H;
+    tl_residual_rows(j->x + at, j->a + at, j->w_in, j->w_out, rows, j->H, j->style, j->eps, j->r + at,
+                     j->y == NULL ? NULL : j->y + at);
+}
+
+/* `tl_residual_rows` with the rows shared among the threads: a prefill's. */
 void tl_residual_norm(const float *x, const float *a, const float *w_in, const float *w_out, int64_t R, int64_t H,
                       int64_t style, float eps, float *r, float *y) {
     const residual_job job = {x, a, w_in, w_out, r, y, R, H, style, eps};

@@ -13,6 +13,8 @@ int tl_threads(void);
 /* The kernels one decoder block's decode step (block.c) runs in sequence. */
 void tl_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t H, float eps);
 void tl_swiglu_row(const float *gate, const float *up, float *out, int64_t I);
+void tl_residual_rows(const float *x, const float *a, const float *w_in, const float *w_out, int64_t R, int64_t H,
+                      int64_t style, float eps, float *r, float *y);
 void tl_rope(const float *x, int64_t ldx, const float *cos, const float *sin, int64_t cs_rows, float *out, int64_t R,
              int64_t H, int64_t T, int64_t D, int half);
 int tl_write_rows(const float *x, int64_t ldx, const int64_t *rows, int64_t n, float *dst, int64_t n_rows,

@@ -80,7 +80,7 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_rope_threaded", None, [_P, _I] + [_P] * 2 + [_I, _P] + [_I] * 4 + [ctypes.c_int]),
     ("tl_swiglu_rows", None, [_P, _I, _I, _P]),
     ("tl_residual_norm", None, [_P] * 4 + [_I] * 3 + [_F] + [_P] * 2),
-    ("tl_decode_stack", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _P]),
+    ("tl_decode_stack", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _P]),
 ]
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not

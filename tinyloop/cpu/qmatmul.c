@@ -423,61 +423,39 @@ ALWAYS_INLINE void store_acc512(const q_job *job, int64_t m, int64_t n0, __m512 
 
 /* int8: two chains of dot products per row (even and odd groups of four inputs), so one or two
  * rows do not wait on `vpdpbusd`'s latency. */
-ALWAYS_INLINE void q8_vnni_p(const q_job *job, int64_t m, int R, int P, const uint8_t *panel, int64_t n0) {
-    __m512 acc[QMAX_ROWS][2];
-    for (int r = 0; r < R; ++r)
-        for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
-    const int64_t Kp = job->Kp, nb = job->nb, pb = job->panel_bytes;
+ALWAYS_INLINE void q8_vnni(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
+    __m512 acc[QMAX_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const int64_t Kp = job->Kp, nb = job->nb;
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < Kp ? k0 + QBLOCK : Kp;
-        __m512i dot[QMAX_ROWS][2], dot2[QMAX_ROWS]; /* dot2: a second chain for one or two rows only */
-        for (int r = 0; r < R; ++r) {
-            dot2[r] = _mm512_setzero_si512();
-            for (int q = 0; q < P; ++q) dot[r][q] = _mm512_setzero_si512();
-        }
+        __m512i dot[QMAX_ROWS], dot2[QMAX_ROWS]; /* dot2: a second chain for one or two rows only */
+        for (int r = 0; r < R; ++r) dot[r] = dot2[r] = _mm512_setzero_si512();
         int64_t k = k0;
         for (; k + 8 <= k1; k += 8) {
-            __m512i w0[2], w1[2];
-            for (int q = 0; q < P; ++q) {
-                const uint8_t *w = panel + q * pb + k * QPANEL;
-                __builtin_prefetch(w + Q_AHEAD, 0, 0);
-                __builtin_prefetch(w + Q_AHEAD + 64, 0, 0);
-                w0[q] = _mm512_loadu_si512(w);
-                w1[q] = _mm512_loadu_si512(w + 64);
-            }
+            const uint8_t *w = panel + k * QPANEL;
+            __builtin_prefetch(w + Q_AHEAD, 0, 0);
+            __builtin_prefetch(w + Q_AHEAD + 64, 0, 0);
+            const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
             for (int r = 0; r < R; ++r) {
                 const int8_t *x = job->xq + (m + r) * Kp + k;
-                const __m512i x0 = _mm512_set1_epi32(load_i32(x)), x1 = _mm512_set1_epi32(load_i32(x + 4));
-                for (int q = 0; q < P; ++q) {
-                    dot[r][q] = _mm512_dpbusd_epi32(dot[r][q], w0[q], x0);
-                    if (R <= 2 && P == 1) dot2[r] = _mm512_dpbusd_epi32(dot2[r], w1[q], x1);
-                    else dot[r][q] = _mm512_dpbusd_epi32(dot[r][q], w1[q], x1);
-                }
+                dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(load_i32(x)));
+                if (R <= 2) dot2[r] = _mm512_dpbusd_epi32(dot2[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
+                else dot[r] = _mm512_dpbusd_epi32(dot[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
             }
         }
-        if (k < k1) /* a last block of 4 inputs more than a multiple of 8 */
-            for (int q = 0; q < P; ++q) {
-                const __m512i w0 = _mm512_loadu_si512(panel + q * pb + k * QPANEL);
-                for (int r = 0; r < R; ++r)
-                    dot[r][q] = _mm512_dpbusd_epi32(dot[r][q], w0, _mm512_set1_epi32(load_i32(job->xq + (m + r) * Kp + k)));
-            }
+        if (k < k1) { /* a last block of 4 inputs more than a multiple of 8 */
+            const __m512i w0 = _mm512_loadu_si512(panel + k * QPANEL);
+            for (int r = 0; r < R; ++r)
+                dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(load_i32(job->xq + (m + r) * Kp + k)));
+        }
         for (int r = 0; r < R; ++r) {
-            const __m512i fix = _mm512_set1_epi32(128 * job->sums[(m + r) * nb + b]);
-            const __m512 d = _mm512_set1_ps(job->d[(m + r) * nb + b]);
-            for (int q = 0; q < P; ++q) {
-                const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(dot[r][q], dot2[r]), fix);
-                acc[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), d, acc[r][q]);
-            }
+            const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(dot[r], dot2[r]),
+                                                   _mm512_set1_epi32(128 * job->sums[(m + r) * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(job->d[(m + r) * nb + b]), acc[r]);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int q = 0; q < P; ++q) store_acc512(job, m + r, n0 + q * QPANEL, acc[r][q]);
-}
-
-/* int8: two chains of dot products per row (even and odd groups of four inputs), so one or two
- * rows do not wait on `vpdpbusd`'s latency. */
-ALWAYS_INLINE void q8_vnni(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
-    q8_vnni_p(job, m, R, 1, panel, n0);
+    for (int r = 0; r < R; ++r) store_acc512(job, m + r, n0, acc[r]);
 }
 
 ALWAYS_INLINE void q4_vnni_p(const q_job *job, int64_t m, int R, int P, const uint8_t *panel, int64_t n0) {

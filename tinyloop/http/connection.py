@@ -28,6 +28,7 @@ import json
 import math
 import socket
 import struct
+from abc import ABC, abstractmethod
 from http import HTTPStatus
 from typing import Any
 
@@ -68,9 +69,9 @@ def json_error_parts(status: int, message: str, code: str | None = None
     return headers, body
 
 
-class HttpMiddleware:
-    """An ASGI middleware that handles each HTTP request in ``http`` and passes every other
-    scope (the lifespan) straight to the app."""
+class HttpMiddleware(ABC):
+    """An ASGI middleware that handles each HTTP request in ``http`` (each subclass's own) and
+    passes every other scope (the lifespan) straight to the app."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -81,8 +82,9 @@ class HttpMiddleware:
             return
         await self.http(scope, receive, send)
 
+    @abstractmethod
     async def http(self, scope: Scope, receive: Any, send: Any) -> None:
-        raise NotImplementedError
+        """Handle one HTTP request, calling ``self.app`` as the middleware sees fit."""
 
 
 class ConnectionGuard(HttpMiddleware):

@@ -99,7 +99,7 @@ class PagedContext:
         self._tables: torch.Tensor | None = None
         # the mask is made when first asked for (``mask``): a decode step on the kernels reads
         # each row's key count instead, and never needs it
-        self._mask_of = (slots_pos, extra_mask, dev)
+        self._mask_of = (slots_pos, extra_mask)
         self._mask_tensor: torch.Tensor | None = None
         self._additive_mask: torch.Tensor | None = None
         # One new token that may see every key (decode at equal lengths: every row's start is the
@@ -119,6 +119,10 @@ class PagedContext:
         self.cos, self.sin = rope.tables(rope_pos)  # [B, T, D]
         self._cos_sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)  # [B, 1, T, D]: broadcast over heads
         self._gaps = self._gap_depths(seqs, key_len)
+        # one new token a row that may see its first n_keys keys (no tree, no loop gaps), K and V
+        # stored, on the host: what a fused decode block takes (``decode_rows``, ``decode_slots``)
+        self._plain_decode = not (self._n_keys is None or self._gaps is not None or self._tree is not None
+                                  or n_new != 1 or pool.store.mode.h_mode or torch.device(dev).type != "cpu")
 
     @property
     def tables(self) -> torch.Tensor:
@@ -140,7 +144,7 @@ class PagedContext:
         """``[B, 1, T, L]``, True where a new token may attend a key: causal by position, and
         among the new tokens as ``extra_mask`` says."""
         if self._mask_tensor is None:
-            slots_pos, extra_mask, dev = self._mask_of
+            slots_pos, extra_mask = self._mask_of
             key_pos = torch.arange(self._key_len, dtype=torch.long, device="cpu")
             mask = key_pos[None, None, :] <= torch.from_numpy(slots_pos)[:, :, None]  # [B, T, L]
             if extra_mask is not None:
@@ -148,7 +152,7 @@ class PagedContext:
                 for b, s in enumerate(self._starts):
                     window = mask[b, :, s:s + n_new]
                     mask[b, :, s:s + n_new] = window & extra_mask[b].to("cpu")
-            self._mask_tensor = mask[:, None].to(dev, non_blocking=True)
+            self._mask_tensor = mask[:, None].to(self.pool.device, non_blocking=True)
         return self._mask_tensor
 
     def _gap_depths(self, seqs: Sequence[SeqKV], key_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -201,19 +205,12 @@ class PagedContext:
         at = torch.arange(self.cos.shape[0], dtype=torch.long, device=self.cos.device) if rows is None else rows
         return self._write_rows[at, slots].flatten(), self._key_rows[at, slots]
 
-    def _plain_decode(self) -> bool:
-        """One new token a row that may see its first n_keys keys (no tree, no loop gaps), K and
-        V stored, on the host."""
-        return not (self._n_keys is None or self._gaps is not None or self._tree is not None
-                    or self.cos.shape[1] != 1 or self.pool.store.mode.h_mode
-                    or torch.device(self.pool.device).type != "cpu")
-
     def decode_rows(self, rows: torch.Tensor | None, slots: torch.Tensor | int) -> tuple[torch.Tensor, ...] | None:
         """For a plain decode step (``_plain_decode``): where ``rows`` at ``slots`` write their
         new K and V ``[R]``, the keys they read ``[R, L]``, how many of them each attends
         ``[R]``, and cos and sin at their positions ``[R or 1, 1, D]``, all contiguous on the
         host (what a fused decode block, ``cpu.block``, takes); None for any other step."""
-        if not self._plain_decode():
+        if not self._plain_decode:
             return None
         assert self._n_keys is not None
         write, keys = self._flat_index(rows, slots)
@@ -225,7 +222,7 @@ class PagedContext:
         """``decode_rows`` of every row at every slot at once: write rows ``[S, B]``, key rows
         ``[S, B, L]``, key counts ``[B]``, cos and sin ``[B, 1, D]``, contiguous on the host (a
         fused stack of blocks, ``cpu.block``, indexes them by slot); None for any other step."""
-        if not self._plain_decode():
+        if not self._plain_decode:
             return None
         assert self._n_keys is not None
         return (self._write_by_slot, self._keys_by_slot, self._n_keys, self.cos.contiguous(),
