@@ -248,3 +248,14 @@ def test_the_python_embedding_example_runs(capsys: pytest.CaptureFixture[str]) -
     code = compile(ast.parse(source.replace('"model.tinyloop"', repr(str(demo)))), "docs/python.md", "exec")
     exec(code, {})  # the page's own example, on the demo model
     assert capsys.readouterr().out.strip()
+
+
+def test_a_newcomer_learns_the_cpu_wheel_and_the_packages_the_suite_drives() -> None:
+    """On an ordinary Linux machine plain ``pip install torch`` is the CUDA build: the front page
+    and the install page give PyTorch's CPU index; both name the Debian packages the full suite
+    drives, which ``.ci/run`` installs."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    for text in (README.read_text(), page("install.md")):
+        assert "https://download.pytorch.org/whl/cpu" in text
+        for package in ("chromium", "haproxy"):
+            assert package in text and package in ci
