@@ -11,7 +11,7 @@
 llama.cpp is built once into a cache directory (``--cache``, else ``$TINYLOOP_PEER_CACHE``, else
 ``~/.cache/tinyloop-peers``): ``pip download --no-binary :all: llama-cpp-python==VERSION`` (its
 sdist vendors llama.cpp), extracted there, configured with CMake (Ninja, Release,
-``GGML_NATIVE``, OpenMP) into ``CACHE/build`` and built for ``llama-bench``, ``llama-quantize``
+``GGML_NATIVE`` less AMX, OpenMP) into ``CACHE/build`` and built for ``llama-bench``, ``llama-quantize``
 and ``llama-batched-bench`` only: 12-20 minutes on 2 cores the first time. Every step whose
 output exists is skipped; the build's log is ``CACHE/build.log`` (it ends ``BUILD_DONE <rc>``;
 a run that finds a build still writing it waits for it). This is a benchmark only: TinyLoop itself
@@ -133,6 +133,13 @@ def _wait_for_other_build(log: Path) -> None:
         time.sleep(30)
 
 
+# Built without its AMX kernels (GCC keeps an explicit -mno-* over what -march=native implies): on
+# an Intel Xeon with AMX, this llama.cpp's AMX path (its default "repack" buffers) crashed every
+# prompt of more than one token and every batched decode (SIGILL at `tilezero`, or SIGSEGV), so
+# the build runs its AVX-512 kernels, repacking included, as on a CPU without AMX.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
 def build_llama(cache: Path, version: str, jobs: int) -> Path:
     """``CACHE/build/bin`` with ``TARGETS`` built, each step skipped when its output exists."""
     bin_dir, log = cache / "build" / "bin", cache / "build.log"
@@ -158,7 +165,8 @@ def build_llama(cache: Path, version: str, jobs: int) -> Path:
     try:
         if not (build / "build.ninja").exists():
             _run_logged(["cmake", "-S", src, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                         "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                         "-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
+                         "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], log)
         _run_logged(["cmake", "--build", build, f"-j{jobs}", "--target", *TARGETS], log)
         code = 0

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.engine.test_engine import make_engine, req
 from tinyloop.cpu import kernels
@@ -474,3 +475,50 @@ def test_a_prefills_swiglu_runs_threaded_in_c(shape: tuple[int, ...]) -> None:
     want = TORCH.swiglu(fc)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def _fused_qkv(rows: int, tokens: int, q_heads: int, kv_heads: int, dim: int, seed: int):  # type: ignore[no-untyped-def]
+    """q, k, v as a fused projection's slices give them: ``[R, H, T, D]`` views of one
+    ``[R, T, HQ + 2 KVH, D]`` tensor (token stride past D, no copy)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(rows, tokens, q_heads + 2 * kv_heads, dim, generator=gen) * 2
+    q = qkv[:, :, :q_heads].transpose(1, 2)
+    k = qkv[:, :, q_heads:q_heads + kv_heads].transpose(1, 2)
+    v = qkv[:, :, q_heads + kv_heads:].transpose(1, 2)
+    return q, k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "q_heads", "kv_heads", "tokens", "dim"),
+                         [(1, 4, 4, 2, 16), (1, 12, 12, 129, 64), (2, 4, 2, 37, 32), (3, 6, 1, 17, 128),
+                          (1, 2, 2, 8, 80), (2, 3, 3, 300, 256)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_first_prefill_chunks_causal_attention_matches_sdpa(rows: int, q_heads: int, kv_heads: int, tokens: int,
+                                                              dim: int, threads: int) -> None:
+    q, k, v = _fused_qkv(rows, tokens, q_heads, kv_heads, dim, tokens)
+    assert kernels.causal_covered(q, k, v)
+    kernels.set_threads(threads)
+    try:
+        got = CPU.attention(q, k, v, None)
+    finally:
+        kernels.set_threads(1)
+    want = TORCH.attention(q, k, v, None)
+    assert got.shape == want.shape == (rows, q_heads, tokens, dim)
+    group = q_heads // kv_heads
+    exact = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(group, 1),
+                                           v.double().repeat_interleave(group, 1), is_causal=True)
+    # as close to the float64 result as torch's own float32 SDPA (the sums in another order)
+    assert (got - exact).abs().max() <= 2 * (want - exact).abs().max() + 1e-6
+    # the output projection's input is a view of it, not a copy
+    assert got.transpose(1, 2).flatten(-2).data_ptr() == got.data_ptr()
+
+
+@needs_kernel
+def test_causal_attention_off_its_cases_runs_torch() -> None:
+    q, k, v = _fused_qkv(1, 9, 2, 2, 24, 0)  # D not a multiple of 16
+    assert not kernels.causal_covered(q, k, v)
+    torch.testing.assert_close(CPU.attention(q, k, v, None), TORCH.attention(q, k, v, None))
+    q, k, v = _fused_qkv(1, 9, 2, 2, 32, 0)
+    assert not kernels.causal_covered(q.double(), k.double(), v.double())
+    assert not kernels.causal_covered(q.requires_grad_(), k, v)
+    assert not kernels.causal_covered(q[:, :, :5], k, v)  # fewer queries than keys: a later chunk, masked

@@ -80,12 +80,17 @@ def both(eng: Engine) -> tuple[list[GenerationResult], list[GenerationResult]]:
         use_cpu_kernels(eng.model, True)
 
 
-def assert_same(fused: list[GenerationResult], plain: list[GenerationResult]) -> None:
+def assert_same(fused: list[GenerationResult], plain: list[GenerationResult], weights: str = "float") -> None:
+    """The same tokens and logprobs. With int8 or int4 weights the activations are quantised to
+    int8 per block of 32: where the two paths' float32 roundings differ in the last bit (the C
+    step's SwiGLU exp against torch's, its residual sums) an input on a rounding edge moves by
+    one code, and a logprob by up to about 1e-3 after a few steps (seen on an Intel Xeon)."""
+    tolerance = 1e-2 if weights in ("int8", "int4") else 1e-4
     for a, b in zip(fused, plain, strict=True):
         assert a.tokens == b.tokens
         assert a.logprobs is not None and b.logprobs is not None
         torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
-                                   torch.tensor([lp.logprob for lp in b.logprobs]), rtol=1e-4, atol=1e-4)
+                                   torch.tensor([lp.logprob for lp in b.logprobs]), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("style", ["pre_ln", "sandwich", "peri_ln"])
@@ -96,7 +101,7 @@ def test_a_fused_decode_step_equals_the_blocks_modules(fused_calls: list[int], s
     assert blocks and all(b.fused is not None for b in blocks)
     fused, plain = both(eng)
     assert fused_calls[0] > 0 and fused_calls[1] > 0  # decode steps fused; prefills declined
-    assert_same(fused, plain)
+    assert_same(fused, plain, weights)
 
 
 @pytest.mark.parametrize("weights", ["float", "int8", "bf16"])
@@ -115,7 +120,7 @@ def test_q_k_biases_and_three_projections_are_fused_too(fused_calls: list[int], 
                     b.attn.k_bias.copy_(torch.randn(b.attn.k_bias.shape, generator=gen) * 0.5)
     fused, plain = both(eng)
     assert fused_calls[0] > 0
-    assert_same(fused, plain)
+    assert_same(fused, plain, weights)
 
 
 def test_blocks_it_does_not_cover_run_their_modules() -> None:
@@ -128,7 +133,7 @@ def test_blocks_it_does_not_cover_run_their_modules() -> None:
 def test_a_4bit_kv_pool_is_fused_too(fused_calls: list[int], weights: str) -> None:
     fused, plain = both(engine(weights=weights, kv_mode="int4"))
     assert fused_calls[0] > 0
-    assert_same(fused, plain)
+    assert_same(fused, plain, weights)
 
 
 def test_an_h_mode_pool_declines_and_runs_unfused(fused_calls: list[int]) -> None:
@@ -205,7 +210,7 @@ def test_a_decode_stack_is_one_call_and_equals_its_blocks(stack_calls: list[int]
     stacked = eng.generate_many(SAME_LOOPS)
     assert stack_calls[0] > 0  # (prelude, every loop of the core, coda: each one call)
     use_cpu_kernels(eng.model, True, fused=False)
-    assert_same(stacked, eng.generate_many(SAME_LOOPS))
+    assert_same(stacked, eng.generate_many(SAME_LOOPS), weights)
 
 
 def test_a_stack_with_a_block_it_cannot_fuse_runs_block_by_block(stack_calls: list[int],
@@ -217,7 +222,7 @@ def test_a_stack_with_a_block_it_cannot_fuse_runs_block_by_block(stack_calls: li
     assert stack_calls[0] > 0 and stack_calls[1] > 0  # prelude and coda stacked, the core declined
     assert fused_calls[0] > 0  # the core's other blocks still fused one by one
     use_cpu_kernels(eng.model, True, fused=False)
-    assert_same(stacked, eng.generate_many(SAME_LOOPS))
+    assert_same(stacked, eng.generate_many(SAME_LOOPS), "int8")
 
 
 def test_a_stack_notices_a_rebuilt_block(stack_calls: list[int]) -> None:
@@ -228,4 +233,4 @@ def test_a_stack_notices_a_rebuilt_block(stack_calls: list[int]) -> None:
     again = eng.generate_many(SAME_LOOPS[:1])
     assert stack_calls[0] > first
     use_cpu_kernels(eng.model, True, fused=False)
-    assert_same(again, eng.generate_many(SAME_LOOPS[:1]))
+    assert_same(again, eng.generate_many(SAME_LOOPS[:1]), "int8")

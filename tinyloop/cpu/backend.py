@@ -92,6 +92,12 @@ class CpuBackend(TorchBackend):
             return super().rope(x, cos, sin, style)
         return kernels.rope(x, cos, sin, style == "half")
 
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        if mask is None and q.shape[-2] > 1 and kernels.causal_covered(q, k, v):  # a first prefill chunk
+            return kernels.causal_attention(q, k, v)
+        return super().attention(q, k, v, mask)
+
     def kv_write(self, store: KVStore, rows: torch.Tensor, **values: torch.Tensor) -> None:
         fields = store.fields
         if not all(values[name].dtype == torch.float32 and values[name].is_cpu for name in fields):

@@ -23,6 +23,9 @@
  * softmax is float32 as torch's reference computes it (max subtracted first); only the order of
  * the sums differs from it. The rows are shared among the kernel threads (`tl_run_tasks`): each
  * row's result is the same whichever thread computes it.
+ *
+ * Also here: a prefill's first chunk's causal attention (`tl_causal_attention`, at the end), RoPE,
+ * RMSNorm, SwiGLU and the residual joins, and the float32 panel products.
  */
 #define _GNU_SOURCE /* pthreads, sched_yield and clock_gettime under -std=c11 */
 #include <math.h>
@@ -584,7 +587,11 @@ void tl_quantize_int4_rows(const float *x, const int64_t *rows, int64_t n, uint8
  * or 2 interleaved partial sums for 1 or 2 rows): float32 rounding differs from torch's (another
  * order) at the last bits. */
 #define PANEL 16
-#define PANEL_AHEAD 2048 /* bytes: prefetch this far ahead along the panel stream */
+/* bytes: prefetch this far ahead along the panel stream, with `prefetcht1` (locality 2): on an
+ * Intel Xeon (AMX, 2 MB L2) `prefetchnta` kept the lines out of L2, so a prefill's chunk of panels
+ * was fetched again for every block of rows (fp32 product at 512 rows 42 -> 119 GFLOP/s a thread)
+ * and a decode step's stream ran 1.5-1.9x slower (bench/LOG.md, 2026-12-02 afternoon). */
+#define PANEL_AHEAD 2048
 #define ROW_BLOCK 16
 #define PANEL_CHUNK_BYTES (256 * 1024) /* panels every block of rows reuses from L2 */
 
@@ -594,6 +601,7 @@ typedef __m512 vec16;
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VFMA(acc, s, w) _mm512_fmadd_ps(_mm512_set1_ps(s), (w), (acc))
 #define VADD(a, b) _mm512_add_ps((a), (b))
+#define VMAX(a, b) _mm512_max_ps((a), (b))
 #define VMUL(a, b) _mm512_mul_ps((a), (b))
 #define VSTORE(p, v) _mm512_storeu_ps((p), (v))
 #else /* the compiler's generic vectors: the same sums (fused where it contracts them) */
@@ -602,6 +610,7 @@ typedef float vec16 __attribute__((vector_size(64)));
 #define VLOAD(p) ({ vec16 v_; memcpy(&v_, (p), sizeof v_); v_; })
 #define VFMA(acc, s, w) ((acc) + (s) * (w))
 #define VADD(a, b) ((a) + (b))
+#define VMAX(a, b) ({ vec16 a_ = (a), b_ = (b); a_ > b_ ? a_ : b_; })
 #define VMUL(a, b) ((a) * (b))
 #define VSTORE(p, v) do { vec16 v_ = (v); memcpy((p), &v_, sizeof v_); } while (0)
 #endif
@@ -622,7 +631,7 @@ typedef float vec16 __attribute__((vector_size(64)));
         for (; k + KS <= K; k += KS)                                                                   \
             for (int s = 0; s < KS; ++s) {                                                             \
                 const vec16 w = LOAD(panel + PANEL * (k + s));                                         \
-                __builtin_prefetch((const char *)(panel + PANEL * (k + s)) + PANEL_AHEAD, 0, 0);       \
+                __builtin_prefetch((const char *)(panel + PANEL * (k + s)) + PANEL_AHEAD, 0, 2);       \
                 for (int r = 0; r < R; ++r) acc[s][r] = VFMA(acc[s][r], xt[(k + s) * ldx + r], w);    \
             }                                                                                          \
         for (; k < K; ++k) {                                                                           \
@@ -800,4 +809,162 @@ void tl_max_rows(const float *x, int64_t B, int64_t V, int64_t *index, int8_t *u
         index[b] = at;
         usable[b] = !nan && top > -INFINITY && top < INFINITY;
     }
+}
+
+/* ---- Causal attention of a prefill's first chunk ----
+ *
+ * q [R, HQ, T, D] over k, v [R, KVH, T, D] (each with its own row, head and token strides, D
+ * contiguous: slices of the fused projection, no copy), query t over keys 0..t; out [R, T, HQ, D]
+ * contiguous (the output projection's input as it is). Grouped-query: head h reads KV head
+ * h / (HQ / KVH). torch's SDPA took 16-18% of a base100m float32 prefill of 512 tokens.
+ *
+ * A task is one (row, head): its keys are laid out once in panels of ATT_KEYS keys (K^T: D
+ * values of 16 keys side by side, as a weight panel), then each block of ATT_QROWS queries keeps
+ * its scores for a panel in ATT_QROWS 16-wide registers (one broadcast query value times a panel
+ * row per multiply-add), softmaxes them online (running maximum and sum, the block's earlier
+ * sums rescaled when the maximum grows) and adds the weighted values to its output rows, kept
+ * in L1. Keys past a query's own are masked to -inf (the diagonal panels only); every query sees
+ * key 0 in the first panel, so no row's maximum stays -inf. Float32 throughout; the order of the
+ * sums differs from torch's (a few ulp on the output). D a multiple of 16, at most
+ * ATT_MAX_D (the caller checks). */
+#define ATT_KEYS 16
+#define ATT_QROWS 8
+#define ATT_MAX_D 256
+
+typedef struct {
+    const float *q, *k, *v;
+    int64_t q_sr, q_sh, q_st, k_sr, k_sh, k_st, v_sr, v_sh, v_st;
+    int64_t HQ, KVH, T, D;
+    float scale;
+    float *out;
+    _Atomic int failed;
+} causal_job;
+
+static inline float hmax16(vec16 x) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps(x);
+#else
+    float lanes[16], m;
+    VSTORE(lanes, x);
+    m = lanes[0];
+    for (int i = 1; i < 16; ++i) m = lanes[i] > m ? lanes[i] : m;
+    return m;
+#endif
+}
+
+static inline float hsum16(vec16 x) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps(x);
+#else
+    float lanes[16], s = 0.0f;
+    VSTORE(lanes, x);
+    for (int i = 0; i < 16; ++i) s += lanes[i];
+    return s;
+#endif
+}
+
+/* exp(x - m) of 16 scores (-inf gives 0). */
+static inline vec16 exp_shifted16(vec16 x, float m) {
+#if defined(__AVX512F__)
+    return exp16(_mm512_sub_ps(x, _mm512_set1_ps(m)));
+#else
+    float lanes[16];
+    VSTORE(lanes, x);
+    for (int i = 0; i < 16; ++i) lanes[i] = expf(lanes[i] - m);
+    return VLOAD(lanes);
+#endif
+}
+
+/* One block of ATT_QROWS queries from t0 (`rows` of them real) over keys 0 .. t0 + rows - 1: every
+ * score into `sc` [ATT_QROWS][keys rounded up to a panel], each row's maximum over them, exp and
+ * sum, then the weighted values (three passes: no running rescale, one reduction a row). */
+static void causal_block(const causal_job *j, const float *q, const float *kt, const float *v, int64_t t0, int rows,
+                         float *sc, int64_t ldsc, float *out) {
+    const int64_t D = j->D, keys = t0 + rows, last = (keys - 1) / ATT_KEYS;
+    float qs[ATT_QROWS][ATT_MAX_D], l[ATT_QROWS];
+    for (int i = 0; i < ATT_QROWS; ++i) { /* (rows past the real ones repeat the last: computed, not kept) */
+        const float *src = q + (t0 + (i < rows ? i : rows - 1)) * j->q_st;
+        for (int64_t d = 0; d < D; ++d) qs[i][d] = src[d] * j->scale;
+    }
+    float lowest[16];
+    for (int i = 0; i < 16; ++i) lowest[i] = -INFINITY;
+    vec16 top[ATT_QROWS];
+    for (int i = 0; i < ATT_QROWS; ++i) top[i] = VLOAD(lowest);
+    for (int64_t p = 0; p <= last; ++p) {
+        const float *panel = kt + p * D * ATT_KEYS;
+        vec16 s[ATT_QROWS];
+        for (int i = 0; i < ATT_QROWS; ++i) s[i] = VZERO();
+        for (int64_t d = 0; d < D; ++d) {
+            const vec16 w = VLOAD(panel + d * ATT_KEYS);
+            for (int i = 0; i < ATT_QROWS; ++i) s[i] = VFMA(s[i], qs[i][d], w);
+        }
+        for (int i = 0; i < ATT_QROWS; ++i) {
+            float *row = sc + i * ldsc + p * ATT_KEYS;
+            VSTORE(row, s[i]);
+            const int64_t seen = t0 + (i < rows ? i : rows - 1) - p * ATT_KEYS + 1; /* keys of the panel it sees */
+            for (int64_t key = seen < 0 ? 0 : seen; key < ATT_KEYS; ++key) row[key] = -INFINITY;
+            top[i] = VMAX(top[i], VLOAD(row));
+        }
+    }
+    const int64_t padded = (last + 1) * ATT_KEYS;
+    for (int i = 0; i < ATT_QROWS; ++i) {
+        const float m = hmax16(top[i]); /* finite: every query sees key 0 */
+        float *row = sc + i * ldsc;
+        vec16 sum = VZERO();
+        for (int64_t key = 0; key < padded; key += ATT_KEYS) {
+            const vec16 e = exp_shifted16(VLOAD(row + key), m);
+            VSTORE(row + key, e);
+            sum = VADD(sum, e);
+        }
+        l[i] = hsum16(sum);
+    }
+    for (int64_t d = 0; d < D; d += 16) {
+        vec16 o[ATT_QROWS];
+        for (int i = 0; i < ATT_QROWS; ++i) o[i] = VZERO();
+        for (int64_t key = 0; key < keys; ++key) {
+            const vec16 vv = VLOAD(v + key * j->v_st + d);
+            for (int i = 0; i < ATT_QROWS; ++i) o[i] = VFMA(o[i], sc[i * ldsc + key], vv);
+        }
+        for (int i = 0; i < rows; ++i) VSTORE(out + (t0 + i) * j->HQ * D + d, VFMA(VZERO(), 1.0f / l[i], o[i]));
+    }
+}
+
+static void causal_task(const void *job_, int64_t task) {
+    const causal_job *j = job_;
+    const int64_t r = task / j->HQ, h = task % j->HQ, kvh = h / (j->HQ / j->KVH), D = j->D, T = j->T;
+    const int64_t panels = (T + ATT_KEYS - 1) / ATT_KEYS;
+    float *kt = malloc((size_t)(panels * D * ATT_KEYS) * sizeof(float));
+    float *sc = malloc((size_t)(ATT_QROWS * panels * ATT_KEYS) * sizeof(float));
+    if (kt == NULL || sc == NULL) {
+        free(kt);
+        free(sc);
+        atomic_store(&((causal_job *)j)->failed, 1);
+        return;
+    }
+    const float *k = j->k + r * j->k_sr + kvh * j->k_sh;
+    for (int64_t p = 0; p < panels; ++p) /* K^T in panels of 16 keys, zero past T */
+        for (int64_t key = 0; key < ATT_KEYS; ++key) {
+            const int64_t t = p * ATT_KEYS + key;
+            float *dst = kt + p * D * ATT_KEYS + key;
+            for (int64_t d = 0; d < D; ++d) dst[d * ATT_KEYS] = t < T ? k[t * j->k_st + d] : 0.0f;
+        }
+    const float *q = j->q + r * j->q_sr + h * j->q_sh, *v = j->v + r * j->v_sr + kvh * j->v_sh;
+    float *out = j->out + r * T * j->HQ * D + h * D;
+    for (int64_t t0 = 0; t0 < T; t0 += ATT_QROWS)
+        causal_block(j, q, kt, v, t0, T - t0 < ATT_QROWS ? (int)(T - t0) : ATT_QROWS, sc, panels * ATT_KEYS, out);
+    free(kt);
+    free(sc);
+}
+
+/* Causal attention of T queries over their own T keys (see above); the (row, head) pairs shared
+ * among the threads. Returns 0, or -1 where scratch memory could not be allocated (or D is not
+ * a multiple of 16 up to ATT_MAX_D, or HQ not a multiple of KVH). */
+int tl_causal_attention(const float *q, const int64_t *q_strides, const float *k, const int64_t *k_strides,
+                        const float *v, const int64_t *v_strides, int64_t R, int64_t HQ, int64_t KVH, int64_t T,
+                        int64_t D, float scale, float *out) {
+    if (D % 16 != 0 || D > ATT_MAX_D || KVH < 1 || HQ % KVH != 0) return -1;
+    causal_job job = {q, k, v, q_strides[0], q_strides[1], q_strides[2], k_strides[0], k_strides[1], k_strides[2],
+                      v_strides[0], v_strides[1], v_strides[2], HQ, KVH, T, D, scale, out, 0};
+    tl_run_tasks(causal_task, &job, R * HQ);
+    return atomic_load(&job.failed) ? -1 : 0;
 }

@@ -80,6 +80,7 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_rope_threaded", None, [_P, _I] + [_P] * 2 + [_I, _P] + [_I] * 4 + [ctypes.c_int]),
     ("tl_swiglu_rows", None, [_P, _I, _I, _P]),
     ("tl_residual_norm", None, [_P] * 4 + [_I] * 3 + [_F] + [_P] * 2),
+    ("tl_causal_attention", ctypes.c_int, [_P] * 6 + [_I] * 5 + [_F, _P]),
     ("tl_decode_stack", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _P]),
 ]
 _lock = threading.Lock()
@@ -270,6 +271,32 @@ def decode_attention_int4(q: torch.Tensor, k: tuple[torch.Tensor, torch.Tensor],
                                            v_meta.data_ptr(), rows.data_ptr(), n_keys.data_ptr(), out.data_ptr(),
                                            r, hq, k_codes.shape[1], d, rows.shape[1], t, group, d ** -0.5)
     return _allocated(code, out)
+
+
+def causal_covered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``causal_attention`` takes these: float32 on the CPU, no gradient, q ``[R, HQ, T, D]``
+    over k and v ``[R, KVH, T, D]`` (the same T: a first prefill chunk's own keys), D a multiple of
+    16 up to 256 with each token's D values contiguous, HQ a multiple of KVH."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        return False
+    r, hq, t, d = q.shape
+    return (k.shape[0] == r and k.shape[2] == t and k.shape[3] == d and d % 16 == 0 and 0 < d <= 256
+            and hq % k.shape[1] == 0 and all(x.dtype is torch.float32 and x.is_cpu and not x.requires_grad
+                                              and x.stride(3) == 1 for x in (q, k, v)))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of a prefill's first chunk (``kernels.c``): q ``[R, HQ, T, D]`` over k, v
+    ``[R, KVH, T, D]`` (``causal_covered``: read in place through their strides), query t over keys
+    0..t, scaled by D^-0.5, grouped-query where KVH < HQ. Returns ``[R, HQ, T, D]``, a view of
+    ``[R, T, HQ, D]`` memory: ``out.transpose(1, 2).flatten(-2)`` is the output projection's
+    input with no copy."""
+    r, hq, t, d = q.shape
+    out = torch.empty((r, t, hq, d), dtype=torch.float32, device=q.device)
+    qs, ks, vs = ((ctypes.c_int64 * 3)(*x.stride()[:3]) for x in (q, k, v))
+    code = load().tl_causal_attention(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, r, hq, k.shape[1], t, d,
+                                      d ** -0.5, out.data_ptr())
+    return _allocated(code, out, "causal attention").transpose(1, 2)
 
 
 # Values past which RoPE's (row, head) pairs are shared among the threads (a prefill chunk's; a

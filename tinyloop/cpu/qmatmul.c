@@ -51,7 +51,9 @@
 #define QBLOCK 32    /* inputs per activation block */
 #define QPANEL 16    /* output columns per panel */
 #define QMAX_ROWS 8  /* rows a panel pass keeps in registers */
-#define Q_AHEAD 256 /* bytes: prefetch this far ahead along the panel stream (measured: 128-256 best, 1-2 kB 10-25% slower) */
+/* bytes: prefetch this far ahead along the panel stream (measured: 128-256 best, 1-2 kB 10-25% slower),
+ * into L2 (`prefetcht1`: `prefetchnta` ran 1.5-3.4x slower on an Intel Xeon, kernels.c's PANEL_AHEAD) */
+#define Q_AHEAD 256
 #define Q_CHUNK_BYTES (192 * 1024) /* panels every block of rows reuses from L2 (past QMAX_ROWS rows) */
 #define Q_SPLIT_BYTES (64 * 1024)  /* a product whose weights are smaller stays on its caller's thread */
 #define Q_TASKS_PER_THREAD 4       /* tasks a thread at 1-3 rows (streaming: fewer claims) */
@@ -334,7 +336,7 @@ ALWAYS_INLINE void q8_avx2(const q_job *job, int64_t m, int R, const uint8_t *pa
         for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
         for (int64_t k = k0; k < k1; k += 4) {
             const uint8_t *w = panel + k * QPANEL;
-            __builtin_prefetch(w + Q_AHEAD, 0, 0);
+            __builtin_prefetch(w + Q_AHEAD, 0, 2);
             const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)w), flip);
             const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)(w + 32)), flip);
             for (int r = 0; r < R; ++r) {
@@ -375,7 +377,7 @@ ALWAYS_INLINE void q4_avx2(const q_job *job, int64_t m, int R, const uint8_t *pa
             for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
             for (int64_t c = 0; c < QBLOCK / 8; ++c) {
                 const uint8_t *chunk = pg + (bb * (QBLOCK / 8) + c) * 64;
-                __builtin_prefetch(chunk + Q_AHEAD, 0, 0);
+                __builtin_prefetch(chunk + Q_AHEAD, 0, 2);
                 for (int h = 0; h < 2; ++h) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(chunk + 32 * h));
                     const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -434,8 +436,8 @@ ALWAYS_INLINE void q8_vnni(const q_job *job, int64_t m, int R, const uint8_t *pa
         int64_t k = k0;
         for (; k + 8 <= k1; k += 8) {
             const uint8_t *w = panel + k * QPANEL;
-            __builtin_prefetch(w + Q_AHEAD, 0, 0);
-            __builtin_prefetch(w + Q_AHEAD + 64, 0, 0);
+            __builtin_prefetch(w + Q_AHEAD, 0, 2);
+            __builtin_prefetch(w + Q_AHEAD + 64, 0, 2);
             const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
             for (int r = 0; r < R; ++r) {
                 const int8_t *x = job->xq + (m + r) * Kp + k;
@@ -480,7 +482,7 @@ ALWAYS_INLINE void q4_vnni_p(const q_job *job, int64_t m, int R, int P, const ui
                 __m512i lo[2], hi[2];
                 for (int q = 0; q < P; ++q) {
                     const uint8_t *chunk = panel + q * pb + g * gbytes + (bb * (QBLOCK / 8) + c) * 64;
-                    __builtin_prefetch(chunk + Q_AHEAD, 0, 0);
+                    __builtin_prefetch(chunk + Q_AHEAD, 0, 2);
                     const __m512i v = _mm512_loadu_si512(chunk);
                     lo[q] = _mm512_and_si512(v, low);
                     hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -684,7 +686,7 @@ ALWAYS_INLINE void bf16_native(const bf16_job *job, int64_t m, int R, const uint
     for (; p + S <= pairs; p += S)
         for (int s = 0; s < S; ++s) {
             const uint16_t *w = panel + (p + s) * 32;
-            __builtin_prefetch((const char *)w + Q_AHEAD, 0, 0);
+            __builtin_prefetch((const char *)w + Q_AHEAD, 0, 2);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w);
             for (int r = 0; r < R; ++r) {
                 const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)job->xb[(m + r) * pairs + p + s]);
