@@ -81,11 +81,12 @@ def both(eng: Engine) -> tuple[list[GenerationResult], list[GenerationResult]]:
 
 
 def assert_same(fused: list[GenerationResult], plain: list[GenerationResult], weights: str = "float") -> None:
-    """The same tokens and logprobs. With int8 or int4 weights the activations are quantised to
-    int8 per block of 32: where the two paths' float32 roundings differ in the last bit (the C
-    step's SwiGLU exp against torch's, its residual sums) an input on a rounding edge moves by
-    one code, and a logprob by up to about 1e-3 after a few steps (seen on an Intel Xeon)."""
-    tolerance = 1e-2 if weights in ("int8", "int4") else 1e-4
+    """The same tokens and logprobs. With int8, int4 or bf16 weights the products round their
+    activations (to int8 per block of 32, or to bfloat16): where the two paths' float32 roundings
+    differ in the last bit (the C step's SwiGLU exp against torch's, its residual sums) an input
+    on a rounding edge moves by one step, and a logprob by up to a few 1e-3 after a few steps
+    (seen on an Intel Xeon)."""
+    tolerance = 1e-2 if weights in ("int8", "int4", "bf16") else 1e-4
     for a, b in zip(fused, plain, strict=True):
         assert a.tokens == b.tokens
         assert a.logprobs is not None and b.logprobs is not None

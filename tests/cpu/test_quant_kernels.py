@@ -201,6 +201,33 @@ def test_bf16_products_equal_the_bf16_activations_times_the_bf16_weight(
     assert_matches(kernels.matmul_bf16(x, panels, n, None), want)
 
 
+@pytest.fixture(params=[True, False], ids=["amx", "avx512"])
+def amx(request: pytest.FixtureRequest) -> Iterator[bool]:
+    if request.param and not kernels.bf16_amx():
+        pytest.skip("no AMX-BF16 on this CPU (or Linux refused its tile state)")
+    kernels.set_bf16_amx(request.param)
+    try:
+        yield request.param
+    finally:
+        kernels.set_bf16_amx(True)
+
+
+@pytest.mark.parametrize("rows", [16, 17, 31, 33, 64, 100])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (21, 64), (40, 96), (130, 288)])  # K % 32 == 0: AMX's tiles
+def test_a_prefills_bf16_products_on_amx_tiles_equal_the_reference(amx: bool, threads: int, rows: int, n: int,
+                                                                   k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 7 + n + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    panels = kernels.pack_bf16(weight)
+    want = x.bfloat16().double() @ weight.double().t()
+    assert_matches(kernels.matmul_bf16(x, panels, n, bias), want + bias.double())
+    x[rows // 2, k // 3] = float("nan")  # one row's NaN stays in its row (the padding rows' tiles too)
+    y = kernels.matmul_bf16(x, panels, n, None)
+    assert y[rows // 2].isnan().all()
+    assert torch.isfinite(y[:rows // 2]).all() and torch.isfinite(y[rows // 2 + 1:]).all()
+
+
 def test_bf16_panels_refuse_another_dtype() -> None:
     with pytest.raises(ValueError, match="bfloat16 weight"):
         kernels.pack_bf16(torch.zeros(16, 8))

@@ -37,8 +37,8 @@ __all__ = ["SOURCE", "FLAGS", "KernelUnavailable", "cache_dir", "compiler", "loa
            "pack_panels_all", "panel_matmul", "serves_rows", "PANEL",
            "PANEL_ROWS", "PANEL_MAX_THREADS", "PANEL_SMALL_WORK", "set_threads", "threads", "task_counts", "loaded",
            "covers_torch", "rows_of", "QUANT_ISAS", "QBLOCK", "quant_isa", "best_quant_isa", "set_quant_isa",
-           "quantize_activations", "pack_q8", "pack_q4", "matmul_q8", "matmul_q4", "bf16_native", "pack_bf16",
-           "matmul_bf16"]
+           "quantize_activations", "pack_q8", "pack_q4", "matmul_q8", "matmul_q4", "bf16_native", "bf16_amx",
+           "set_bf16_amx", "pack_bf16", "matmul_bf16", "causal_covered", "causal_attention"]
 
 log = logging.getLogger("tinyloop.cpu")
 
@@ -72,6 +72,8 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_matmul_q8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 3),
     ("tl_matmul_q4", ctypes.c_int, [_P] + [_I] * 2 + [_P] + [_I] * 2 + [_P] * 2),
     ("tl_bf16_native", ctypes.c_int, []),
+    ("tl_bf16_amx", ctypes.c_int, []),
+    ("tl_set_bf16_amx", ctypes.c_int, [ctypes.c_int]),
     ("tl_pack_bf16", None, [_P] + [_I] * 3 + [_P]),
     ("tl_matmul_bf16", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 2),
     # block.c
@@ -581,6 +583,18 @@ def bf16_native() -> bool:
     """Whether bf16 products run on AVX-512 BF16 here (else, or with the portable path forced by
     ``set_quant_isa``, on portable C: the same sums, slower)."""
     return bool(load().tl_bf16_native())
+
+
+def bf16_amx() -> bool:
+    """Whether bf16 products of 16 rows and more (a prefill's) run on AMX tiles here: an Intel CPU
+    with AMX-BF16, the kernels built for it, Linux granting the tile state, not turned off."""
+    return bool(load().tl_bf16_amx())
+
+
+def set_bf16_amx(on: bool) -> bool:
+    """Let bf16 products use AMX where it is there (the default), or not (the AVX-512 path: the
+    tests run both). Returns ``bf16_amx()``."""
+    return bool(load().tl_set_bf16_amx(int(on)))
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
