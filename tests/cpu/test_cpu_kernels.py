@@ -296,7 +296,7 @@ def test_a_few_new_tokens_a_row_attend_causally(mode: str | None) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 17, 40])
-@pytest.mark.parametrize(("n", "k"), [(16, 7), (100, 256), (4096, 64)])
+@pytest.mark.parametrize(("n", "k"), [(16, 7), (24, 20), (100, 256), (4096, 64)])  # (24: two panels, the second short)
 def test_panel_products_match_f_linear(rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows * 7 + n)
     weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
