@@ -649,7 +649,7 @@ typedef float vec16 __attribute__((vector_size(64)));
         }                                                                                              \
     }
 
-/* 8 rows times two whole panels at once (a prefill's 16-row blocks, two halves): two panel loads
+/* 8 rows times two panels at once (a batch of 8, or a prefill's 16-row blocks in two halves): two panel loads
  * and 8 broadcasts a k for 16 multiply-adds, where one panel's 16 rows take 17 loads for 16. On
  * a CPU with two 512-bit FMA units (Intel Xeon) that halves the loads the FMAs wait on; each
  * output's sum runs in k order as the one-panel kernel's. */
@@ -737,10 +737,12 @@ static inline int64_t row_step(int64_t left) {
                     const float *b = job->bias != NULL ? job->bias + n0 : NULL;                        \
                     const int64_t cols = N - n0 < PANEL ? N - n0 : PANEL;                              \
                     const int64_t next = n0 + PANEL;                                                   \
-                    if (rows == ROW_BLOCK && s == NULL && next < N && next < c0 + job->chunk && next < last) { \
+                    if ((rows == ROW_BLOCK || rows == 8) && s == NULL && next < N && next < c0 + job->chunk \
+                        && next < last) {                                                              \
                         const int64_t cols2 = N - next < PANEL ? N - next : PANEL;                     \
                         NAME##_pair8(xb, rows, panel, K, b, job->y + m0 * N + n0, N, cols2);           \
-                        NAME##_pair8(xb + 8, rows, panel, K, b, job->y + (m0 + 8) * N + n0, N, cols2); \
+                        if (rows == ROW_BLOCK)                                                         \
+                            NAME##_pair8(xb + 8, rows, panel, K, b, job->y + (m0 + 8) * N + n0, N, cols2); \
                         n0 = next; /* (and the loop's step: two panels) */                            \
                         continue;                                                                      \
                     }                                                                                  \
