@@ -868,7 +868,7 @@ void tl_max_rows(const float *x, int64_t B, int64_t V, int64_t *index, int8_t *u
  * key 0 in the first panel, so no row's maximum stays -inf. Float32 throughout; the order of the
  * sums differs from torch's (a few ulp on the output). D a multiple of 16, at most
  * ATT_MAX_D (the caller checks). */
-#define ATT_KEYS 16
+#define ATT_KEYS PANEL /* keys a panel: K laid out as a weight (`tl_pack_panels`) */
 #define ATT_QROWS 8
 #define ATT_MAX_D 256
 
@@ -983,12 +983,7 @@ static void causal_task(const void *job_, int64_t task) {
         return;
     }
     const float *k = j->k + r * j->k_sr + kvh * j->k_sh;
-    for (int64_t p = 0; p < panels; ++p) /* K^T in panels of 16 keys, zero past T */
-        for (int64_t key = 0; key < ATT_KEYS; ++key) {
-            const int64_t t = p * ATT_KEYS + key;
-            float *dst = kt + p * D * ATT_KEYS + key;
-            for (int64_t d = 0; d < D; ++d) dst[d * ATT_KEYS] = t < T ? k[t * j->k_st + d] : 0.0f;
-        }
+    tl_pack_panels(k, j->k_st, T, D, kt); /* K^T in panels of ATT_KEYS (= PANEL) keys, zero past T */
     const float *q = j->q + r * j->q_sr + h * j->q_sh, *v = j->v + r * j->v_sr + kvh * j->v_sh;
     float *out = j->out + r * T * j->HQ * D + h * D;
     for (int64_t t0 = 0; t0 < T; t0 += ATT_QROWS)

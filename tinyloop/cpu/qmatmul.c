@@ -755,7 +755,7 @@ typedef struct {
 
 typedef struct {
     const uint16_t *xb; /* [Mp, Kp]: rounded activations, Mp a multiple of 32 (zero rows past M) */
-    int64_t M, Mp, K, N, n_pairs;
+    int64_t M, Mp, K, N;
     const uint16_t *panels;
     const float *bias;
     float *y;
@@ -882,7 +882,7 @@ int tl_matmul_bf16(const float *x, int64_t M, int64_t K, const uint16_t *panels,
         round_rows_bf16(x, M, K, xb, K);
         memset(xb + M * K, 0, (size_t)((Mp - M) * K) * sizeof(uint16_t));
         const int64_t n_pairs = ((N + QPANEL - 1) / QPANEL + 1) / 2;
-        const amx_job job = {xb, M, Mp, K, N, n_pairs, panels, bias, y};
+        const amx_job job = {xb, M, Mp, K, N, panels, bias, y};
         tl_run_tasks(amx_task, &job, n_pairs);
         free(xb);
         return 0;
