@@ -48,20 +48,67 @@ async def test_v1_completions_greedy_on_a_converted_checkpoint_is_the_references
     assert card["exit"]["kind"] == engine.config.exit.kind
 
 
-def test_serve_loads_a_model_directory_converting_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_converted_parcae_folder_serves_its_loop_dial(tmp_path: Path) -> None:
+    """Parcae over ``/generate``, ``/v1/completions`` and ``/v1/chat/completions`` at 1 and 8 loops:
+    the served greedy tokens (KV-cached decode) are the reference-exact full forward's, step by
+    step over the tokenizer's ids (tests/convert/test_parcae.py checks that forward against the
+    reference's logits and trace), the first one the reference's own best; the dial changes them."""
+    from tests.convert.test_parcae import FIXTURE, _model_logits
+
+    reference = load_file(str(FIXTURE / "reference_outputs.safetensors"))
+    prompt = reference["input_ids"][0].tolist()
+    engine = converted_engine(FIXTURE, tmp_path, state_init="zeros")
+    n = engine.tokenizer.vocab_size
+
+    def greedy(ids: list[int], loops: int, count: int = 6) -> list[int]:
+        ids = list(ids)
+        for _ in range(count):
+            ids.append(int(_model_logits(engine, ids, loops, last_only=True)[-1, :n].argmax()))
+        return ids[-count:]
+
+    chat = [{"role": "user", "content": "Say hi."}]
+    chat_prompt = engine.tokenizer.encode(engine.tokenizer.render_chat(chat, template=engine.chat_template,
+                                                                       add_generation_prompt=True))
+    served: dict[int, list[int]] = {}  # loops -> the tokens /generate returned
+    with trio.fail_after(60):
+        async with running_server(Settings(port=0), engine) as srv, httpx.AsyncClient(base_url=srv.url) as client:
+            for loops in (1, 8):
+                native = await client.post("/generate", json={"prompt_tokens": prompt, "max_tokens": 6,
+                                                              "loops": loops, "ignore_eos": True})
+                text = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "loops": loops,
+                                                                  "temperature": 0, "ignore_eos": True})
+                answer = await client.post("/v1/chat/completions", json={
+                    "messages": chat, "max_tokens": 6, "loops": loops, "temperature": 0, "ignore_eos": True})
+                for resp in (native, text, answer):
+                    assert resp.status_code == 200, resp.text
+                served[loops] = native.json()["tokens"]
+                assert text.json()["choices"][0]["text"] == engine.tokenizer.decode(native.json()["tokens"])
+                assert answer.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(
+                    greedy(chat_prompt, loops))
+            [card] = (await client.get("/v1/models")).json()["data"]
+    for loops in (1, 8):
+        assert served[loops] == greedy(prompt, loops)
+        assert served[loops][0] == int(reference[f"logits_loops{loops}"][0, -1, :n].argmax())
+    assert served[1] != served[8]
+    assert card["family"] == "parcae" and card["default_loops"] == 8
+
+
+@pytest.mark.parametrize("name", ["huginn-tiny", "parcae-tiny"])
+def test_serve_loads_a_model_directory_converting_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          name: str) -> None:
     from tinyloop.convert import cache
     from tinyloop.server import load_engine
 
-    settings = Settings(model_path=str(HUGINN), cache_dir=str(tmp_path / "cache"), max_seq_len=64)
+    settings = Settings(model_path=str(CHECKPOINTS / name), cache_dir=str(tmp_path / "cache"), max_seq_len=64)
     engine = load_engine(settings)
-    assert engine.name == "huginn-tiny" and engine.config.n_core == 2
+    assert engine.name == name and engine.config.n_core == 2
     [artifact] = (tmp_path / "cache").glob("*.tinyloop")
 
     def no_second_conversion(*args: object, **kwargs: object) -> None:
         raise AssertionError("the cached artifact was converted again")
     monkeypatch.setattr(cache, "convert", no_second_conversion)
     again = load_engine(settings)
-    assert again.name == "huginn-tiny" and list((tmp_path / "cache").glob("*.tinyloop")) == [artifact]
+    assert again.name == name and list((tmp_path / "cache").glob("*.tinyloop")) == [artifact]
 
 
 async def test_ouro_exit_selection_over_http_is_the_references(tmp_path: Path) -> None:

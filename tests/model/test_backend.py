@@ -148,9 +148,9 @@ def test_a_stack_of_blocks_norms_each_input_in_the_block_before(style: str, monk
     stacked, chained = forward()
 
     def one_by_one(self: LoopedLM, blocks: torch.nn.ModuleList, x: torch.Tensor, ctx: object, rows: object,
-                   base: object) -> torch.Tensor:
+                   base: object, ids: object = None) -> torch.Tensor:
         for i, block in enumerate(blocks):
-            x = block(x, ctx, self.rope, rows, base + i)  # type: ignore[operator]
+            x = block(x, ctx, self.rope, rows, base + i, ids)  # type: ignore[operator]
         return x
     monkeypatch.setattr(LoopedLM, "stack", one_by_one)
     alone, apart = forward()

@@ -1,7 +1,8 @@
 """``tinyloop convert``: a Hugging Face checkpoint directory -> a ``.tinyloop`` artifact.
 
-The family is detected from ``model_type`` / ``architectures`` (``--family auto``) or named;
-an unknown family is refused. Tensors are streamed shard by shard into the artifact (see
+The family is detected from ``model_type`` / ``architectures`` (Parcae's config, which has
+neither: its ``_class_name``) with ``--family auto``, or named; an unknown family is refused.
+Tensors are streamed shard by shard into the artifact (see
 ``writer.py``): the checkpoint is never held in memory twice.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tinyloop.convert import huginn, ouro, retrofit
+from tinyloop.convert import huginn, ouro, parcae, retrofit
 from tinyloop.convert.hfdir import FileLimits, HFDir
 from tinyloop.convert.writer import write_streaming
 from tinyloop.errors import ConfigError, TokenizerError
@@ -26,7 +27,7 @@ from tinyloop.tokenizer import Tokenizer, split_chat_templates
 
 __all__ = ["FAMILIES", "ConvertResult", "FileLimits", "convert", "detect_family"]
 
-FAMILIES = ("huginn", "ouro", "retrofit")
+FAMILIES = ("huginn", "ouro", "retrofit", "parcae")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,6 +42,8 @@ class ConvertResult:
 
 def detect_family(config: dict[str, Any]) -> str:
     """The converter family of a ``config.json``; ``ConfigError`` for one TinyLoop cannot convert."""
+    if parcae.is_parcae(config):
+        return "parcae"
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
     archs = archs if isinstance(archs, list) else [archs]
@@ -49,14 +52,17 @@ def detect_family(config: dict[str, Any]) -> str:
             return "retrofit" if name == "huginn" and retrofit.is_retrofit(config) else name
     raise ConfigError(f"config.json: model_type {model_type!r} (architectures {archs!r}) is not a family "
                       f"tinyloop convert knows; supported: huginn ({', '.join(huginn.MODEL_TYPES)}), "
-                      f"ouro ({', '.join(ouro.MODEL_TYPES)}), retrofit (huginn_raven with rope_theta)")
+                      f"ouro ({', '.join(ouro.MODEL_TYPES)}), retrofit (huginn_raven with rope_theta), "
+                      "parcae (a ParcaeConfig config.json)")
 
 
 def convert(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str | None = None,
-            family: str = "auto", state_init: StateInit = "randn", max_position: int | None = None,
+            family: str = "auto", state_init: StateInit | None = None, max_position: int | None = None,
             progress: Callable[[int, int, str], None] | None = None,
             limits: FileLimits | None = None) -> ConvertResult:
-    """Convert ``hf_dir`` to the artifact ``out``; ``dtype`` defaults to the checkpoint's.
+    """Convert ``hf_dir`` to the artifact ``out``; ``dtype`` defaults to the checkpoint's,
+    ``state_init`` (the loop's initial state: ``randn`` or ``zeros``) to the family's (Huginn and
+    retrofit: randn; Parcae: its config's ``state_init``; Ouro starts from the embeddings).
     ``limits``: the most bytes each JSON file of ``hf_dir`` may hold (``hfdir.FileLimits``)."""
     if family != "auto" and family not in FAMILIES:
         raise ConfigError(f"family must be auto or one of {', '.join(FAMILIES)}; got {family!r}")
@@ -70,11 +76,15 @@ def convert(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, dtyp
             config = ouro.ouro_config(hf.config, max_position=max_position)
             plan_of, specials_of, embed = ouro.ouro_plan, ouro.ouro_special_tokens, ouro.EMBED
         elif detected == "retrofit":
-            config = retrofit.retrofit_config(hf.config, hf.tensors, state_init=state_init,
+            config = retrofit.retrofit_config(hf.config, hf.tensors, state_init=state_init or "randn",
                                               max_position=max_position)
             plan_of, specials_of, embed = retrofit.retrofit_plan, retrofit.retrofit_special_tokens, retrofit.EMBED
+        elif detected == "parcae":
+            config = parcae.parcae_config(hf.config, parcae.parcae_value_embeds(hf.config, set(hf.tensors)),
+                                          state_init=state_init, max_position=max_position)
+            plan_of, specials_of, embed = parcae.parcae_plan, parcae.parcae_special_tokens, parcae.EMBED
         else:
-            config = huginn.huginn_config(hf.config, state_init=state_init, max_position=max_position)
+            config = huginn.huginn_config(hf.config, state_init=state_init or "randn", max_position=max_position)
             plan_of, specials_of, embed = huginn.huginn_plan, huginn.huginn_special_tokens, "transformer.wte.weight"
         plan = plan_of(hf, config, state_shapes(config))  # every tensor checked against the file: nothing built
         try:

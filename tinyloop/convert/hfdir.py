@@ -6,6 +6,11 @@ tensors of ``model.safetensors`` or of the shards ``model.safetensors.index.json
 converter can ask for one tensor (or rows of one) at a time. Every failure is a ``ConfigError``
 naming the file.
 
+A directory with neither but a ``pytorch_model.bin`` (a pickle, as some checkpoints ship) is
+read with ``torch.load(weights_only=True, mmap=True)``: the restricted unpickler that rebuilds
+tensors and plain containers only, so a pickle that would run code on load is refused, never
+run; a file it cannot read that way is refused with a request for safetensors.
+
 A model directory is untrusted input: every file read from it must be a regular file (opened
 without blocking, so a FIFO is refused rather than waited on) that lies inside the directory
 once its symlinks are resolved (or in the hub cache's ``blobs`` folder beside a
@@ -33,6 +38,8 @@ __all__ = ["MAX_JSON_BYTES", "MAX_TOKENIZER_BYTES", "FileLimits", "HFDir", "Tens
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+PICKLE = "pytorch_model.bin"
+_TAGS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 # Published tokenizer.json files take 2-20 MB (Gemma-3's, 262k tokens: 33 MB); the artifact
 # embeds the tokenizer in a header safetensors caps at 100 MB.
 MAX_TOKENIZER_BYTES = 64 << 20
@@ -115,6 +122,7 @@ class HFDir:
     tensors: dict[str, TensorInfo] = field(init=False)
     _roots: tuple[Path, ...] = field(init=False, repr=False)  # where the directory's files may lie
     _real: dict[Path, Path] = field(init=False, repr=False)  # each shard -> its file, links resolved
+    _pickled: dict[str, torch.Tensor] = field(init=False, repr=False)  # pytorch_model.bin's (memory-mapped)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -122,7 +130,7 @@ class HFDir:
             raise ConfigError(f"{self.root}: not a directory (expected a Hugging Face model directory)")
         real_root = _resolved(self.root)
         hub_blobs = (real_root.parent.parent / "blobs",) if real_root.parent.name == "snapshots" else ()
-        self._roots, self._real = (real_root, *hub_blobs), {}
+        self._roots, self._real, self._pickled = (real_root, *hub_blobs), {}, {}
         self.config = self._json("config.json", required=True)
         try:
             self.tokenizer_json = self._read("tokenizer.json").decode("utf-8")
@@ -172,7 +180,7 @@ class HFDir:
             return [self._shard(self.root / name, f"{index}: weight_map names {name!r}") for name in sorted(names)]
         if os.path.lexists(self.root / SINGLE):
             return [self._shard(self.root / SINGLE, str(self.root / SINGLE))]
-        raise ConfigError(f"{self.root}: no {SINGLE} and no {INDEX}")
+        raise ConfigError(f"{self.root}: no {SINGLE}, no {INDEX} and no {PICKLE}")
 
     def _shard(self, path: Path, named: str) -> Path:
         """``path`` once it is known to be a regular file inside the directory (``named``: what
@@ -185,6 +193,9 @@ class HFDir:
         return path
 
     def _index(self) -> dict[str, TensorInfo]:
+        if not any(os.path.lexists(self.root / name) for name in (INDEX, SINGLE)) and os.path.lexists(
+                self.root / PICKLE):
+            return self._pickle_index(self._shard(self.root / PICKLE, str(self.root / PICKLE)))
         tensors: dict[str, TensorInfo] = {}
         for shard in self._shards():
             with self._opened(shard) as handle:
@@ -194,6 +205,24 @@ class HFDir:
                     part = handle.get_slice(name)
                     tensors[name] = TensorInfo(name, shard, tuple(part.get_shape()), str(part.get_dtype()))
         return tensors
+
+    def _pickle_index(self, path: Path) -> dict[str, TensorInfo]:
+        """``pytorch_model.bin``'s tensors, loaded by the restricted unpickler, memory-mapped."""
+        ask = f"convert the weights to {SINGLE} (safetensors) to serve them"
+        try:
+            state = torch.load(self._real[path], map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # UnpicklingError for a forbidden global; RuntimeError for a legacy file
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"{path}: refused: it does not load as plain tensors with torch.load(weights_only=True) "
+                              f"({first[:200]}); TinyLoop never unpickles a checkpoint freely: {ask}") from None
+        if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                  for k, v in state.items()):
+            raise ConfigError(f"{path}: not a mapping of tensor names to tensors; {ask}")
+        bad = sorted(name for name, t in state.items() if t.dtype not in _TAGS)
+        if bad:
+            raise ConfigError(f"{path}: tensor {bad[0]} has dtype {state[bad[0]].dtype}; {ask}")
+        self._pickled = state
+        return {name: TensorInfo(name, path, tuple(t.shape), _TAGS[t.dtype]) for name, t in state.items()}
 
     @contextmanager
     def _opened(self, shard: Path) -> Iterator[Any]:
@@ -210,6 +239,8 @@ class HFDir:
     def tensor(self, name: str) -> torch.Tensor:
         """One whole tensor, copied out of its shard (whose map is closed again)."""
         info = self.tensors[name]
+        if self._pickled:
+            return self._pickled[name].clone()  # out of the map
         with self._opened(info.file) as handle:
             out: torch.Tensor = handle.get_tensor(name)  # a copy: safetensors reads into new memory
         return out
@@ -218,12 +249,16 @@ class HFDir:
         """Tensor ``name`` in chunks of ``rows`` leading rows (bounded memory for a comparison)."""
         info = self.tensors[name]
         for start in range(0, info.shape[0], rows):
+            if self._pickled:
+                yield self._pickled[name][start:start + rows].clone()
+                continue
             with self._opened(info.file) as handle:
                 chunk: torch.Tensor = handle.get_slice(name)[start:start + rows].clone()
             yield chunk
 
     def close(self) -> None:
-        """Nothing stays open between reads; kept so the directory reads as a context manager."""
+        """Drops a pickle's map; safetensors shards stay closed between reads."""
+        self._pickled = {}
 
     def __enter__(self) -> HFDir:
         return self

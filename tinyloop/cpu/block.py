@@ -121,7 +121,9 @@ class FusedBlock:
     @classmethod
     def for_block(cls, block: Block) -> FusedBlock | None:
         attn, c = block.attn, block.attn.config
-        if not kernels.available() or block.style not in _STYLES or c.qk_norm:
+        if not kernels.available() or block.style not in _STYLES or c.qk_norm or c.qk_head_norm:
+            return None
+        if c.mlp != "swiglu" or attn.value_embed:  # (Parcae's layout runs its modules)
             return None
         if c.rope_style not in ("half", "interleaved"):
             return None

@@ -20,18 +20,20 @@ from typing import Any, Literal
 from tinyloop.errors import ConfigError
 from tinyloop.vocabulary import ExitRule, kv_slots_per_token
 
-__all__ = ["MAX_ROPE_ENTRIES", "SIZE_LIMITS", "ModelConfig", "kv_bytes_per_token"]
+__all__ = ["MAX_ROPE_ENTRIES", "SIZE_LIMITS", "VALUE_GATE_CHANNELS", "ModelConfig", "kv_bytes_per_token"]
 
 BlockStyle = Literal["pre_ln", "peri_ln", "sandwich", "post_ln"]
-Injection = Literal["concat_linear", "none"]
+Injection = Literal["concat_linear", "diagonal", "none"]
 StateInit = Literal["zeros", "randn", "embed"]
 LoopNorm = Literal["final_only", "every_loop", "none"]
 RopeStyle = Literal["half", "interleaved"]
 RopeScaling = Literal["none", "llama3"]
+MlpKind = Literal["swiglu", "relu2"]
+LoopOutput = Literal["none", "linear"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "block_style": ("pre_ln", "peri_ln", "sandwich", "post_ln"),
-    "injection": ("concat_linear", "none"),
+    "injection": ("concat_linear", "diagonal", "none"),
     "state_init": ("zeros", "randn", "embed"),
     "loop_norm": ("final_only", "every_loop", "none"),
     "rope_style": ("half", "interleaved"),
@@ -39,6 +41,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "rope_tables": ("float64", "float32"),
     "rope_compute": ("input", "float32"),
     "norm_order": ("weight_in_float32", "cast_then_weight"),
+    "mlp": ("swiglu", "relu2"),
+    "loop_output": ("none", "linear"),
 }
 
 # Each integer field's (smallest, largest) value. The largest are well above every published
@@ -57,7 +61,9 @@ MAX_ROPE_ENTRIES = 1 << 29
 # Float fields that must be finite and > 0 (rope_low_freq_factor may be any finite value >= 0).
 _POSITIVE_FLOATS = ("state_init_std", "rope_theta", "rope_scaling_factor", "rope_high_freq_factor", "norm_eps",
                     "embed_scale")
-_BOOLS = ("tie_embeddings", "qk_bias", "qk_norm", "fused_qkv", "exit_gate")
+_BOOLS = ("tie_embeddings", "qk_bias", "qk_norm", "qk_head_norm", "fused_qkv", "exit_gate", "prelude_norm")
+# A value embedding's gate reads this many leading channels of its layer's attention input (Parcae)
+VALUE_GATE_CHANNELS = 32
 
 
 def _is_int(value: object) -> bool:
@@ -85,7 +91,8 @@ class ModelConfig:
     max_loops: int = 32  # the most loops a request may ask for
     max_position: int = 2048  # longest sequence the model was built for (RoPE table size)
     block_style: BlockStyle = "pre_ln"  # where the norms sit around attention and MLP
-    injection: Injection = "concat_linear"  # how the prelude output enters each loop
+    injection: Injection = "concat_linear"  # how the prelude output enters each loop (diagonal: Parcae's
+    # s * exp(-softplus(dt_bias) * exp(A_log)) + softplus(dt_bias) * (e @ B.T))
     state_init: StateInit = "randn"  # initial core state of a token
     state_init_std: float = 0.632  # std of the truncated-normal initial state (randn)
     loop_norm: LoopNorm = "final_only"  # final_norm after the last loop only, after each loop, or none
@@ -110,6 +117,13 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over the full q and k projections before the head split (OLMo-2)
     fused_qkv: bool = True  # one [q;k;v] projection instead of three
     exit_gate: bool = False  # load the exit gate even when the default rule is not ``gate`` (Ouro)
+    # Parcae's layout:
+    mlp: MlpKind = "swiglu"  # SwiGLU (fc = [gate; up]) or relu2: proj(0.5 * relu(fc(x))^2)
+    qk_head_norm: bool = False  # a weightless RMS norm over each head of q and k after RoPE (eps: the dtype's)
+    prelude_norm: bool = False  # an RMSNorm on the prelude's output, before it is injected
+    loop_output: LoopOutput = "none"  # linear: a projection of the final state before the coda
+    value_embeds: tuple[int, ...] = ()  # layers (prelude, core, coda counted on) whose attention adds
+    # a gated per-token value embedding: v += 2 sigmoid(gate(x[:, :32])) * embed(token)
 
     def __post_init__(self) -> None:
         self._check_sizes()
@@ -123,6 +137,7 @@ class ModelConfig:
             raise ConfigError("head_dim must be even for RoPE")
         if self.default_loops > self.max_loops:
             raise ConfigError(f"default_loops ({self.default_loops}) exceeds max_loops ({self.max_loops})")
+        self._check_value_embeds()
         if self.injection == "none" and self.state_init != "embed":
             raise ConfigError("injection='none' needs state_init='embed' (the loop has no other input)")
         if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
@@ -144,6 +159,16 @@ class ModelConfig:
             raise ConfigError(f"max_position {self.max_position} x head_dim {self.head_dim} exceeds "
                               f"{MAX_ROPE_ENTRIES} (the RoPE tables would take "
                               f"{self.max_position * self.head_dim * 8 / 2**30:.0f} GiB); lower max_position")
+
+    def _check_value_embeds(self) -> None:
+        layers = self.value_embeds
+        if not isinstance(layers, tuple) or not all(_is_int(i) for i in layers):
+            raise ConfigError(f"value_embeds must be a list of layer indices, got {layers!r}")
+        if list(layers) != sorted(set(layers)) or (layers and not 0 <= layers[0] <= layers[-1] < self.n_layers):
+            raise ConfigError(f"value_embeds must be distinct layer indices in 0..{self.n_layers - 1}, in order; "
+                              f"got {list(layers)}")
+        if layers and self.hidden < VALUE_GATE_CHANNELS:
+            raise ConfigError(f"value_embeds need hidden >= {VALUE_GATE_CHANNELS} (the gate reads that many channels)")
 
     def _check_numbers(self) -> None:
         for name in _POSITIVE_FLOATS:
@@ -195,6 +220,8 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
         kwargs = dict(data)
+        if isinstance(kwargs.get("value_embeds"), list):  # JSON has no tuples
+            kwargs["value_embeds"] = tuple(kwargs["value_embeds"])
         if "exit" in kwargs and not isinstance(kwargs["exit"], ExitRule):
             raw = kwargs["exit"]
             if not isinstance(raw, dict):

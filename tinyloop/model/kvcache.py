@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tinyloop.errors import KVCacheExhausted
+from tinyloop.errors import KVCacheExhausted, RequestError
 from tinyloop.model.blockcache import BlockCache
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.kvstore import KVStore
@@ -89,12 +89,18 @@ class KVPool:
                  mode: KVMode | str | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        mode = KVMode.parse(mode)
+        if mode.h_mode and (config.value_embeds or config.qk_head_norm):
+            # h-mode recomputes K,V as the layer's projection of h, which these layers' are not
+            raise RequestError(f"kv_cache_mode {mode.name} is not available for this model (value embeddings or a "
+                               "per-head q/k norm after RoPE: its K,V are not a projection of h); use full or int4",
+                               param="kv_cache_mode")
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = torch.device(device)
-        self.mode = KVMode.parse(mode)
+        self.mode = mode
         # One more block than the free list hands out: the null block, never allocated and kept
         # zero, that pads the block tables of shorter rows in a batch (``PagedContext``).
         self.null_block = num_blocks

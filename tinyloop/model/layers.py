@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyloop.model.backend import TORCH, Backend
-from tinyloop.model.config import ModelConfig
+from tinyloop.model.config import VALUE_GATE_CHANNELS, ModelConfig
 
 __all__ = ["RMSNorm", "Rope", "Attention", "MLP", "Block", "AttentionContext", "HookFree"]
 
@@ -173,7 +173,11 @@ def rope_for(config: ModelConfig, device: torch.device | str = "cpu") -> Rope:
 
 
 class Attention(HookFree):
-    def __init__(self, config: ModelConfig) -> None:
+    """Self-attention over the context's KV. ``value_embed``: this layer adds a gated per-token
+    value embedding to v (Parcae: ``v += 2 sigmoid(value_gate(x[..., :32])) * value_table[token]``,
+    the tokens handed in by the caller as ``ids``)."""
+
+    def __init__(self, config: ModelConfig, value_embed: bool = False) -> None:
         super().__init__()
         self.config = config
         q_dim, kv_dim = config.q_dim, config.kv_dim
@@ -191,8 +195,13 @@ class Attention(HookFree):
             self.q_norm = RMSNorm(q_dim, config.norm_eps, cast_first)
             self.k_norm = RMSNorm(kv_dim, config.norm_eps, cast_first)
         self.o = nn.Linear(q_dim, config.hidden, bias=False)
+        self.value_embed = value_embed
+        if value_embed:
+            self.value_table = nn.Embedding(config.vocab_size, kv_dim)
+            self.value_gate = nn.Linear(VALUE_GATE_CHANNELS, config.kv_heads, bias=False)
         # q and k straight from the fused projection: RoPE rotates both in one call
-        self.rope_qk_together = config.fused_qkv and not config.qk_norm and not config.qk_bias
+        self.rope_qk_together = (config.fused_qkv and not config.qk_norm and not config.qk_bias
+                                 and not value_embed)
 
     def project(self, x: torch.Tensor, bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[R, T, H]`` -> q ``[R, T, Hq, D]``, k and v ``[R, T, Hkv, D]`` (before RoPE; with
@@ -211,6 +220,14 @@ class Attention(HookFree):
             q = q + self.q_bias
             k = k + self.k_bias
         return q, k, v
+
+    def _add_value_embed(self, v: torch.Tensor, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+        """v ``[R, T, Hkv, D]`` plus the gated value embedding of each token ``ids`` ``[R, T]``."""
+        if ids is None:
+            raise ValueError("this layer adds value embeddings: its caller must hand in the rows' tokens (ids)")
+        gate = 2 * torch.sigmoid(self.value_gate(x[..., :VALUE_GATE_CHANNELS]))  # [R, T, Hkv]
+        out: torch.Tensor = v + gate.unsqueeze(-1) * self.value_table(ids).view(v.shape)
+        return out
 
     def kv_from_h(self, h: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h ``[..., H]`` -> k, v ``[..., Hkv, D]`` before RoPE (k with its bias): h-mode's
@@ -237,7 +254,9 @@ class Attention(HookFree):
         return weight if dtype is None else weight.to(dtype)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
-                rows: torch.Tensor | None, slots: torch.Tensor | int) -> torch.Tensor:
+                rows: torch.Tensor | None, slots: torch.Tensor | int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``[R, T, H]`` (the normed attention input); ``ids`` ``[R, T]``: the rows' tokens,
+        needed (and only read) when the layer adds value embeddings."""
         cos, sin = ctx.rope(rows)
         if self.rope_qk_together:
             c = self.config
@@ -249,7 +268,11 @@ class Attention(HookFree):
             q, k, v = self.project(x, bias=False)
             biased = self.config.qk_bias
             q, k = rope.apply_qk(q, k, cos, sin, self.q_bias if biased else None, self.k_bias if biased else None)
+            if self.value_embed:
+                v = self._add_value_embed(v, x, ids)
             v = v.transpose(1, 2)  # [R, Hkv, T, D], as q and k
+        if self.config.qk_head_norm:  # Parcae: weightless, per head, after RoPE (eps: the dtype's)
+            q, k = F.rms_norm(q, (q.shape[-1],)), F.rms_norm(k, (k.shape[-1],))
         out = ctx.attend(q, k, v, rows, slots, x, self)  # [R, Hq, T, D]
         y: torch.Tensor = self.o(out.transpose(1, 2).flatten(-2))  # [R, T, H]
         return y
@@ -257,17 +280,22 @@ class Attention(HookFree):
 
 class MLP(HookFree):
     """SwiGLU with one fused input projection: ``fc`` = [gate; up], then ``proj``; the activation
-    on the module's kernel backend."""
+    on the module's kernel backend. ``relu2`` (Parcae): ``proj(0.5 * relu(fc(x))^2)``, no gate."""
 
     backend: Backend = TORCH
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.hidden, 2 * config.intermediate, bias=False)
+        self.relu2 = config.mlp == "relu2"
+        width = config.intermediate if self.relu2 else 2 * config.intermediate
+        self.fc = nn.Linear(config.hidden, width, bias=False)
         self.proj = nn.Linear(config.intermediate, config.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.proj(self.backend.swiglu(self.fc(x)))
+        if self.relu2:
+            y: torch.Tensor = self.proj(F.relu(self.fc(x)).square().mul(0.5))
+            return y
+        y = self.proj(self.backend.swiglu(self.fc(x)))
         return y
 
 
@@ -303,7 +331,7 @@ class Block(HookFree):
     # the whole decode step in one native call where the backend covers it (``cpu.block``)
     fused: FusedStep | None = None
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, value_embed: bool = False) -> None:
         super().__init__()
         self.style = config.block_style
         self.eps = eps = config.norm_eps
@@ -314,30 +342,31 @@ class Block(HookFree):
         if self.style != "pre_ln":
             self.attn_post_norm = RMSNorm(config.hidden, eps, cast_first)
             self.mlp_post_norm = RMSNorm(config.hidden, eps, cast_first)
-        self.attn = Attention(config)
+        self.attn = Attention(config, value_embed)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope,
-                rows: torch.Tensor | None, slots: torch.Tensor | int) -> torch.Tensor:
-        return self.run(x, ctx, rope, rows, slots)[0]
+                rows: torch.Tensor | None, slots: torch.Tensor | int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.run(x, ctx, rope, rows, slots, ids=ids)[0]
 
     def run(self, x: torch.Tensor, ctx: AttentionContext, rope: Rope, rows: torch.Tensor | None,
             slots: torch.Tensor | int, normed: torch.Tensor | None = None,
-            then: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            then: RMSNorm | None = None, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward`` in a stack of blocks: ``normed`` is this block's input norm n1(x) when the
         block before made it, and ``then`` the next block's input norm, applied to the output in
-        the last residual's backend call. Returns the output and ``then`` of it (None without)."""
+        the last residual's backend call; ``ids`` the rows' tokens (value embeddings: ``Attention``).
+        Returns the output and ``then`` of it (None without)."""
         if self.fused is not None and (done := self.fused.run(x, ctx, rows, slots, normed, then)) is not None:
             return done
         join, style, eps, cast_first = self.backend.residual_norm, self.style, self.eps, self.cast_first
         post = style != "pre_ln"
         h: torch.Tensor | None
         if style == "post_ln":
-            x, _ = join(x, self.attn(x, ctx, rope, rows, slots), self.attn_post_norm.weight, None, style, eps,
+            x, _ = join(x, self.attn(x, ctx, rope, rows, slots, ids), self.attn_post_norm.weight, None, style, eps,
                         cast_first)
             h = x
         else:
-            a = self.attn(self.attn_norm(x) if normed is None else normed, ctx, rope, rows, slots)
+            a = self.attn(self.attn_norm(x) if normed is None else normed, ctx, rope, rows, slots, ids)
             x, h = join(x, a, self.attn_post_norm.weight if post else None, self.mlp_norm.weight, style, eps,
                         cast_first)
         assert h is not None  # (the next norm is asked for: it comes back)

@@ -6,10 +6,12 @@ verification (one row, k tokens). Rows may run different loop counts and cache w
 loops, or whose exit rule fired, costs nothing more.
 
     x = embed(tokens) * embed_scale
-    e = prelude(x)
+    e = prelude(x), then prelude_norm(e) (Parcae)
     s = initial state (zeros | randn | e | the previous token's final state when warm-starting)
-    repeat loops:  h = adapter([s; e]) or s;  h = core(h);  s = final_norm(h) if every_loop else h
-    y = final_norm(s) (final_only) -> coda -> final_norm (when there is a coda) -> lm_head
+    repeat loops:  h = adapter([s; e]) | s * decay + dt * B e (diagonal) | s;  h = core(h);
+                   s = final_norm(h) if every_loop else h
+    y = final_norm(s) (final_only) | loop_out(s) (Parcae) -> coda -> final_norm (when there is a
+    coda) -> lm_head
 """
 
 from __future__ import annotations
@@ -70,20 +72,46 @@ class ForwardOutput:
     loops_used: list[int] = field(default_factory=list)  # loops run by each row
 
 
+class DiagonalInjection(nn.Module):
+    """Parcae's injection: ``s * exp(-dt * exp(A_log)) + dt * (e @ B.T)``, ``dt = softplus(dt_bias)``
+    (a per-channel decay of the state and a linear map of the prelude's output)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(hidden))
+        self.dt_bias = nn.Parameter(torch.zeros(hidden))
+        self.B = nn.Parameter(torch.zeros(hidden, hidden))
+
+    def forward(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        dt = F.softplus(self.dt_bias)
+        decay = torch.exp(-dt * torch.exp(self.A_log))
+        out: torch.Tensor = s * decay + dt * (e @ self.B.T)
+        return out
+
+
 class LoopedLM(nn.Module):
-    """Huginn-style and Ouro-style looped transformers under one config."""
+    """Huginn-style, Ouro-style and Parcae-style looped transformers under one config."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         c = config
+        cast_first = c.norm_order == "cast_then_weight"
         self.embed = nn.Embedding(c.vocab_size, c.hidden)
-        self.prelude = nn.ModuleList(Block(c) for _ in range(c.n_prelude))
-        self.core = nn.ModuleList(Block(c) for _ in range(c.n_core))
-        self.coda = nn.ModuleList(Block(c) for _ in range(c.n_coda))
+        ve = set(c.value_embeds)  # layers counted prelude, core, coda
+        self.prelude = nn.ModuleList(Block(c, i in ve) for i in range(c.n_prelude))
+        self.core = nn.ModuleList(Block(c, c.n_prelude + i in ve) for i in range(c.n_core))
+        self.coda = nn.ModuleList(Block(c, c.n_prelude + c.n_core + i in ve) for i in range(c.n_coda))
+        if c.prelude_norm:
+            self.prelude_norm = RMSNorm(c.hidden, c.norm_eps, cast_first)
+        self.adapter: nn.Module
         if c.injection == "concat_linear":
             self.adapter = nn.Linear(2 * c.hidden, c.hidden, bias=False)
-        self.final_norm = RMSNorm(c.hidden, c.norm_eps, c.norm_order == "cast_then_weight")
+        elif c.injection == "diagonal":
+            self.adapter = DiagonalInjection(c.hidden)
+        if c.loop_output == "linear":
+            self.loop_out = nn.Linear(c.hidden, c.hidden, bias=False)
+        self.final_norm = RMSNorm(c.hidden, c.norm_eps, cast_first)
         if not c.tie_embeddings:
             self.lm_head = nn.Linear(c.hidden, c.vocab_size, bias=False)
         if c.has_exit_gate:
@@ -172,16 +200,23 @@ class LoopedLM(nn.Module):
         if self.config.injection == "concat_linear":
             out: torch.Tensor = self.adapter(torch.cat([s, e], dim=-1))
             return out
+        if self.config.injection == "diagonal":
+            out = self.adapter(s, e)
+            return out
         return s
 
     def tail(self, s: torch.Tensor, ctx: AttentionContext, windows: torch.Tensor | int,
-             rows: torch.Tensor | None, last_only: bool, ends: torch.Tensor | None = None) -> torch.Tensor:
-        """final norm, coda, final norm, head: state ``[R, T, H]`` -> logits ``[R, T', V]``
-        (``windows``: each row's, or one for all; ``ends``: every batch row's last column ``[B]``
-        when rows are right-padded)."""
+             rows: torch.Tensor | None, last_only: bool, ends: torch.Tensor | None = None,
+             ids: torch.Tensor | None = None) -> torch.Tensor:
+        """final norm (or the loop's output projection), coda, final norm, head: state ``[R, T, H]``
+        -> logits ``[R, T', V]`` (``windows``: each row's, or one for all; ``ends``: every batch
+        row's last column ``[B]`` when rows are right-padded; ``ids``: every batch row's tokens
+        ``[B, T]``, which layers with value embeddings read)."""
         c = self.config
         x = self.final_norm(s) if c.loop_norm == "final_only" else s
-        x = self.stack(self.coda, x, ctx, rows, c.n_prelude + windows * c.n_core)
+        if c.loop_output == "linear":
+            x = self.loop_out(x)
+        x = self.stack(self.coda, x, ctx, rows, c.n_prelude + windows * c.n_core, ids)
         if c.n_coda or c.loop_norm == "none":  # "none": the one final_norm comes after the coda
             x = self.final_norm(x)
         if last_only:
@@ -192,10 +227,13 @@ class LoopedLM(nn.Module):
         return self.head(x)
 
     def stack(self, blocks: nn.ModuleList, x: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None,
-              base: torch.Tensor | int) -> torch.Tensor:
+              base: torch.Tensor | int, ids: torch.Tensor | None = None) -> torch.Tensor:
         """x through ``blocks``, block i at slot ``base + i`` (one per row, or one for all); each
-        block's input norm comes out of the block before's last backend call (``Block.run``)."""
+        block's input norm comes out of the block before's last backend call (``Block.run``).
+        ``ids``: every batch row's tokens ``[B, T]`` (value embeddings), taken at ``rows``."""
         layers = cast(Sequence[Block], blocks)
+        if ids is not None and rows is not None:
+            ids = ids[rows]
         if rows is None and isinstance(base, int) and len(layers) and (first := layers[0].fused) is not None:
             out = first.run_stack(blocks, x, ctx, base)  # a plain decode step: the stack in one call
             if out is not None:
@@ -203,7 +241,7 @@ class LoopedLM(nn.Module):
         normed = None
         for i, layer in enumerate(layers):
             then = layers[i + 1].attn_norm if i + 1 < len(layers) and layer.style != "post_ln" else None
-            x, normed = layer.run(x, ctx, self.rope, rows, base + i, normed, then)
+            x, normed = layer.run(x, ctx, self.rope, rows, base + i, normed, then, ids)
         return x
 
     def embed_prelude(self, tokens: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -211,14 +249,16 @@ class LoopedLM(nn.Module):
         x: torch.Tensor = self.embed(tokens)  # [B, T, H]
         if self.config.embed_scale != 1.0:
             x = x * self.config.embed_scale
-        return self.stack(self.prelude, x, ctx, None, 0)
+        e = self.stack(self.prelude, x, ctx, None, 0, tokens)
+        return self.prelude_norm(e) if self.config.prelude_norm else e
 
     def core_loop(self, state: torch.Tensor, e: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None,
-                  base: torch.Tensor | int) -> torch.Tensor:
+                  base: torch.Tensor | int, ids: torch.Tensor | None = None) -> torch.Tensor:
         """One loop of the core block for ``rows`` (None: all) of ``state``, their first core slot
-        ``base`` (one per row, or one for all): the new state of those rows ``[R, T, H]``."""
+        ``base`` (one per row, or one for all): the new state of those rows ``[R, T, H]``
+        (``ids``: every row's tokens, for value embeddings)."""
         h = self.inject(state if rows is None else state[rows], e if rows is None else e[rows])
-        h = self.stack(self.core, h, ctx, rows, base)
+        h = self.stack(self.core, h, ctx, rows, base, ids)
         out: torch.Tensor = self.final_norm(h) if self.config.loop_norm == "every_loop" else h
         return out
 
@@ -235,6 +275,7 @@ class LoopedLM(nn.Module):
         # one window for every row (the usual case): a layer's slot is one int, found without index ops
         window = wins[0] if wins.count(wins[0]) == bsz else None
         e = self.embed_prelude(tokens, ctx)
+        ids = tokens if c.value_embeds else None  # the layers with value embeddings read them
         state = self.initial_state(e, specs)
         rules = [s.exit if s.exit is not None else c.exit for s in specs]
         stops = None  # rules that stop a decoded token early run one token per row
@@ -252,7 +293,8 @@ class LoopedLM(nn.Module):
             rows = None if len(act) == bsz else torch.tensor(act, dtype=torch.long, device=dev)
             win = windows if rows is None else windows[rows]
             # each row's first core slot this loop
-            h = self.core_loop(state, e, ctx, rows, c.n_prelude + (r % (win if window is None else window)) * c.n_core)
+            h = self.core_loop(state, e, ctx, rows, c.n_prelude + (r % (win if window is None else window)) * c.n_core,
+                               ids)
             state = h if rows is None else state.index_copy(0, rows, h)
             self.counters["core_block_calls"] += 1
             self.counters["core_row_loops"] += len(act) * n_tok
@@ -261,9 +303,9 @@ class LoopedLM(nn.Module):
             if select is not None:
                 select.step(act, r, h, self.exit_gate, rules, loops,
                             lambda b, hb: self.tail(hb, ctx, windows[b:b + 1], torch.tensor([b], device=dev),
-                                                    last_only, ends))
+                                                    last_only, ends, ids))
             if stops is not None:
-                fired = stops.check(act, r + 1, h[:, -1], self._logits_of(act, h, ctx, windows),
+                fired = stops.check(act, r + 1, h[:, -1], self._logits_of(act, h, ctx, windows, ids),
                                     self._gate_of(h))
                 for b in fired:
                     exited[b] = True
@@ -271,18 +313,18 @@ class LoopedLM(nn.Module):
                 if copies:
                     self._fill_skipped_slots(copies, r, loops, windows, ctx)
         logits = self.tail(state if select is None else select.states(state), ctx,
-                           windows if window is None else window, None, last_only, ends)
+                           windows if window is None else window, None, last_only, ends, ids)
         if select is not None:
             logits = select.logits(logits)
         return ForwardOutput(logits=logits, state=state, loops_used=done)
 
-    def _logits_of(self, act: list[int], h: torch.Tensor, ctx: AttentionContext,
-                   windows: torch.Tensor) -> Callable[[list[int]], torch.Tensor]:
+    def _logits_of(self, act: list[int], h: torch.Tensor, ctx: AttentionContext, windows: torch.Tensor,
+                   ids: torch.Tensor | None) -> Callable[[list[int]], torch.Tensor]:
         """For a stop rule: the logits ``[len(js), V]`` of the active rows at indices ``js``, the
         coda run on their current state."""
         def logits_of(js: list[int]) -> torch.Tensor:
             rows = torch.tensor([act[j] for j in js], dtype=torch.long, device=windows.device)
-            return self.tail(h[js], ctx, windows[rows], rows, True)[:, -1]
+            return self.tail(h[js], ctx, windows[rows], rows, True, None, ids)[:, -1]
         return logits_of
 
     def _gate_of(self, h: torch.Tensor) -> Callable[[list[int]], torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tinyloop.model.config import ModelConfig
+from tinyloop.model.config import VALUE_GATE_CHANNELS, ModelConfig
 from tinyloop.model.layers import MLP, Attention, rope_for
 from tinyloop.model.looped import LoopedLM
 from tinyloop.vocabulary import ExitRule
@@ -84,9 +84,9 @@ def empty_model(config: ModelConfig, device: torch.device | str = "cpu") -> Loop
     return model
 
 
-def _block_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def _block_shapes(config: ModelConfig, value_embed: bool = False) -> dict[str, tuple[int, ...]]:
     """One ``Block``'s parameters in ``state_dict`` order (a module's own parameters before its
-    children's)."""
+    children's); ``value_embed``: the block's attention adds value embeddings."""
     c, h = config, config.hidden
     out: dict[str, tuple[int, ...]] = {}
     if c.block_style != "post_ln":
@@ -101,8 +101,12 @@ def _block_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         out |= {"attn.q.weight": (c.q_dim, h), "attn.k.weight": (c.kv_dim, h), "attn.v.weight": (c.kv_dim, h)}
     if c.qk_norm:
         out |= {"attn.q_norm.weight": (c.q_dim,), "attn.k_norm.weight": (c.kv_dim,)}
-    out |= {"attn.o.weight": (h, c.q_dim), "mlp.fc.weight": (2 * c.intermediate, h),
-            "mlp.proj.weight": (h, c.intermediate)}
+    out["attn.o.weight"] = (h, c.q_dim)
+    if value_embed:
+        out |= {"attn.value_table.weight": (c.vocab_size, c.kv_dim),
+                "attn.value_gate.weight": (c.kv_heads, VALUE_GATE_CHANNELS)}
+    fc = c.intermediate if c.mlp == "relu2" else 2 * c.intermediate
+    out |= {"mlp.fc.weight": (fc, h), "mlp.proj.weight": (h, c.intermediate)}
     return out
 
 
@@ -111,12 +115,20 @@ def state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     module (the model's ``__init__`` is the reference: a test checks the two agree)."""
     c = config
     out: dict[str, tuple[int, ...]] = {"embed.weight": (c.vocab_size, c.hidden)}
-    block = _block_shapes(c)
+    layer = 0  # counted on through prelude, core and coda (value_embeds' numbering)
     for stack, count in (("prelude", c.n_prelude), ("core", c.n_core), ("coda", c.n_coda)):
         for i in range(count):
+            block = _block_shapes(c, layer in c.value_embeds)
             out |= {f"{stack}.{i}.{name}": shape for name, shape in block.items()}
+            layer += 1
+    if c.prelude_norm:
+        out["prelude_norm.weight"] = (c.hidden,)
     if c.injection == "concat_linear":
         out["adapter.weight"] = (c.hidden, 2 * c.hidden)
+    elif c.injection == "diagonal":
+        out |= {"adapter.A_log": (c.hidden,), "adapter.dt_bias": (c.hidden,), "adapter.B": (c.hidden, c.hidden)}
+    if c.loop_output == "linear":
+        out["loop_out.weight"] = (c.hidden, c.hidden)
     out["final_norm.weight"] = (c.hidden,)
     if not c.tie_embeddings:
         out["lm_head.weight"] = (c.vocab_size, c.hidden)

@@ -169,10 +169,11 @@ class QuantLinear(HookFree):
 
 def _quantizable(weight: torch.Tensor, mode: str) -> bool:
     """A float32 CPU matrix (or bfloat16, for bf16) whose input width the mode's groups divide
-    (others stay float)."""
+    and, for int4, whose outputs torch's int4 packing takes (a multiple of 16; others stay
+    float: Parcae's value gates have one output per KV head)."""
     dtypes = (torch.float32, torch.bfloat16) if mode == "bf16" else (torch.float32,)
     return (weight.dim() == 2 and weight.dtype in dtypes and weight.device.type == "cpu"
-            and (mode != "int4" or weight.shape[1] % _INT4_GROUP == 0))
+            and (mode != "int4" or (weight.shape[1] % _INT4_GROUP == 0 and weight.shape[0] % 16 == 0)))
 
 
 def bf16_weights_on_cpu(model: nn.Module, weights: str, cpu_kernels: bool) -> str:
