@@ -108,8 +108,9 @@ def _add_convert(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("hf_dir", type=Path, help="the downloaded model directory")
     p.add_argument("out", type=Path, help="artifact path to write")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="weight dtype (default: the checkpoint's)")
-    p.add_argument("--family", choices=["auto", "huginn", "ouro", "retrofit", "parcae"], default="auto",
-                   help="checkpoint layout (default: auto, from model_type / architectures / Parcae's config)")
+    p.add_argument("--family", choices=["auto", "huginn", "ouro", "retrofit", "parcae", "inkling2"], default="auto",
+                   help="checkpoint layout (default: auto, from model_type / architectures / Parcae's config; "
+                        "inkling2: Inkling-2 loop, plain or NVFP4/MXFP8 experts)")
     p.add_argument("--state-init", choices=["randn", "zeros"],
                    help="initial loop state: seeded truncated normal or zeros (default: randn for Huginn and "
                         "retrofit, the config's state_init for Parcae; Ouro starts from the embeddings)")

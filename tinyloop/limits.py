@@ -81,6 +81,7 @@ class ModelLimits:
     gate: bool = False  # the model has an exit gate although its own rule is not ``gate``
     coda: bool = False  # the model has coda layers (after the loop)
     trained_context: int | None = None  # the context the model was built for (None: not known)
+    architecture: str = "looped"  # ``ModelConfig.architecture``: inkling2 refuses what it does not define
 
     @classmethod
     def from_engine(cls, engine: Any) -> ModelLimits:
@@ -91,7 +92,7 @@ class ModelLimits:
         kv = None if pool is None else KVLimits(pool.num_blocks, pool.block_size, c)
         return cls(max_seq_len=engine.max_seq_len, vocab_size=c.vocab_size,
                    default_loops=c.default_loops, max_loops=c.max_loops, exit=c.exit, kv=kv,
-                   gate=c.has_exit_gate, coda=c.n_coda > 0)
+                   gate=c.has_exit_gate, coda=c.n_coda > 0, architecture=c.architecture)
 
     @property
     def has_gate(self) -> bool:
@@ -156,6 +157,8 @@ class ModelLimits:
                                param="exit")
         if req.speculation is not None:
             _check_speculation(req.speculation[0], rule, loops, window)
+        if self.architecture == "inkling2":
+            _check_inkling2(req, rule, loops, window)
         return Resolved(loops, window, rule, self._check_kv(req, loops, window))
 
     def _check_kv(self, req: GenerationRequest, loops: int, window: int) -> int | None:
@@ -170,6 +173,25 @@ class ModelLimits:
                 f"loops, cache_window {window}) but the whole KV pool has {self.kv.num_blocks}: "
                 "lower max_tokens, loops or cache_window", param="max_tokens")
         return worst
+
+
+def _check_inkling2(req: GenerationRequest, rule: ExitRule, loops: int, window: int) -> None:
+    """What an Inkling-2 model does not define, refused by name: its passes restart from the
+    prelude's output and mix the last pass in through learned messages, so a stop rule would need
+    the coda and head at every pass (not exposed yet), a warm start has no state to start from, a
+    pass reads only its own KV (``cache_window`` must keep every pass), and a draft at fewer passes
+    would write the coda's KV and convolution inputs of another pass count."""
+    if rule.kind != "none":
+        raise RequestError(f"exit kind {rule.kind} is not available for an Inkling-2 model: every token runs its "
+                           "passes", param="exit")
+    if req.warm_start:
+        raise RequestError("warm_start is not available for an Inkling-2 model (each pass restarts from the "
+                           "prelude's output)", param="warm_start")
+    if window != loops:
+        raise RequestError(f"cache_window {window} is not available for an Inkling-2 model: each pass attends "
+                           f"its own KV (cache_window must be at least loops, {loops})", param="cache_window")
+    if req.mode in ("speculative", "tree"):
+        raise RequestError(f"mode {req.mode} is not available for an Inkling-2 model yet", param="mode")
 
 
 def _check_speculation(draft_loops: int, rule: ExitRule, loops: int, window: int) -> None:

@@ -215,6 +215,8 @@ class KVMode:
 
     def slot_bytes(self, config: LayerShape, elem_bytes: int) -> int:
         """Bytes per token and slot (the table above); ``elem_bytes`` of the model dtype."""
+        if getattr(config, "architecture", "looped") == "inkling2":  # K, V, their conv inputs, two more
+            return (4 * config.kv_heads * config.head_dim + 2 * config.hidden) * elem_bytes
         if self.h_mode:
             width, count = config.hidden, 1
             elem_bytes = 2 if self.fp16_qkv else elem_bytes

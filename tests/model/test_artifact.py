@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
+from tests.model.artifacts import rewrite_artifact as _rewrite
 from tinyloop.errors import ArtifactError
 from tinyloop.model.artifact import FORMAT_VERSION, inspect_artifact, load_artifact, save_artifact
 from tinyloop.model.config import ModelConfig
@@ -145,20 +144,6 @@ def test_inspect_reads_the_header(tiny_artifact: Path) -> None:
 
 
 # -- bad artifacts ---------------------------------------------------------------------------
-
-
-def _rewrite(src: Path, dst: Path, *, metadata: dict[str, str | None] | None = None,
-             tensors: dict[str, torch.Tensor | None] | None = None) -> Path:
-    """Copy ``src`` to ``dst`` with metadata entries and tensors replaced (None removes)."""
-    with safe_open(str(src), framework="pt") as f:
-        meta: dict[str, Any] = dict(f.metadata())
-    state = load_file(str(src))
-    for key, value in (metadata or {}).items():
-        meta.pop(key) if value is None else meta.__setitem__(key, value)
-    for key, tensor in (tensors or {}).items():
-        state.pop(key) if tensor is None else state.__setitem__(key, tensor)
-    save_file(state, str(dst), metadata=meta)
-    return dst
 
 
 def _config_json(**changes: Any) -> str:

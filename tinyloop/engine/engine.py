@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence as Seq
 from os import PathLike
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from tinyloop.limits import ModelLimits, Resolved
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.context import PagedContext
 from tinyloop.model.cpu_linear import pack_linears
+from tinyloop.model.inkling2 import Inkling2LM
 from tinyloop.model.kvcache import KVPool, SeqKV, slot_count
 from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
 from tinyloop.model.quant import WEIGHT_MODES, bf16_weights_on_cpu, draft_copy, quantize_linears
@@ -54,8 +55,7 @@ from tinyloop.vocabulary import KVMode
 __all__ = ["Engine"]
 
 DEFAULT_MAX_DRAFT_NODES = 64
-# A speculative chain ends at a draft token the draft gives less than this probability: the best
-# of 0.1-0.3 on the demo model (bench/speculative.py); 0 drafts every chain to ``draft_ahead``.
+# A draft chain ends at a token drafted below this probability (best of 0.1-0.3: bench/speculative.py; 0: none)
 DEFAULT_DRAFT_MIN_PROB = 0.2
 # The randn initial state depends on the token position only (never on the request), so the KV
 # of a prompt prefix is the same for every request: prefix sharing and reproducible greedy
@@ -66,7 +66,7 @@ NOISE_SEED = 0
 class Engine(KVAccounting, PrefixEntries):
     """A looped model ready to serve: model, tokenizer, KV pool and limits."""
 
-    def __init__(self, model: LoopedLM, tokenizer: Tokenizer, *, max_seq_len: int | None = None,
+    def __init__(self, model: LoopedLM | Inkling2LM, tokenizer: Tokenizer, *, max_seq_len: int | None = None,
                  kv_cache_mb: float | None = None, block_size: int = 16, prefill_chunk: int = 512,
                  chat_template: str | None = None, name: str = "tinyloop",
                  kv_mode: KVMode | str | None = None, prefix_caching: bool = True,
@@ -75,7 +75,7 @@ class Engine(KVAccounting, PrefixEntries):
                  draft_weights: str = "same", cpu_kernels: bool = True,
                  cuda_kernels: bool = False, cuda_graphs: bool = False,
                  default_loops: int | None = None) -> None:
-        self.model = model.eval()
+        self.model = cast(LoopedLM, model.eval())  # an Inkling2LM: the same forward; ModelLimits refuses the rest
         if weights not in WEIGHT_MODES:
             raise RequestError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}", param="weights")
         weights = bf16_weights_on_cpu(model, weights, cpu_kernels)  # a bfloat16 model's weights stay bf16
@@ -83,8 +83,8 @@ class Engine(KVAccounting, PrefixEntries):
         self.weights = weights
         if weights != "float":  # int8 / int4 / bf16 linear weights (quant.py); activations float32
             quantize_linears(model, weights)  # (bf16: the rest of a bfloat16 model, norms and embedding, to float32)
-        elif pack_weights:  # float32 CPU weights in the layouts decode reads fastest (cpu_linear.py)
-            pack_linears(model)
+        elif pack_weights and model.config.architecture == "looped":  # float32 CPU weights in the layouts
+            pack_linears(model)  # decode reads fastest (cpu_linear.py; Inkling-2's small products: torch's)
         for m in {id(m): m for m in (model, self.draft_model)}.values():  # CPU decode attention on
             use_cpu_kernels(m, cpu_kernels)  # type: ignore[arg-type]  # the C kernel where it builds
             if cuda_kernels:  # norms, RoPE, decode attention on tinyloop/cuda's kernels

@@ -98,8 +98,8 @@ class ServedModel:
         cfg = engine.config
         limits = ModelLimits.from_engine(engine)
         kv_mode = getattr(engine, "kv_mode", None)
-        style = ("ouro" if cfg.injection == "none" else "parcae" if cfg.injection == "diagonal"
-                 else "retrofit" if cfg.loop_norm == "none" else "huginn")
+        style = ("inkling2" if cfg.architecture == "inkling2" else "ouro" if cfg.injection == "none"
+                 else "parcae" if cfg.injection == "diagonal" else "retrofit" if cfg.loop_norm == "none" else "huginn")
         return cls(id=name or settings.served_model_name or engine.name, tokenizer=engine.tokenizer,
                    chat_template=engine.chat_template, max_seq_len=limits.max_seq_len,
                    default_loops=limits.default_loops, max_loops=limits.max_loops,

@@ -9,7 +9,13 @@ strings) carries::
     tinyloop.chat_template    Jinja source ("" when none)
     tinyloop.chat_templates   {name: Jinja source} JSON of the other named templates (optional;
                               ``tool_use``, ...: HF's list form of ``chat_template``)
-    tinyloop.special_tokens   {"bos_id", "eos_id", "eos_ids", "pad_id"} JSON
+    tinyloop.special_tokens   {"bos_id", "eos_id", "eos_ids", "pad_id"} JSON (``bos_id`` may be
+                              null: a model without one, as Inkling-2)
+    tinyloop.arch_config      the model's own config, for an architecture other than ``looped``
+                              (``inkling2``: ``Inkling2Config.to_hf()`` JSON; the tensors are then
+                              ``Inkling2LM.state_dict()``'s and ``tinyloop.config`` is the
+                              ``ModelConfig`` it gives, by which the engine sizes KV and checks
+                              requests)
 
 Everything is checked against the header before a tensor is read, and every failure is an
 ``ArtifactError`` naming the file and the problem.
@@ -17,6 +23,7 @@ Everything is checked against the header before a tensor is read, and every fail
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,12 +41,13 @@ from safetensors.torch import save_file
 
 from tinyloop.errors import ArtifactError, ConfigError, TinyLoopError
 from tinyloop.model.config import ModelConfig
+from tinyloop.model.inkling2 import Inkling2Config, Inkling2LM
 from tinyloop.model.looped import LoopedLM
 from tinyloop.model.presets import empty_model, state_shapes
 from tinyloop.tokenizer import MAX_NAMED_TEMPLATES, Tokenizer
 
-__all__ = ["FORMAT_VERSION", "MAX_HEADER_BYTES", "Artifact", "artifact_metadata", "save_artifact", "load_artifact",
-           "inspect_artifact", "read_config", "some_names"]
+__all__ = ["FORMAT_VERSION", "KEY_ARCH_CONFIG", "MAX_HEADER_BYTES", "Artifact", "artifact_metadata", "save_artifact",
+           "load_artifact", "inspect_artifact", "read_config", "some_names"]
 
 FORMAT_VERSION = 1
 
@@ -49,6 +57,7 @@ KEY_TOKENIZER = "tinyloop.tokenizer"
 KEY_CHAT_TEMPLATE = "tinyloop.chat_template"
 KEY_CHAT_TEMPLATES = "tinyloop.chat_templates"  # optional: written only when the tokenizer has named ones
 KEY_SPECIAL = "tinyloop.special_tokens"
+KEY_ARCH_CONFIG = "tinyloop.arch_config"  # only for an architecture other than looped (written by its converter)
 REQUIRED_KEYS = (KEY_VERSION, KEY_CONFIG, KEY_TOKENIZER, KEY_CHAT_TEMPLATE, KEY_SPECIAL)
 
 # safetensors dtype tags -> torch dtypes (the floating types a model may be stored in).
@@ -64,7 +73,7 @@ class Artifact:
 
     path: Path
     config: ModelConfig
-    model: LoopedLM
+    model: LoopedLM | Inkling2LM  # by ``config.architecture``
     tokenizer: Tokenizer
     chat_template: str
     metadata: dict[str, str]
@@ -87,19 +96,23 @@ def _special_tokens(tokenizer: Tokenizer) -> dict[str, Any]:
     }
 
 
-def save_artifact(path: str | os.PathLike[str], model: LoopedLM, tokenizer: Tokenizer, *,
+def save_artifact(path: str | os.PathLike[str], model: LoopedLM | Inkling2LM, tokenizer: Tokenizer, *,
                   chat_template: str | None = None,
                   extra_metadata: Mapping[str, str] | None = None) -> None:
     """Write ``model`` and ``tokenizer`` to ``path`` atomically (temp file + ``os.replace``).
 
     ``chat_template`` defaults to the tokenizer's ("" stores none: loading then falls back to
     the tokenizer's default). ``extra_metadata`` adds string entries; it may not override the
-    keys this module owns.
+    keys this module owns (``tinyloop.arch_config`` included: an ``Inkling2LM``'s is its config).
     """
     path = Path(path)
     template = tokenizer.chat_template if chat_template is None else chat_template
-    metadata = artifact_metadata(path, model.config, tokenizer, template or "", _special_tokens(tokenizer),
-                                 extra_metadata)
+    extra = dict(extra_metadata or {})
+    if KEY_ARCH_CONFIG in extra:
+        raise ArtifactError(f"{path}: extra metadata may not override {KEY_ARCH_CONFIG!r}")
+    if isinstance(model, Inkling2LM):  # its own config beside the ModelConfig it gives
+        extra[KEY_ARCH_CONFIG] = json.dumps(model.arch.to_hf())
+    metadata = artifact_metadata(path, model.config, tokenizer, template or "", _special_tokens(tokenizer), extra)
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")  # same dir: atomic
     try:
@@ -254,11 +267,11 @@ def some_names(names: list[str], first: int = 10) -> str:
     return shown if len(names) <= first else f"{shown}, ... ({len(names)} in all)"
 
 
-def _check_tensors(path: Path, header: _Header, config: ModelConfig) -> None:
-    """The header's tensors are exactly the model's: names, shapes, floating dtypes, and each
-    one's bytes in the file what its shape and dtype take (worked out from the config alone:
-    nothing is built before the file is known to hold the model)."""
-    expected = state_shapes(config)
+def _check_tensors(path: Path, header: _Header, expected: dict[str, tuple[int, ...]]) -> None:
+    """The header's tensors are exactly the model's (``expected``: its names and shapes): names,
+    shapes, floating dtypes, and each one's bytes in the file what its shape and dtype take
+    (worked out from the config alone: nothing is allocated before the file is known to hold
+    the model)."""
     missing = [name for name in expected if name not in header.tensors]
     if missing:
         raise ArtifactError(f"{path}: missing tensor(s): {some_names(missing)}")
@@ -288,7 +301,40 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     return _config(path, header)
 
 
-def _checked_header(path: Path) -> tuple[_Header, ModelConfig, Tokenizer, dict[str, Any]]:
+def _arch_config(path: Path, header: _Header, config: ModelConfig) -> Inkling2Config:
+    """An ``inkling2`` artifact's own config (``KEY_ARCH_CONFIG``), which must give the stored
+    ``ModelConfig`` (``max_position`` aside: the stored one rules, as a ``max_seq_len`` extends it)."""
+    text = _metadata_value(path, header, KEY_ARCH_CONFIG)
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise ArtifactError(f"{path}: invalid {KEY_ARCH_CONFIG}: not JSON ({exc})") from None
+    try:
+        arch = Inkling2Config.from_hf(raw)
+    except ConfigError as exc:
+        raise ArtifactError(f"{path}: invalid {KEY_ARCH_CONFIG}: {exc}") from None
+    arch = dataclasses.replace(arch, max_position=config.max_position)
+    derived = arch.model_config()
+    if derived != config:
+        fields = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(derived, f.name)]
+        raise ArtifactError(f"{path}: {KEY_ARCH_CONFIG} and {KEY_CONFIG} disagree (on {', '.join(fields)}): "
+                            "the file is not one model")
+    return arch
+
+
+def _inkling2_shell(arch: Inkling2Config) -> Inkling2LM:
+    """An ``Inkling2LM`` on the meta device: its state_dict's names and shapes, nothing allocated
+    (``MAX_PARAMETERS`` bounds the config already)."""
+    with torch.device("meta"):
+        return Inkling2LM(arch)
+
+
+def _shapes(model: Inkling2LM) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def _checked_header(path: Path) -> tuple[_Header, ModelConfig, Tokenizer, dict[str, Any], Inkling2Config | None]:
+    """Everything in the header, checked; the last item is an ``inkling2`` artifact's own config."""
     header = _read_header(path)
     for key in REQUIRED_KEYS:
         _metadata_value(path, header, key)
@@ -296,8 +342,9 @@ def _checked_header(path: Path) -> tuple[_Header, ModelConfig, Tokenizer, dict[s
     config = _config(path, header)
     special = _special(path, header, config)
     tokenizer = _tokenizer(path, header, config, special)
-    _check_tensors(path, header, config)
-    return header, config, tokenizer, special
+    arch = _arch_config(path, header, config) if config.architecture == "inkling2" else None
+    _check_tensors(path, header, state_shapes(config) if arch is None else _shapes(_inkling2_shell(arch)))
+    return header, config, tokenizer, special, arch
 
 
 # -- load ------------------------------------------------------------------------------------
@@ -316,26 +363,23 @@ def _foreign_errors(path: Path) -> Iterator[None]:
 
 def load_artifact(path: str | os.PathLike[str], *, max_seq_len: int | None = None,
                   device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Artifact:
-    """Check and load an artifact onto ``device``.
+    """Check and load an artifact onto ``device``: a ``LoopedLM``, or the model its config's
+    ``architecture`` names (``inkling2``: an ``Inkling2LM``).
 
     ``dtype`` converts every weight (default: the stored dtype of ``embed.weight``, so a file
     with mixed dtypes loads as one). A ``max_seq_len`` beyond the config's ``max_position``
-    extends the config, and the RoPE tables with it. The tokenizer's ``chat_template`` is set
-    to the artifact's.
+    extends the config (and an ``inkling2`` model's own), and the RoPE tables with it. The
+    tokenizer's ``chat_template`` is set to the artifact's.
     """
     path = Path(path)
-    header, config, tokenizer, _ = _checked_header(path)
-    if max_seq_len is not None:
-        if max_seq_len < 1:
-            raise ConfigError(f"max_seq_len must be >= 1, got {max_seq_len}")
-        if max_seq_len > config.max_position:
-            try:
-                config = config.replace(max_position=max_seq_len)
-            except ConfigError as exc:  # past the positions a config may have
-                raise ConfigError(f"max_seq_len {max_seq_len} is more than this model can be extended "
-                                  f"to: {exc}") from None
+    header, config, tokenizer, _, arch = _checked_header(path)
+    config = _extended(config, max_seq_len)
     target = dtype or _DTYPES[header.tensors["embed.weight"]["dtype"]]
-    model = empty_model(config, device)
+    model: LoopedLM | Inkling2LM
+    if arch is None:
+        model = empty_model(config, device)
+    else:
+        model = _inkling2_shell(dataclasses.replace(arch, max_position=config.max_position))
     with _foreign_errors(path), safe_open(str(path), framework="pt", device=str(device)) as f:
         state = {name: f.get_tensor(name).to(target) for name in header.tensors}
     model.load_state_dict(state, strict=True, assign=True)
@@ -343,13 +387,28 @@ def load_artifact(path: str | os.PathLike[str], *, max_seq_len: int | None = Non
     leftover = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
         raise ArtifactError(f"{path}: tensors left unloaded: {some_names(leftover)}")
-    model.rope.build()  # now, once the file is known to hold the model, not inside a first request
+    if isinstance(model, LoopedLM):
+        model.rope.build()  # now, once the file is known to hold the model, not inside a first request
     # An artifact saved without a template keeps the tokenizer's default (ChatML), so the
     # tokenizer and the artifact never disagree about how a chat is rendered.
     tokenizer.chat_template = header.metadata[KEY_CHAT_TEMPLATE] or tokenizer.chat_template
     tokenizer.chat_templates = _named_templates(path, header.metadata.get(KEY_CHAT_TEMPLATES))
     return Artifact(path=path, config=config, model=model, tokenizer=tokenizer,
                     chat_template=tokenizer.chat_template, metadata=dict(header.metadata))
+
+
+def _extended(config: ModelConfig, max_seq_len: int | None) -> ModelConfig:
+    """``config`` with ``max_position`` raised to ``max_seq_len`` when that is beyond it."""
+    if max_seq_len is None:
+        return config
+    if max_seq_len < 1:
+        raise ConfigError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    if max_seq_len <= config.max_position:
+        return config
+    try:
+        return config.replace(max_position=max_seq_len)
+    except ConfigError as exc:  # past the positions a config may have
+        raise ConfigError(f"max_seq_len {max_seq_len} is more than this model can be extended to: {exc}") from None
 
 
 def _named_templates(path: Path, text: str | None) -> dict[str, str]:
@@ -370,7 +429,7 @@ def _named_templates(path: Path, text: str | None) -> dict[str, str]:
 def inspect_artifact(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What an artifact holds, from its header alone (no tensor is read). JSON-serialisable."""
     path = Path(path)
-    header, config, tokenizer, special = _checked_header(path)
+    header, config, tokenizer, special, _ = _checked_header(path)
     dtypes = sorted({str(_DTYPES[t["dtype"]]).removeprefix("torch.") for t in header.tensors.values()})
     params = sum(math.prod(t["shape"]) for t in header.tensors.values())
     return {
@@ -381,6 +440,7 @@ def inspect_artifact(path: str | os.PathLike[str]) -> dict[str, Any]:
         "tensors": len(header.tensors),
         "dtypes": dtypes,
         "dtype": str(_DTYPES[header.tensors["embed.weight"]["dtype"]]).removeprefix("torch."),
+        "architecture": config.architecture,
         "config": config.to_dict(),
         "tokenizer_vocab_size": tokenizer.vocab_size,
         "special_tokens": special,

@@ -29,6 +29,7 @@ LoopNorm = Literal["final_only", "every_loop", "none"]
 RopeStyle = Literal["half", "interleaved"]
 RopeScaling = Literal["none", "llama3"]
 MlpKind = Literal["swiglu", "relu2"]
+Architecture = Literal["looped", "inkling2"]
 LoopOutput = Literal["none", "linear"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -42,6 +43,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "rope_compute": ("input", "float32"),
     "norm_order": ("weight_in_float32", "cast_then_weight"),
     "mlp": ("swiglu", "relu2"),
+    "architecture": ("looped", "inkling2"),
     "loop_output": ("none", "linear"),
 }
 
@@ -117,6 +119,9 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over the full q and k projections before the head split (OLMo-2)
     fused_qkv: bool = True  # one [q;k;v] projection instead of three
     exit_gate: bool = False  # load the exit gate even when the default rule is not ``gate`` (Ouro)
+    # the model class: ``looped`` (LoopedLM, every field above) or ``inkling2`` (Inkling2LM: the
+    # artifact holds its own config; this one says what the engine sizes the KV pool and loops by)
+    architecture: Architecture = "looped"
     # Parcae's layout:
     mlp: MlpKind = "swiglu"  # SwiGLU (fc = [gate; up]) or relu2: proj(0.5 * relu(fc(x))^2)
     qk_head_norm: bool = False  # a weightless RMS norm over each head of q and k after RoPE (eps: the dtype's)

@@ -280,6 +280,33 @@ class PagedContext:
             keys_v = kernels.kv_read(store, "v", keys, q.dtype).transpose(1, 2)  # [R, KVH, L, D]
         return kernels.attention(q, keys_k, keys_v, self._mask(rows, slots, q.dtype))
 
+    # -- a model that attends itself (Inkling-2: its own fields, ``KVStore``) -------------------
+    def write_fields(self, rows: torch.Tensor | None, slots: torch.Tensor | int, **values: torch.Tensor) -> None:
+        """Store each field's values for the new tokens of ``rows`` ``[R, T, *row_shape]`` at
+        ``slots`` (the other fields untouched)."""
+        write, _ = self._flat_index(rows, slots)
+        self.pool.store.write(write, **{name: v.reshape(write.shape[0], *v.shape[2:]) for name, v in values.items()})
+
+    def gather(self, rows: torch.Tensor | None, slots: torch.Tensor | int, name: str,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Field ``name`` of ``rows`` at ``slots`` at key ``positions`` ``[R, P]`` (below this
+        call's last key): ``[R, P, *row_shape]`` in the pool's dtype, zeros at negative positions."""
+        _, keys = self._flat_index(rows, slots)  # [R, L]
+        out = self.pool.store.read(name, keys.gather(1, positions.clamp(0, keys.shape[1] - 1)))
+        if positions.numel() == 0 or int(positions.min()) >= 0:
+            return out
+        below = (positions < 0).view(*positions.shape, *([1] * (out.dim() - 2)))
+        return out.masked_fill(below, 0)
+
+    def visible(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """``[R, T, L]``: which keys each new token of ``rows`` may attend (causal by position,
+        each row's own length)."""
+        return _take(self.mask, rows)[:, 0]
+
+    def field_width(self, name: str) -> int:
+        """The width of a row of field ``name``."""
+        return int(self.pool.store.read(name, torch.zeros(0, dtype=torch.long, device=self.pool.device)).shape[-1])
+
     def copy_new(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy what the new tokens of ``rows`` stored (K and V, or h) from slot ``src`` to slot
         ``dst`` (per row)."""

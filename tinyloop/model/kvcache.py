@@ -90,6 +90,10 @@ class KVPool:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         mode = KVMode.parse(mode)
+        if config.architecture == "inkling2" and (mode.h_mode or mode.int4):
+            raise RequestError(f"kv_cache_mode {mode.name} is not available for an Inkling-2 model (its pool keeps "
+                               "K, V and the short convolutions' inputs as they are); use full",
+                               param="kv_cache_mode")
         if mode.h_mode and (config.value_embeds or config.qk_head_norm):
             # h-mode recomputes K,V as the layer's projection of h, which these layers' are not
             raise RequestError(f"kv_cache_mode {mode.name} is not available for this model (value embeddings or a "

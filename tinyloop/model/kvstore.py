@@ -154,15 +154,22 @@ def _runs(blocks: list[int]) -> list[tuple[int, int]]:
 
 
 class KVStore:
-    """The fields of one pool: ``k`` and ``v`` ``[KVH, D]`` per row, or ``h`` ``[H]`` in h-mode."""
+    """The fields of one pool: ``k`` and ``v`` ``[KVH, D]`` per row, or ``h`` ``[H]`` in h-mode;
+    an Inkling-2 model's: ``k``, ``v`` and its short convolutions' inputs, flat."""
 
     def __init__(self, mode: KVMode, config: ModelConfig, rows: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         self.mode = mode
         self.block_size = block_size
-        if mode.h_mode:
+        shapes: dict[str, tuple[int, ...]]
+        if config.architecture == "inkling2":  # K, V and the short convolutions' inputs, per token and slot
+            self.dtype = dtype
+            width = config.kv_heads * config.head_dim
+            shapes = {"k": (width,), "v": (width,), "k_in": (width,), "v_in": (width,),
+                      "attn_in": (config.hidden,), "mlp_in": (config.hidden,)}
+        elif mode.h_mode:
             self.dtype = recompute_dtype(mode, dtype, device)
-            shapes: dict[str, tuple[int, ...]] = {"h": (config.hidden,)}
+            shapes = {"h": (config.hidden,)}
         else:
             self.dtype = dtype
             shapes = {"k": (config.kv_heads, config.head_dim), "v": (config.kv_heads, config.head_dim)}
@@ -186,9 +193,9 @@ class KVStore:
         return sum(f.nbytes for f in self.fields.values())
 
     def write(self, rows: torch.Tensor, **values: torch.Tensor) -> None:
-        """Store ``values[name]`` ``[n, *row_shape]`` at ``rows`` ``[n]``, for each field."""
-        for name, field in self.fields.items():
-            field.write(rows, values[name])
+        """Store ``values[name]`` ``[n, *row_shape]`` at ``rows`` ``[n]``, for each field given."""
+        for name, value in values.items():
+            self.fields[name].write(rows, value)
 
     def read(self, name: str, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Field ``name`` at ``rows`` (any shape): ``[*rows.shape, *row_shape]`` in ``dtype``."""
