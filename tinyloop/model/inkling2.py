@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -336,9 +336,8 @@ class Inkling2Config:
 # ---- maths shared by the modules ------------------------------------------------------------------
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMS norm in float32."""
-    x = x.float()
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    """Weightless RMS norm in float32: ``x * rsqrt(mean(x^2) + eps)``."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
 
 
 def _weighted_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -366,8 +365,8 @@ def _attend_states(queries: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
     """Attention residual: ``queries`` ``[Q, H]`` attend per token over ``states`` ``[B, T, N, H]``
     (RMS-normalised keys and values); returns ``[B, T, Q, H]``."""
     states = _rms(states, _RES_EPS)
-    logits = torch.einsum("btnh,qh->btqn", states, queries.float()) * states.shape[-1] ** -0.5
-    return torch.einsum("btqn,btnh->btqh", logits.softmax(-1), states)
+    logits = (states @ (queries.float().T * states.shape[-1] ** -0.5)).transpose(-1, -2)  # [B, T, Q, N]
+    return logits.softmax(-1) @ states
 
 
 # ---- the cache ---------------------------------------------------------------------------------
@@ -401,6 +400,11 @@ class LayerMemory(Protocol):
         ``[B, T, L]`` (past keys beyond the last ``keep`` positions may be left out)."""
         ...
 
+    def shared(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()``, or what it gave for ``key`` to another layer instance of these rows in this
+        call (what depends only on the positions)."""
+        ...
+
 
 @dataclass
 class _CacheMemory:
@@ -427,6 +431,9 @@ class _CacheMemory:
         key_positions = torch.arange(end - keys.shape[2], end, device=k.device).expand(k.shape[0], -1)
         visible = torch.ones(k.shape[0], k.shape[2], keys.shape[2], dtype=torch.bool, device=k.device)
         return keys, values, key_positions, visible
+
+    def shared(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        return make()  # (the layers' caches may keep different key ranges)
 
 
 # the pool's field for each convolution's inputs (``KVStore``'s Inkling-2 fields)
@@ -462,7 +469,14 @@ class _PagedMemory:
     slots: torch.Tensor | int
     positions: torch.Tensor  # [R, T]
     dtype: torch.dtype  # the pool's
+    cache: dict[Hashable, Any]  # what ``shared`` made, for every layer instance of one call
     _before: torch.Tensor | None = None  # [R, K-1] the positions a convolution reads back
+
+    def shared(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        full = (key, None if self.rows is None else id(self.rows))
+        if full not in self.cache:
+            self.cache[full] = make()
+        return self.cache[full]
 
     def _store(self, x: torch.Tensor, width: int) -> torch.Tensor:
         return F.pad(x, (0, width - x.shape[-1])).to(self.dtype) if x.shape[-1] < width else x.to(self.dtype)
@@ -609,33 +623,45 @@ class _Attention(nn.Module):
         keys, values, key_positions, visible = memory.attend_keys(
             _clip(k, self.config.qk_clip).transpose(1, 2), _rms(v, self.config.norm_eps).transpose(1, 2),
             self.config.window - 1 if self.sliding else None)
-        groups = self.heads // self.kv_heads
-        scores = q.transpose(1, 2) @ keys.repeat_interleave(groups, dim=1).transpose(2, 3) * self.dim ** -0.5
-        distance = positions[:, :, None] - key_positions[:, None, :]  # [B, T, L]
-        visible = visible & (distance >= 0)
-        if self.sliding:
-            visible = visible & (distance < self.config.window)
-        scores = (scores + self._relative_bias(xq, distance, positions)).masked_fill(~visible[:, None],
-                                                                                     float("-inf"))
+        groups, n_keys = self.heads // self.kv_heads, keys.shape[2]
+        # query heads grouped by the KV head they read: [B, KVH, G * T, D] against [B, KVH, L, D]
+        grouped = q.transpose(1, 2).reshape(batch, self.kv_heads, groups * length, self.dim)
+        scores = (grouped @ keys.transpose(2, 3)).view(batch, self.heads, length, n_keys) * self.dim ** -0.5
+        allowed, index, outside = memory.shared(("geometry", self.sliding, self.rel_proj.shape[-1]), partial(
+            self._geometry, positions, key_positions, visible))
+        scores = (scores + self._relative_bias(xq, index, outside, positions)).masked_fill(~allowed, float("-inf"))
         sink = self.sink(xq).float().transpose(1, 2).unsqueeze(-1)
         weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-        out = (weights @ values.repeat_interleave(groups, dim=1)).transpose(1, 2).reshape(batch, length, -1)
+        out = (weights.reshape(batch, self.kv_heads, groups * length, n_keys) @ values).view(
+            batch, self.heads, length, self.dim).transpose(1, 2).reshape(batch, length, -1)
         projected: torch.Tensor = self.wo(out * torch.sigmoid(self.wg(xq).float()))
         return projected
 
-    def _relative_bias(self, x: torch.Tensor, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``[B, heads, T, S]``: each query's per-head profile over backward distances, zero past
-        the extent; ``distance`` ``[B, T, S]``."""
+    def _geometry(self, positions: torch.Tensor, key_positions: torch.Tensor,
+                  visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What depends only on where the queries and keys sit (the same for every layer of this
+        kind in a call): which keys each query sees ``[B, 1, T, L]``, the relative-bias column of
+        each key ``[B, 1, T, L]`` and where the bias is zero (past its extent) ``[B, 1, T, L]``."""
+        distance = positions[:, :, None] - key_positions[:, None, :]  # [B, T, L]
+        allowed = visible & (distance >= 0)
+        if self.sliding:
+            allowed = allowed & (distance < self.config.window)
+        extent = self.rel_proj.shape[-1]
+        index = distance.clamp(0, extent - 1)[:, None]
+        return allowed[:, None], index, ((distance < 0) | (distance >= extent))[:, None]
+
+    def _relative_bias(self, x: torch.Tensor, index: torch.Tensor, outside: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+        """``[B, heads, T, S]``: each query's per-head profile over backward distances (the
+        column ``index`` of each key), zero where ``outside`` the extent."""
         batch, length, _ = x.shape
         rel = _clip(self.wr(x).view(batch, length, self.heads, -1).float() * self.rel_scale.float(),
                     self.config.rel_clip)
         if not self.sliding:
             rel = rel * _log_scale(positions, self.config)
         profiles = (rel @ self.rel_proj.float()).transpose(1, 2)
-        extent = profiles.shape[-1]
-        index = distance.clamp(0, extent - 1)[:, None].expand(-1, self.heads, -1, -1)
-        bias = profiles.gather(-1, index)
-        return bias.masked_fill(((distance < 0) | (distance >= extent))[:, None], 0.0)
+        bias = profiles.gather(-1, index.expand(-1, self.heads, -1, -1))
+        return bias.masked_fill(outside, 0.0)
 
 
 class _Expert(nn.Module):
@@ -661,6 +687,7 @@ class _MoE(nn.Module):
         self.router_weight = nn.Parameter(torch.zeros(e, h))
         self.router_bias = nn.Parameter(torch.zeros(e))
         self.experts = nn.ModuleList(_Expert(h, i) for _ in range(e))
+        self._caps: torch.Tensor | None = None  # ``_inverse_caps``
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token ``[N, H]``: the chosen experts and their weights, ``[N, top_k]`` each."""
@@ -676,22 +703,34 @@ class _MoE(nn.Module):
         experts = chosen.reshape(-1)
         order = torch.argsort(experts, stable=True)
         tokens, token_weights = order // self.config.top_k, weights.reshape(-1)[order]
-        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        start = 0
+        picked = flat[tokens]  # [N * k, H]: each token once per expert it goes to, grouped by expert
+        outs, start = [], 0
         for expert, count in enumerate(torch.bincount(experts, minlength=self.config.experts).tolist()):
             if count:
-                rows = tokens[start:start + count]
-                y = self._expert(expert, flat[rows]).float() * token_weights[start:start + count, None]
-                out.index_add_(0, rows, y)
+                outs.append(self._expert(expert, picked[start:start + count]))
             start += count
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        out.index_add_(0, tokens, torch.cat(outs).float() * token_weights[:, None])
         return out.reshape(shape)
 
     def _expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """``softcap(g, a) * sigmoid(g) * softcap(u, b)`` through the expert (softcap(x, c) = c
+        tanh(x / c)), as ``a b tanh(g / a) tanh(u / b) sigmoid(g)``."""
         expert = cast(_Expert, self.experts[index])
-        gate, up = expert.gate_up(x).float().split(self.inter, dim=-1)
-        act = _softcap(gate, self.config.gate_softcap) * torch.sigmoid(gate) * _softcap(up, self.config.up_softcap)
+        gate_up = expert.gate_up(x).float()
+        gate = gate_up[:, :self.inter]
+        caps = gate_up.mul(self._inverse_caps(gate_up)).tanh_()
+        act = (caps[:, :self.inter] * caps[:, self.inter:]).mul_(torch.sigmoid(gate)).mul_(
+            self.config.gate_softcap * self.config.up_softcap)
         out: torch.Tensor = expert.down(act.to(x.dtype))
         return out
+
+    def _inverse_caps(self, like: torch.Tensor) -> torch.Tensor:
+        """``[2I]``: 1 / the gate's softcap, then 1 / the up's."""
+        if self._caps is None or self._caps.device != like.device:
+            self._caps = torch.cat([torch.full((self.inter,), 1 / self.config.gate_softcap),
+                                    torch.full((self.inter,), 1 / self.config.up_softcap)]).to(like.device)
+        return self._caps
 
 
 class _Layer(nn.Module):
@@ -852,6 +891,7 @@ class Inkling2LM(nn.Module):
         positions = starts[:, None] + torch.arange(tokens.shape[1], device=dev)  # [B, T]
         dtype = ctx.pool.store.dtype
         coda = torch.tensor([c.n_prelude + n * c.n_core for n in loops], dtype=torch.long, device=dev)
+        shared: dict[Hashable, Any] = {}  # the masks every layer of a kind shares (``LayerMemory.shared``)
 
         def memory(layer: int, pass_index: int, rows: torch.Tensor | None) -> LayerMemory:
             if layer < cfg.loop_start:
@@ -860,7 +900,7 @@ class Inkling2LM(nn.Module):
                 slots = c.n_prelude + pass_index * c.n_core + layer - cfg.loop_start
             else:
                 slots = (coda if rows is None else coda[rows]) + layer - cfg.loop_end
-            return _PagedMemory(ctx, rows, slots, positions if rows is None else positions[rows], dtype)
+            return _PagedMemory(ctx, rows, slots, positions if rows is None else positions[rows], dtype, shared)
 
         h, blocks = self._layers(tokens, loops, memory)
         if last_only:
