@@ -93,7 +93,7 @@ async def test_a_converted_parcae_folder_serves_its_loop_dial(tmp_path: Path) ->
     assert card["family"] == "parcae" and card["default_loops"] == 8
 
 
-@pytest.mark.parametrize("name", ["huginn-tiny", "parcae-tiny"])
+@pytest.mark.parametrize("name", ["huginn-tiny", "parcae-tiny", "inkling2-tiny"])
 def test_serve_loads_a_model_directory_converting_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           name: str) -> None:
     from tinyloop.convert import cache

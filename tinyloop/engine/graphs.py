@@ -122,9 +122,12 @@ class DecodeGraphs:
     def key(self, seqs: Seq[Sequence]) -> tuple[int, int, bool] | None:
         """The graph that would run ``seqs``: (bucket, the largest loop count, whether a row runs
         fewer), or None when they are not covered (module docstring)."""
-        if not seqs or len(seqs) > self.buckets[-1] or self.pool.mode.h_mode or self.model.config.value_embeds:
-            return None  # (value embeddings read each row's tokens, which a captured step does not pass on)
         config, limit = self.model.config, self.max_blocks * self.pool.block_size
+        # value embeddings read each row's tokens, which a captured step does not pass on; an
+        # Inkling-2 model runs eagerly
+        if (not seqs or len(seqs) > self.buckets[-1] or self.pool.mode.h_mode or config.value_embeds
+                or config.architecture != "looped"):
+            return None
         for s in seqs:
             if (s.kv.gaps or s.exit.stops or s.exit.kind in ("gate_select", "gate_expected") or s.pending is None
                     or s.kv.length + 1 > limit or s.kv.n_slots != slot_count(config, s.loops, min(s.window, s.loops))):
