@@ -2,7 +2,7 @@
 
     python bench/engine_vs_hf.py [--quick] [--threads N] [--tokens 32] [--prompt 16]
                                  [--batches 1 8] [--loops 1 4] [--repeat 3] [--weights int8 int4]
-                                 [--preset base100m] [--inkling2]
+                                 [--preset base100m]
 
 Ours: the ``base100m`` preset (random init, float32) in ``Engine`` (``--preset`` names another;
 ``--quick`` takes ``small``). Theirs: a ``LlamaForCausalLM`` with random weights and the same
@@ -23,11 +23,6 @@ model's along its greedy continuation (teacher-forced, no-cache forwards).
 Bandwidth: decode at batch 1 reads every weight it uses once per token (the looped core once
 per loop), so weight bytes per token x tokens/s is the memory bandwidth decode achieves; it is
 set against this machine's copy bandwidth (a large ``torch`` tensor copy, read + write bytes).
-
-``--inkling2``: instead, an Inkling-2 loop shape (``INKLING2_SHAPE``: 12 layers, 6 of them looped
-2 passes, 8 experts top-2, hidden 512; random weights, seed 0) in transformers' own
-``Inkling2LoopForCausalLM`` and in ``Engine`` (the same weights: saved by transformers, loaded by
-``tinyloop.model.inkling2.load_inkling2``), decode at each ``--batches`` size, float32.
 
 OpenMP waits as ``tinyloop serve`` does (libgomp's default: its threads spin a while between
 parallel regions, then sleep), so that one-row products split over the threads
@@ -141,47 +136,6 @@ def hf_tokens(model, prompts: list[list[int]], n: int) -> None:  # type: ignore[
     assert out.shape[1] == ids.shape[1] + n
 
 
-# The Inkling-2 loop shape of the ``--inkling2`` rows (transformers' text-config names).
-INKLING2_SHAPE = dict(
-    hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-    swa_num_attention_heads=8, swa_num_key_value_heads=2, swa_head_dim=64, sliding_window_size=128, d_rel=16,
-    rel_extent=128, max_position_embeddings=4096, moe_intermediate_size=512, n_routed_experts=8,
-    num_experts_per_tok=2, n_layers_per_attn_res_block=3, loop_layer_index_start=3, loop_layer_index_end=9,
-    loop_num_passes=2, loop_gate_rank=16, eos_token_id=None, pad_token_id=None, bos_token_id=None)
-
-
-def inkling2_rows(args: argparse.Namespace) -> None:
-    """Decode tokens/s of an Inkling-2 loop model: transformers' and the engine's, same weights."""
-    import tempfile
-
-    from transformers.models.inkling2_loop import configuration_inkling2_loop, modeling_inkling2_loop
-
-    from tinyloop.model.inkling2 import load_inkling2
-
-    tokenizer = default_tokenizer()
-    shape = dict(INKLING2_SHAPE, vocab_size=tokenizer.vocab_size, unpadded_vocab_size=tokenizer.vocab_size)
-    torch.manual_seed(0)
-    hf = modeling_inkling2_loop.Inkling2LoopForCausalLM(
-        configuration_inkling2_loop.Inkling2LoopTextConfig(**shape)).to(torch.float32).eval()
-    with tempfile.TemporaryDirectory() as folder:
-        hf.save_pretrained(folder)
-        model, config = load_inkling2(folder)
-    engine = Engine(model, tokenizer, max_seq_len=args.prompt + args.tokens + 8, kv_cache_mb=512,
-                    prefix_caching=False, cpu_kernels=args.cpu_kernels)
-    passes = config.passes
-    print(f"Inkling-2 loop: {config.n_layers} layers ({config.loop_start}-{config.loop_end - 1} looped, {passes} "
-          f"passes), hidden {config.hidden}, {config.experts} experts top-{config.top_k}, vocab {config.vocab_size}; "
-          f"float32, greedy, prompt {args.prompt}, {args.tokens} new tokens, {torch.get_num_threads()} threads")
-    print(f"{'passes':>6} {'batch':>5} {'ours tok/s':>10} {'HF tok/s':>9} {'ours/HF':>7}")
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for batch in args.batches:
-            prompts = torch.randint(0, config.vocab_size, (batch, args.prompt), generator=gen).tolist()
-            runs = [partial(ours_tokens, engine, prompts, loops=passes), partial(hf_tokens, hf, prompts)]
-            ours, theirs = decode_rates(runs, batch, args.tokens, args.repeat)
-            print(f"{passes:>6} {batch:>5} {ours:>10.1f} {theirs:>9.1f} {ours / theirs:>7.2f}")
-
-
 def _gbs(batch: int, rate: float | None, bytes_per_token: int) -> str:
     """Achieved GB/s of weights at batch 1 (blank otherwise)."""
     return f"{bytes_per_token * rate / 1e9:>8.1f}" if batch == 1 and rate else f"{'':>8}"
@@ -223,7 +177,6 @@ def main() -> None:
                     help="weight-only quantised rows at batch 1 (none: --weights)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help=f"the model's shape (default: {PRESET}; "
                     "--quick: small)")
-    ap.add_argument("--inkling2", action="store_true", help="the Inkling-2 loop rows instead (needs transformers)")
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.repeat, args.copy_mb = 4, 1, 128
@@ -232,9 +185,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.cpu_kernels and kernels.available():  # the same threads as torch's (and transformers')
         kernels.set_threads(torch.get_num_threads())
-    if args.inkling2:
-        inkling2_rows(args)
-        return
     config = PRESETS[preset]
     loops_list = args.loops or sorted({1, config.default_loops})
     try:

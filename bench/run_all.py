@@ -3,7 +3,7 @@
     python bench/run_all.py [--quick] [--only overhead batching ...] [--peers] [--threads N]
                             [--output bench/RESULTS.md] [--timeout 1800]
 
-Runs ``overhead``, ``engine_vs_hf``, ``batching``, ``kv_modes``, ``speculative``, ``prefix``,
+Runs ``overhead``, ``engine_vs_hf``, ``inkling2_vs_hf``, ``batching``, ``kv_modes``, ``speculative``, ``prefix``,
 ``demo_model``, ``multi_engine``, ``decode_attention``, ``panel_matmul``, ``fused_block``,
 ``quant_matmul``, ``sampling`` and ``structured`` one after another (each in its own process, with
 this interpreter) and echoes their output. Then it rewrites ``--output``: a header with the date,
@@ -61,6 +61,7 @@ INTRO = ("The current table of every benchmark, rewritten by `python bench/run_a
 BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
     "overhead": (["--quick"], [], False),
     "engine_vs_hf": (["--quick"], [], True),
+    "inkling2_vs_hf": (["--quick", "--batches", "1"], [], True),
     "batching": (["--quick"], [], True),
     "kv_modes": (["--tokens", "8", "--tps-tokens", "4", "--large", "small"], [], True),
     # the trained demo model: a random one's drafts almost never agree (acceptance ~1%)
