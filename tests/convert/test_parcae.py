@@ -98,7 +98,7 @@ def test_the_reference_greedy_trace_is_reproduced_step_by_step(engine: Engine, l
         ids.append(step["token"])
 
 
-@pytest.mark.parametrize("loops", [4, 8])
+@pytest.mark.parametrize("loops", LOOPS)
 @pytest.mark.parametrize("chunk", [512, 5])
 def test_cached_decode_matches_the_full_forward(tmp_path: Path, reference: dict[str, torch.Tensor],
                                                 loops: int, chunk: int) -> None:
