@@ -287,16 +287,18 @@ class PagedContext:
         write, _ = self._flat_index(rows, slots)
         self.pool.store.write(write, **{name: v.reshape(write.shape[0], *v.shape[2:]) for name, v in values.items()})
 
-    def gather(self, rows: torch.Tensor | None, slots: torch.Tensor | int, name: str,
-               positions: torch.Tensor) -> torch.Tensor:
-        """Field ``name`` of ``rows`` at ``slots`` at key ``positions`` ``[R, P]`` (below this
-        call's last key): ``[R, P, *row_shape]`` in the pool's dtype, zeros at negative positions."""
+    def gather(self, rows: torch.Tensor | None, slots: torch.Tensor | int, names: Sequence[str],
+               positions: torch.Tensor | None) -> list[torch.Tensor]:
+        """Fields ``names`` of ``rows`` at ``slots`` at key ``positions`` ``[R, P]`` (below this
+        call's last key; None: every key, ``P = L``): ``[R, P, *row_shape]`` each, in the pool's
+        dtype, zeros at negative positions; the pool rows are found once for them all."""
         _, keys = self._flat_index(rows, slots)  # [R, L]
-        out = self.pool.store.read(name, keys.gather(1, positions.clamp(0, keys.shape[1] - 1)))
-        if positions.numel() == 0 or int(positions.min()) >= 0:
-            return out
-        below = (positions < 0).view(*positions.shape, *([1] * (out.dim() - 2)))
-        return out.masked_fill(below, 0)
+        at = keys if positions is None else keys.gather(1, positions.clamp(0, keys.shape[1] - 1))
+        outs = [self.pool.store.read(name, at) for name in names]
+        if positions is None or positions.numel() == 0 or int(positions.min()) >= 0:
+            return outs
+        below = positions < 0
+        return [out.masked_fill(below.view(*positions.shape, *([1] * (out.dim() - 2))), 0) for out in outs]
 
     def visible(self, rows: torch.Tensor | None) -> torch.Tensor:
         """``[R, T, L]``: which keys each new token of ``rows`` may attend (causal by position,

@@ -1,8 +1,10 @@
-"""Inkling-2 loop (``model_type`` ``inkling2_loop``, text config ``inkling2_loop_text``): a
-standalone float32 torch model of the text stack, loaded from the original checkpoint layout and
-checked against the reference (transformers 5.24 ``modeling_inkling2_loop.py``) to within 1e-5 in
-the logits (this model's float32 noise floor is ~5e-6: one ulp on the embeddings moves its logits
-by ~8e-6). The vision tower is not modelled.
+"""Inkling-2 loop (``model_type`` ``inkling2_loop``, text config ``inkling2_loop_text``): its text
+stack as a torch model, checked against the reference (transformers 5.24
+``modeling_inkling2_loop.py``) to within 1e-5 in the logits (this model's float32 noise floor is
+~5e-6: one ulp on the embeddings moves its logits by ~8e-6). Two forwards over the same layers: the
+reference path (``model(ids, passes)``, ``step`` over an ``Inkling2Cache``) and the engine's
+(``serve``: rows of a batch at their own pass counts, K, V and the convolutions' inputs in the
+engine's paged pool, ``_PagedMemory``). The vision tower is not modelled.
 
 How it maps onto a looped transformer
 -------------------------------------
@@ -68,6 +70,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -335,20 +338,30 @@ class Inkling2Config:
 
 # ---- maths shared by the modules ------------------------------------------------------------------
 
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32: itself when it is (a Python check, not a dispatched no-op ``.float()``)."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, without dispatching when it is in ``dtype`` already."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMS norm in float32: ``x * rsqrt(mean(x^2) + eps)``."""
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return F.rms_norm(_f32(x), (x.shape[-1],), eps=eps)
 
 
 def _weighted_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm in float32, times ``weight``, in ``weight``'s dtype."""
-    return (weight * _rms(x, eps)).to(weight.dtype)
+    return _cast(weight * _rms(x, eps), weight.dtype)
 
 
 def _clip(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Scale each vector (last dim) down to L2 norm ``threshold`` if it is longer."""
     norm: torch.Tensor = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    return x * (threshold / (norm + _CLIP_EPS)).clamp(max=1.0)
+    return x * ((norm + _CLIP_EPS).reciprocal() * threshold).clamp_(max=1.0)  # threshold / (norm + eps)
 
 
 def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -365,8 +378,9 @@ def _attend_states(queries: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
     """Attention residual: ``queries`` ``[Q, H]`` attend per token over ``states`` ``[B, T, N, H]``
     (RMS-normalised keys and values); returns ``[B, T, Q, H]``."""
     states = _rms(states, _RES_EPS)
-    logits = (states @ (queries.float().T * states.shape[-1] ** -0.5)).transpose(-1, -2)  # [B, T, Q, N]
-    return logits.softmax(-1) @ states
+    logits = (states @ (_f32(queries).T * states.shape[-1] ** -0.5)).transpose(-1, -2)  # [B, T, Q, N]
+    mixed: torch.Tensor = logits.softmax(-1) @ states
+    return mixed
 
 
 # ---- the cache ---------------------------------------------------------------------------------
@@ -395,7 +409,7 @@ class LayerMemory(Protocol):
 
     def attend_keys(self, k: torch.Tensor, v: torch.Tensor,
                     keep: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keep ``k``, ``v`` ``[B, KVH, T, D]``; return the keys and values to attend
+        """Keep ``k``, ``v`` ``[B, T, KVH, D]``; return the keys and values to attend
         ``[B, KVH, L, D]``, their positions ``[B, L]`` and which each new token may see
         ``[B, T, L]`` (past keys beyond the last ``keep`` positions may be left out)."""
         ...
@@ -423,6 +437,7 @@ class _CacheMemory:
     def attend_keys(self, k: torch.Tensor, v: torch.Tensor,
                     keep: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         state = self.state
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         keys = k if state.keys is None else torch.cat([state.keys, k], dim=2)
         values = v if state.values is None else torch.cat([state.values, v], dim=2)
         start = 0 if keep is None else max(keys.shape[2] - keep, 0)
@@ -446,8 +461,8 @@ class PagedFields(Protocol):
     def write_fields(self, rows: torch.Tensor | None, slots: torch.Tensor | int, **values: torch.Tensor) -> None:
         ...
 
-    def gather(self, rows: torch.Tensor | None, slots: torch.Tensor | int, name: str,
-               positions: torch.Tensor) -> torch.Tensor:
+    def gather(self, rows: torch.Tensor | None, slots: torch.Tensor | int, names: Sequence[str],
+               positions: torch.Tensor | None) -> list[torch.Tensor]:
         ...
 
     def visible(self, rows: torch.Tensor | None) -> torch.Tensor:
@@ -470,7 +485,7 @@ class _PagedMemory:
     positions: torch.Tensor  # [R, T]
     dtype: torch.dtype  # the pool's
     cache: dict[Hashable, Any]  # what ``shared`` made, for every layer instance of one call
-    _before: torch.Tensor | None = None  # [R, K-1] the positions a convolution reads back
+    _tails: dict[str, torch.Tensor] | None = None  # the four convolutions' inputs before this call
 
     def shared(self, key: Hashable, make: Callable[[], Any]) -> Any:
         full = (key, None if self.rows is None else id(self.rows))
@@ -478,29 +493,40 @@ class _PagedMemory:
             self.cache[full] = make()
         return self.cache[full]
 
-    def _store(self, x: torch.Tensor, width: int) -> torch.Tensor:
-        return F.pad(x, (0, width - x.shape[-1])).to(self.dtype) if x.shape[-1] < width else x.to(self.dtype)
+    def _store(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        width = self.shared(("width", name), partial(self.ctx.field_width, name))
+        return _cast(F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x, self.dtype)
 
     def conv_context(self, slot: str, x: torch.Tensor, kernel: int) -> torch.Tensor:
         name, channels = _CONV_FIELDS[slot], x.shape[-1]
-        if self._before is None or self._before.shape[1] != kernel - 1:  # the same for the layer's four
-            self._before = self.positions[:, :1] + torch.arange(1 - kernel, 0, device=x.device)  # [R, K-1]
-        tail = self.ctx.gather(self.rows, self.slots, name, self._before)[..., :channels].to(x.dtype)
-        self.ctx.write_fields(self.rows, self.slots, **{name: self._store(x, self.ctx.field_width(name))})
+        if self._tails is None:  # the layer's four at once (one kernel size): one pool-row lookup
+            before = self.positions[:, :1] + torch.arange(1 - kernel, 0, device=x.device)  # [R, K-1]
+            names = list(_CONV_FIELDS.values())
+            self._tails = dict(zip(names, self.ctx.gather(self.rows, self.slots, names, before), strict=True))
+        tail = self._tails[name]
+        tail = _cast(tail if tail.shape[-1] == channels else tail[..., :channels], x.dtype)
+        self.ctx.write_fields(self.rows, self.slots, **{name: self._store(name, x)})
         return torch.cat([tail, x], dim=1)
 
     def attend_keys(self, k: torch.Tensor, v: torch.Tensor,
                     keep: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        batch, kv_heads, length, dim = k.shape
-        flat_k, flat_v = (t.transpose(1, 2).reshape(batch, length, kv_heads * dim) for t in (k, v))
-        width = self.ctx.field_width("k")
-        self.ctx.write_fields(self.rows, self.slots, k=self._store(flat_k, width), v=self._store(flat_v, width))
+        batch, length, kv_heads, dim = k.shape
+        self.ctx.write_fields(self.rows, self.slots, k=self._store("k", k.reshape(batch, length, -1)),
+                              v=self._store("v", v.reshape(batch, length, -1)))
+        key_positions, visible, read = self.shared(("keys", keep), partial(self._key_range, keep, batch))
+        keys, values = (_cast(t if t.shape[-1] == kv_heads * dim else t[..., :kv_heads * dim], k.dtype)
+                        .view(batch, -1, kv_heads, dim).transpose(1, 2)
+                        for t in self.ctx.gather(self.rows, self.slots, ("k", "v"), read))
+        return keys, values, key_positions, visible
+
+    def _key_range(self, keep: int | None, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The positions of the keys to attend ``[R, L']`` (all, or the last ``keep`` before this
+        call and its own), which each new token may see ``[R, T, L']``, and the positions to read
+        (None: all)."""
         visible = self.ctx.visible(self.rows)  # [R, T, L]: causal, this call's rows' own lengths
         first = 0 if keep is None else max(int(self.positions[:, 0].min()) - keep, 0)
-        key_positions = torch.arange(first, visible.shape[-1], device=k.device).expand(batch, -1)
-        keys, values = (self.ctx.gather(self.rows, self.slots, name, key_positions)[..., :kv_heads * dim]
-                        .to(k.dtype).view(batch, -1, kv_heads, dim).transpose(1, 2) for name in ("k", "v"))
-        return keys, values, key_positions, visible[..., first:]
+        key_positions = torch.arange(first, visible.shape[-1], device=visible.device).expand(batch, -1)
+        return key_positions, visible[..., first:], None if first == 0 else key_positions
 
 
 @dataclass
@@ -544,7 +570,7 @@ class _Controller(nn.Module):
         self.message = nn.Linear(rank, hidden, bias=False)
 
     def forward(self, h: torch.Tensor, message: torch.Tensor) -> torch.Tensor:
-        h, message = h.float(), message.float()
+        h, message = _f32(h), _f32(message)
         low = self.down(torch.cat([_rms(h, self.eps), _rms(message, self.eps)], dim=-1))
         return (1 - torch.tanh(self.forget(low))) * h + torch.tanh(self.message(low)) * message
 
@@ -566,22 +592,22 @@ class _ShortConv(nn.Module):
                 source: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[B, T, C]`` continued from the inputs ``memory`` keeps for ``slot`` (and kept
         there); ``source`` ``[B, T, hidden]`` feeds the dynamic taps."""
-        x = x.float()
+        x = _f32(x)
         batch, length, channels = x.shape
         context = memory.conv_context(slot, x, self.kernel)
-        taps = self.weight.float()
+        taps = _f32(self.weight)
         if self.dynamic is None:  # sum over backward distances j of tap j times the input j tokens back
-            last = self.kernel - 1
-            out = context[:, last:] * taps[0]
+            last, rows = self.kernel - 1, taps.unbind(0)
+            out = x * rows[0]
             for j in range(1, self.kernel):
-                out = out.addcmul(context[:, last - j:last - j + length], taps[j])
+                out.addcmul_(context[:, last - j:last - j + length], rows[j])
         else:
             assert source is not None, "dynamic taps need their source"
-            per_token = self.dynamic(source).float().view(batch, length, self.heads, 1, self.kernel)
+            per_token = _f32(self.dynamic(source)).view(batch, length, self.heads, 1, self.kernel)
             weights = taps.T.reshape(self.heads, -1, self.kernel) + per_token
             windows = context.unfold(1, self.kernel, 1).flip(-1).reshape(weights.shape)
             out = (windows * weights).sum(-1).reshape(batch, length, channels)
-        return (out + x) / self.denominator
+        return out.add_(x).div_(self.denominator)
 
 
 class _Attention(nn.Module):
@@ -614,33 +640,33 @@ class _Attention(nn.Module):
         ``memory.positions``, after the K/V ``memory`` keeps, which it extends."""
         batch, length, _ = xq.shape
         positions = memory.positions  # [B, T]
-        q = _clip(self.wq(xq).view(batch, length, self.heads, self.dim).float() * self.q_scale.float(),
+        q = _clip(_f32(self.wq(xq).view(batch, length, self.heads, self.dim)) * _f32(self.q_scale),
                   self.config.qk_clip)
         if not self.sliding:
             q = q * _log_scale(positions, self.config)
         k = self.k_conv(self.wk(xk), memory, "k", xk).view(batch, length, self.kv_heads, self.dim)
         v = self.v_conv(self.wv(xv), memory, "v", xv).view(batch, length, self.kv_heads, self.dim)
         keys, values, key_positions, visible = memory.attend_keys(
-            _clip(k, self.config.qk_clip).transpose(1, 2), _rms(v, self.config.norm_eps).transpose(1, 2),
+            _clip(k, self.config.qk_clip), _rms(v, self.config.norm_eps),
             self.config.window - 1 if self.sliding else None)
         groups, n_keys = self.heads // self.kv_heads, keys.shape[2]
         # query heads grouped by the KV head they read: [B, KVH, G * T, D] against [B, KVH, L, D]
         grouped = q.transpose(1, 2).reshape(batch, self.kv_heads, groups * length, self.dim)
         scores = (grouped @ keys.transpose(2, 3)).view(batch, self.heads, length, n_keys) * self.dim ** -0.5
-        allowed, index, outside = memory.shared(("geometry", self.sliding, self.rel_proj.shape[-1]), partial(
+        hidden, index, outside = memory.shared(("geometry", self.sliding, self.rel_proj.shape[-1]), partial(
             self._geometry, positions, key_positions, visible))
-        scores = (scores + self._relative_bias(xq, index, outside, positions)).masked_fill(~allowed, float("-inf"))
-        sink = self.sink(xq).float().transpose(1, 2).unsqueeze(-1)
-        weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        bias = self._relative_bias(self.wr(xq), index, outside, positions)
+        scores = (scores + bias).masked_fill(hidden, float("-inf"))
+        weights = torch.cat([scores, _f32(self.sink(xq)).transpose(1, 2).unsqueeze(-1)], dim=-1).softmax(-1)[..., :-1]
         out = (weights.reshape(batch, self.kv_heads, groups * length, n_keys) @ values).view(
             batch, self.heads, length, self.dim).transpose(1, 2).reshape(batch, length, -1)
-        projected: torch.Tensor = self.wo(out * torch.sigmoid(self.wg(xq).float()))
+        projected: torch.Tensor = self.wo(out * torch.sigmoid(_f32(self.wg(xq))))
         return projected
 
     def _geometry(self, positions: torch.Tensor, key_positions: torch.Tensor,
                   visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What depends only on where the queries and keys sit (the same for every layer of this
-        kind in a call): which keys each query sees ``[B, 1, T, L]``, the relative-bias column of
+        kind in a call): which keys each query may not see ``[B, 1, T, L]``, the relative-bias column of
         each key ``[B, 1, T, L]`` and where the bias is zero (past its extent) ``[B, 1, T, L]``."""
         distance = positions[:, :, None] - key_positions[:, None, :]  # [B, T, L]
         allowed = visible & (distance >= 0)
@@ -648,18 +674,19 @@ class _Attention(nn.Module):
             allowed = allowed & (distance < self.config.window)
         extent = self.rel_proj.shape[-1]
         index = distance.clamp(0, extent - 1)[:, None]
-        return allowed[:, None], index, ((distance < 0) | (distance >= extent))[:, None]
+        return ~allowed[:, None], index, ((distance < 0) | (distance >= extent))[:, None]
 
-    def _relative_bias(self, x: torch.Tensor, index: torch.Tensor, outside: torch.Tensor,
+    def _relative_bias(self, rel: torch.Tensor, index: torch.Tensor, outside: torch.Tensor,
                        positions: torch.Tensor) -> torch.Tensor:
         """``[B, heads, T, S]``: each query's per-head profile over backward distances (the
-        column ``index`` of each key), zero where ``outside`` the extent."""
-        batch, length, _ = x.shape
-        rel = _clip(self.wr(x).view(batch, length, self.heads, -1).float() * self.rel_scale.float(),
+        column ``index`` of each key), zero where ``outside`` the extent; ``rel`` is ``wr``'s
+        output ``[B, T, heads * d_rel]``."""
+        batch, length, _ = rel.shape
+        rel = _clip(_f32(rel.view(batch, length, self.heads, -1)) * _f32(self.rel_scale),
                     self.config.rel_clip)
         if not self.sliding:
             rel = rel * _log_scale(positions, self.config)
-        profiles = (rel @ self.rel_proj.float()).transpose(1, 2)
+        profiles = (rel @ _f32(self.rel_proj)).transpose(1, 2)
         bias = profiles.gather(-1, index.expand(-1, self.heads, -1, -1))
         return bias.masked_fill(outside, 0.0)
 
@@ -691,8 +718,8 @@ class _MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token ``[N, H]``: the chosen experts and their weights, ``[N, top_k]`` each."""
-        scores = torch.sigmoid(F.linear(x.float(), self.router_weight.float()))
-        chosen = torch.topk(scores + self.router_bias.float(), self.config.top_k, dim=-1, sorted=False).indices
+        scores = torch.sigmoid(F.linear(_f32(x), _f32(self.router_weight)))
+        chosen = torch.topk(scores + _f32(self.router_bias), self.config.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, chosen)
         return chosen, weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.config.route_scale
 
@@ -704,26 +731,35 @@ class _MoE(nn.Module):
         order = torch.argsort(experts, stable=True)
         tokens, token_weights = order // self.config.top_k, weights.reshape(-1)[order]
         picked = flat[tokens]  # [N * k, H]: each token once per expert it goes to, grouped by expert
-        outs, start = [], 0
-        for expert, count in enumerate(torch.bincount(experts, minlength=self.config.experts).tolist()):
-            if count:
-                outs.append(self._expert(expert, picked[start:start + count]))
-            start += count
+        counts = torch.bincount(experts, minlength=self.config.experts).tolist()
+        ends = list(accumulate(counts))
+        spans = [(e, end - count, end) for e, (count, end) in enumerate(zip(counts, ends, strict=True)) if count]
+        gate_up = _f32(self._grouped(picked, spans, "gate_up", 2 * self.inter))
+        down = self._grouped(_cast(self._activation(gate_up), x.dtype), spans, "down", shape[-1])
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        out.index_add_(0, tokens, torch.cat(outs).float() * token_weights[:, None])
+        out.index_add_(0, tokens, _f32(down) * token_weights[:, None])
         return out.reshape(shape)
 
-    def _expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """``softcap(g, a) * sigmoid(g) * softcap(u, b)`` through the expert (softcap(x, c) = c
-        tanh(x / c)), as ``a b tanh(g / a) tanh(u / b) sigmoid(g)``."""
-        expert = cast(_Expert, self.experts[index])
-        gate_up = expert.gate_up(x).float()
-        gate = gate_up[:, :self.inter]
-        caps = gate_up.mul(self._inverse_caps(gate_up)).tanh_()
-        act = (caps[:, :self.inter] * caps[:, self.inter:]).mul_(torch.sigmoid(gate)).mul_(
-            self.config.gate_softcap * self.config.up_softcap)
-        out: torch.Tensor = expert.down(act.to(x.dtype))
+    def _grouped(self, x: torch.Tensor, spans: list[tuple[int, int, int]], name: str, width: int) -> torch.Tensor:
+        """``[N, width]``: the rows ``start:end`` of ``x`` through expert ``e``'s ``name`` projection
+        for each ``(e, start, end)``; a plain linear writes its rows in place (no per-expert copy)
+        unless autograd is on (``out=`` products are not differentiable)."""
+        out, direct = x.new_empty(x.shape[0], width), not torch.is_grad_enabled()
+        for expert, start, end in spans:
+            layer = getattr(self.experts[expert], name)
+            if direct and type(layer) is nn.Linear:
+                torch.mm(x[start:end], layer.weight.t(), out=out[start:end])
+            else:
+                out[start:end] = layer(x[start:end])
         return out
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``softcap(g, a) * sigmoid(g) * softcap(u, b)`` of every row ``[g; u]`` (softcap(x, c) =
+        c tanh(x / c)), as ``a b tanh(g / a) tanh(u / b) sigmoid(g)``: elementwise, so all experts'
+        rows at once."""
+        caps = gate_up.mul(self._inverse_caps(gate_up)).tanh_()
+        return (caps[:, :self.inter] * caps[:, self.inter:]).mul_(torch.sigmoid(gate_up[:, :self.inter])).mul_(
+            self.config.gate_softcap * self.config.up_softcap)
 
     def _inverse_caps(self, like: torch.Tensor) -> torch.Tensor:
         """``[2I]``: 1 / the gate's softcap, then 1 / the up's."""
@@ -768,13 +804,13 @@ class _Layer(nn.Module):
         if self.boundary:
             blocks, residual = [*blocks, h], out
         else:
-            residual = h.float() + out
+            residual = _f32(h) + out
         x = self.mlp_input(blocks, residual)[..., 0, :]
         if messages is not None:
             x = self._gate("mlp", x, messages[..., 3, :])
         y: torch.Tensor = self.mlp_conv(self.moe(_weighted_rms(x, self.mlp_norm, self.config.norm_eps)), memory,
                                         "mlp")
-        return (residual + y).to(h.dtype)
+        return _cast(residual + y, h.dtype)
 
     def _attention_inputs(self, h: torch.Tensor, blocks: list[torch.Tensor],
                           messages: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -783,10 +819,13 @@ class _Layer(nn.Module):
             mixed = [h, h, h]
         else:
             mixed = list(self.attn_input(blocks, h).unbind(-2)) * (3 if self.sliding else 1)
+        eps = self.config.norm_eps
+        if messages is None and self.sliding:  # one input, one norm: the same three
+            x = _weighted_rms(mixed[0], self.attn_norm, eps)
+            return x, x, x
         if messages is not None:
             mixed = [self._gate(name, x, messages[..., i, :]) for i, (name, x) in enumerate(zip("qkv", mixed))]
         q, k, v = (self.attn_norm,) * 3 if self.sliding else (self.norm_q, self.norm_k, self.norm_v)
-        eps = self.config.norm_eps
         return _weighted_rms(mixed[0], q, eps), _weighted_rms(mixed[1], k, eps), _weighted_rms(mixed[2], v, eps)
 
     def _gate(self, name: str, x: torch.Tensor, message: torch.Tensor) -> torch.Tensor:
@@ -942,7 +981,7 @@ class Inkling2LM(nn.Module):
         cfg = self.arch
         out = _attend_states(self.final_query, torch.stack([*blocks, h], dim=-2))[..., 0, :]
         out = _weighted_rms(out, self.norm, cfg.norm_eps)
-        return _softcap(self.head(out).float(), cfg.logit_softcap)
+        return _softcap(_f32(self.head(out)), cfg.logit_softcap)
 
     def _run(self, layers: range, h: torch.Tensor, blocks: list[torch.Tensor], memory: MemoryOf, pass_index: int,
              rows: torch.Tensor | None, previous: tuple[list[torch.Tensor], torch.Tensor] | None = None,
