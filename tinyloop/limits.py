@@ -179,8 +179,9 @@ def _check_inkling2(req: GenerationRequest, rule: ExitRule, loops: int, window: 
     """What an Inkling-2 model does not define, refused by name: its passes restart from the
     prelude's output and mix the last pass in through learned messages, so a stop rule would need
     the coda and head at every pass (not exposed yet), a warm start has no state to start from, a
-    pass reads only its own KV (``cache_window`` must keep every pass), and a draft at fewer passes
-    would write the coda's KV and convolution inputs of another pass count."""
+    pass reads only its own KV (``cache_window`` must keep every pass), and a tree of drafts would
+    run its short convolutions over tokens that do not follow each other (a chain of drafts,
+    ``mode`` ``speculative``, runs)."""
     if rule.kind != "none":
         raise RequestError(f"exit kind {rule.kind} is not available for an Inkling-2 model: every token runs its "
                            "passes", param="exit")
@@ -190,8 +191,9 @@ def _check_inkling2(req: GenerationRequest, rule: ExitRule, loops: int, window: 
     if window != loops:
         raise RequestError(f"cache_window {window} is not available for an Inkling-2 model: each pass attends "
                            f"its own KV (cache_window must be at least loops, {loops})", param="cache_window")
-    if req.mode in ("speculative", "tree"):
-        raise RequestError(f"mode {req.mode} is not available for an Inkling-2 model yet", param="mode")
+    if req.mode == "tree":
+        raise RequestError("mode tree is not available for an Inkling-2 model (its short convolutions run along "
+                           "the sequence, not a tree); use speculative", param="mode")
 
 
 def _check_speculation(draft_loops: int, rule: ExitRule, loops: int, window: int) -> None:

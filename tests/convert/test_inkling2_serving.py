@@ -109,6 +109,18 @@ def test_a_prefix_cache_hit_gives_the_cold_result(tmp_path: Path) -> None:
     assert list(fresh.generate(req).tokens) == list(cold.tokens)
 
 
+@pytest.mark.parametrize("passes", [2, 3, 4])
+def test_a_speculative_chain_drafted_at_one_pass_gives_plain_greedy(engine: Engine, passes: int) -> None:
+    """Drafts run one pass inside the verifier's slots (their coda's K, V and convolution inputs
+    are written again by the verify forward): the output is plain decoding's."""
+    prompt = tuple(range(30, 50))
+    plain = engine.generate(GenerationRequest(prompt_tokens=prompt, loops=passes, max_tokens=12, sampling=_greedy()))
+    spec = engine.generate(GenerationRequest(prompt_tokens=prompt, loops=passes, max_tokens=12, mode="speculative",
+                                             draft_loops=1, draft_ahead=3, sampling=_greedy()))
+    assert list(spec.tokens) == list(plain.tokens)
+    assert spec.accepted_draft_tokens > 0 and spec.rejected_draft_tokens > 0  # both paths of the verify ran
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_weight_only_modes_quantise_the_experts_too(tmp_path: Path, reference: dict[str, torch.Tensor],
                                                     weights: str) -> None:
@@ -141,7 +153,7 @@ def test_bf16_weights_serve(tmp_path: Path, reference: dict[str, torch.Tensor]) 
     ({"exit": ExitRule.of("latent_diff")}, "exit"),
     ({"warm_start": True}, "warm_start"),
     ({"cache_window": 1}, "cache_window"),
-    ({"mode": "speculative"}, "mode"),
+    ({"mode": "tree"}, "mode"),
 ])
 def test_what_the_family_does_not_define_is_refused_by_name(engine: Engine, changes: dict[str, object],
                                                             param: str) -> None:

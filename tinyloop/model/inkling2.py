@@ -913,23 +913,27 @@ class Inkling2LM(nn.Module):
 
     def serve(self, tokens: torch.Tensor, ctx: Any, specs: Sequence[Any], last_only: bool = True) -> Any:
         """The engine's forward: tokens ``[B, T]`` of rows at ``spec.start`` (``RowSpec``: its
-        ``loops`` passes, one KV slot per pass: ``window`` must equal ``loops``), K, V and the
-        convolutions' inputs in the context's pool (``PagedContext``): a ``ForwardOutput`` whose
-        logits are ``[B, T', vocab_size]`` (rows past the head's ``unpadded_vocab_size`` -inf)."""
+        ``loops`` passes, one KV slot per pass of the ``kv_loops`` it is laid out for, ``window``
+        all of them; a self-speculative draft runs fewer passes in its verifier's slots, whose
+        verify forward writes every slot of those positions again), K, V and the convolutions'
+        inputs in the context's pool (``PagedContext``): a ``ForwardOutput`` whose logits are
+        ``[B, T', vocab_size]`` (rows past the head's ``unpadded_vocab_size`` -inf)."""
         from tinyloop.model.looped import ForwardOutput
 
-        cfg, c = self.arch, self.config
+        cfg, c, n_tok = self.arch, self.config, tokens.shape[1]
         loops = [spec.loops for spec in specs]
-        if any(spec.window != spec.loops or spec.positions is not None or spec.warm_state is not None
-               or (spec.exit is not None and spec.exit.kind != "none") or spec.kv_loops is not None
-               for spec in specs):
-            raise RequestError("Inkling-2 runs every pass with its own KV (cache_window = loops), without exit "
-                               "rules, warm starts or speculative drafts", param="loops")
+        laid_out = [spec.kv_loops or spec.loops for spec in specs]
+        if any(spec.window != kv or kv < spec.loops or spec.warm_state is not None
+               or (spec.exit is not None and spec.exit.kind != "none")
+               or (spec.positions is not None and list(spec.positions) != list(range(spec.start, spec.start + n_tok)))
+               for spec, kv in zip(specs, laid_out)):
+            raise RequestError("Inkling-2 runs every pass with its own KV (cache_window = loops), in order, without "
+                               "exit rules, warm starts or tree drafts", param="loops")
         dev = tokens.device
         starts = torch.tensor([spec.start for spec in specs], dtype=torch.long, device=dev)
-        positions = starts[:, None] + torch.arange(tokens.shape[1], device=dev)  # [B, T]
+        positions = starts[:, None] + torch.arange(n_tok, device=dev)  # [B, T]
         dtype = ctx.pool.store.dtype
-        coda = torch.tensor([c.n_prelude + n * c.n_core for n in loops], dtype=torch.long, device=dev)
+        coda = torch.tensor([c.n_prelude + n * c.n_core for n in laid_out], dtype=torch.long, device=dev)
         shared: dict[Hashable, Any] = {}  # the masks every layer of a kind shares (``LayerMemory.shared``)
 
         def memory(layer: int, pass_index: int, rows: torch.Tensor | None) -> LayerMemory:
