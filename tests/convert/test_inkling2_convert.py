@@ -249,6 +249,23 @@ def test_quantised_experts_are_stored_as_their_exact_dequantisation(
             assert torch.equal(stored[f"layers.{i}.moe.experts.{e}.down.weight"], w2[e])
 
 
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp8"])
+def test_experts_are_read_one_slice_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """A conversion never reads a stacked expert tensor (or its companions) whole: each expert's
+    slice is read and dequantised alone, so memory holds one expert's weights, not a layer's."""
+    from tinyloop.convert.hfdir import HFDir
+
+    hf = _with_weights(tmp_path, _quantised(kind)[0])
+    whole = HFDir.tensor
+
+    def refuse_stacked(self: HFDir, name: str) -> torch.Tensor:
+        assert ".mlp.experts." not in name or self.tensors[name].shape[:1] in ((), (1,)), name
+        return whole(self, name)
+
+    monkeypatch.setattr(HFDir, "tensor", refuse_stacked)
+    assert convert(hf, tmp_path / "q.tinyloop").tensors == 210
+
+
 def test_quantised_logits_equal_the_plain_model_with_those_experts(
         quantised: tuple[str, Path, Tensors, Path], reference: Tensors) -> None:
     _, out, _, plain = quantised

@@ -245,6 +245,15 @@ class HFDir:
             out: torch.Tensor = handle.get_tensor(name)  # a copy: safetensors reads into new memory
         return out
 
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Leading rows ``start:stop`` of tensor ``name``, copied out (the rest is not read)."""
+        info = self.tensors[name]
+        if self._pickled:
+            return self._pickled[name][start:stop].clone()
+        with self._opened(info.file) as handle:
+            out: torch.Tensor = handle.get_slice(name)[start:stop].clone()
+        return out
+
     def row_chunks(self, name: str, rows: int) -> Iterator[torch.Tensor]:
         """Tensor ``name`` in chunks of ``rows`` leading rows (bounded memory for a comparison)."""
         info = self.tensors[name]

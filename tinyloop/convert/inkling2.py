@@ -17,8 +17,8 @@ block-scaled; the companions a weight has say which (``microscale.py`` has the l
 anything in between is refused naming what is missing. A quantised weight is dequantised to
 float32 and then goes through the map's transform like a plain one (``w13`` is gate/up
 interleaved by rows after dequantisation, as transformers' ``Inkling2LoopDequantizeExperts``
-then ``Interleave`` read it). ``w13`` feeds two canonical tensors; it is read (and dequantised)
-once and dropped after its second use.
+then ``Interleave`` read it). Each expert's tensors are read (and dequantised) from its own slice
+of the stacked ones, so a conversion holds one expert's weights at a time.
 
 Inkling-2 has no bos token (``bos_token`` null): the artifact stores ``bos_id`` null, which the
 tokenizer reads as "bos is eos" and nothing prepends.
@@ -27,9 +27,8 @@ tokenizer reads as "bos is eos" and nothing prepends.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
@@ -124,31 +123,32 @@ def _check_source(hf: HFDir, name: str, shape: tuple[int, ...], fmt: Format) -> 
 
 @dataclass
 class _Reader:
-    """Produces each checkpoint tensor, dequantised to float32 when stored quantised; a tensor
-    that feeds several canonical ones (``w13``: gate and up) is read once, kept until its last use."""
+    """Produces each checkpoint tensor, dequantised to float32 when stored quantised; an expert's
+    canonical tensor from that expert's slice of the stacked ones (and its companions') alone."""
 
     hf: HFDir
     formats: dict[str, Format]
-    uses: Counter[str]
-    _kept: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def produce(self, name: str, transform: Transform) -> torch.Tensor:
-        tensor = self._kept.pop(name, None)
-        if tensor is None:
-            tensor = self._read(name)
-        self.uses[name] -= 1
-        if self.uses[name] > 0:
-            self._kept[name] = tensor
-        return transform(tensor)
+        if transform.expert is None:
+            return transform(self._read(name, None))
+        return transform.expert_slice(self._read(name, transform.expert)[0])
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, expert: int | None) -> torch.Tensor:
+        """Tensor ``name``, or expert ``expert``'s slice of it ``[1, ...]``, in float32 when quantised."""
+        def fetch(key: str) -> torch.Tensor:
+            if expert is None:
+                return self.hf.tensor(key)
+            stacked = self.hf.tensors[key].shape[:1] not in ((), (1,))  # (a factor may be one value for all)
+            return self.hf.rows(key, expert, expert + 1) if stacked else self.hf.tensor(key)
+
         fmt = self.formats.get(name, "plain")
         if fmt == "nvfp4":
-            codes, scale, amax, denominator = (self.hf.tensor(name + suffix) for suffix in ("", *_NVFP4))
+            codes, scale, amax, denominator = (fetch(name + suffix) for suffix in ("", *_NVFP4))
             return dequantize_nvfp4(name, codes, scale, amax, denominator, torch.float32)
         if fmt == "mxfp8":
-            return dequantize_mxfp8(name, self.hf.tensor(name), self.hf.tensor(name + "_scale"), torch.float32)
-        return self.hf.tensor(name)
+            return dequantize_mxfp8(name, fetch(name), fetch(name + "_scale"), torch.float32)
+        return fetch(name)
 
 
 def inkling2_plan(hf: HFDir, config: Inkling2Config) -> list[PlannedTensor]:
@@ -165,7 +165,7 @@ def inkling2_plan(hf: HFDir, config: Inkling2Config) -> list[PlannedTensor]:
     check_names(hf, used, [name for name in hf.tensors if name not in used and _is_vision(name)], "Inkling-2")
     for name, transform in dict(sources.values()).items():
         _check_source(hf, name, transform.source_shape, formats.get(name, "plain"))
-    reader = _Reader(hf, formats, Counter(name for name, _ in sources.values()))
+    reader = _Reader(hf, formats)
     return [PlannedTensor(canon, shape, partial(reader.produce, *sources[canon])) for canon, shape in expected.items()]
 
 

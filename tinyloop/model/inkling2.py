@@ -1024,13 +1024,20 @@ class Inkling2LM(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class Transform:
-    """How a checkpoint tensor of ``source_shape`` becomes a canonical one."""
+    """How a checkpoint tensor of ``source_shape`` becomes a canonical one: ``op`` of it, or with
+    ``expert`` set, ``op`` of that expert's slice of a stacked ``[E, ...]`` tensor (which a reader
+    may fetch alone: ``expert_slice``)."""
 
     source_shape: tuple[int, ...]
     op: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    expert: int | None = None
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.op(tensor)
+        return self.op(tensor if self.expert is None else tensor[self.expert])
+
+    def expert_slice(self, expert_tensor: torch.Tensor) -> torch.Tensor:
+        """The canonical tensor from the expert's own slice ``[...]`` of the stacked tensor."""
+        return self.op(expert_tensor)
 
 
 def _conv_taps(t: torch.Tensor) -> torch.Tensor:
@@ -1038,14 +1045,13 @@ def _conv_taps(t: torch.Tensor) -> torch.Tensor:
     return t[:, 0].flip(-1).T.contiguous()
 
 
-def _gate_up(expert: int, t: torch.Tensor) -> torch.Tensor:
-    """Expert ``expert``'s ``[gate; up]`` ``[2I, H]`` from ``w13`` ``[E, 2I, H]`` (rows interleaved)."""
-    return torch.cat([t[expert, 0::2], t[expert, 1::2]]).contiguous()
+def _gate_up(t: torch.Tensor) -> torch.Tensor:
+    """An expert's ``[gate; up]`` ``[2I, H]`` from its ``w13`` rows ``[2I, H]`` (interleaved)."""
+    return torch.cat([t[0::2], t[1::2]]).contiguous()
 
 
-def _expert_row(expert: int, t: torch.Tensor) -> torch.Tensor:
-    """Expert ``expert``'s matrix of a stacked ``[E, ...]`` tensor."""
-    return t[expert].contiguous()
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous()
 
 
 def _row(t: torch.Tensor) -> torch.Tensor:
@@ -1091,9 +1097,9 @@ def _layer_map(config: Inkling2Config, i: int) -> dict[str, tuple[str, Transform
     w13 = (e, 2 * inter, h)  # gate and up rows interleaved: 2j is gate j, 2j + 1 is up j
     for x in range(e):
         out[dst + f"moe.experts.{x}.gate_up.weight"] = (src + "mlp.experts.w13_weight",
-                                                        Transform(w13, partial(_gate_up, x)))
+                                                        Transform(w13, _gate_up, expert=x))
         out[dst + f"moe.experts.{x}.down.weight"] = (src + "mlp.experts.w2_weight",
-                                                     Transform((e, h, inter), partial(_expert_row, x)))
+                                                     Transform((e, h, inter), _contiguous, expert=x))
     queries = "model.llm.attn_res."
     out[dst + "mlp_input.query"] = (f"{queries}mlp_queries.{i}", Transform((h,), _row))
     if i > 0:  # attn_queries.{j} belong to layer j + 1: layer 0 reads its input as is
