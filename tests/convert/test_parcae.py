@@ -296,3 +296,19 @@ def test_weight_only_modes_and_self_speculation_serve_it(tmp_path: Path, referen
     request = GenerationRequest(prompt_tokens=tuple(ids), loops=8, max_tokens=8, mode="speculative",
                                 sampling=SamplingParams(temperature=0.0, ignore_eos=True))
     assert list(engine.generate(request).tokens) == plain
+
+
+@pytest.mark.parametrize("kind", ["latent_diff", "kl"])
+def test_stop_rules_run_on_its_state_and_coda(engine: Engine, reference: dict[str, torch.Tensor], kind: str) -> None:
+    """A stop rule reads the raw state (latent_diff) or runs the projection C, the coda and the
+    head at each check (kl); with a threshold no step can miss, every decoded token stops at its
+    first check (``min_loops``), and the tokens stay in the vocabulary."""
+    from tinyloop.requests import GenerationRequest, SamplingParams
+    from tinyloop.vocabulary import ExitRule
+
+    ids = tuple(reference["input_ids"][0].tolist())
+    rule = ExitRule.of(kind, threshold=1e9, min_loops=2)
+    out = engine.generate(GenerationRequest(prompt_tokens=ids, loops=8, max_tokens=4, exit=rule,
+                                            sampling=SamplingParams(temperature=0.0, ignore_eos=True)))
+    assert len(out.tokens) == 4 and max(out.tokens) < engine.tokenizer.vocab_size
+    assert out.mean_loops == pytest.approx((8 + 3 * 2) / 4)  # the prompt's last token runs all 8
