@@ -92,7 +92,7 @@ async def test_killing_a_replica_loses_only_its_in_flight_streams(cluster: Clust
         assert all(outcome[i].startswith("broken") for i in on_victim), outcome
         async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as client:
             for i in range(6):  # new conversations, some of which hashed to the dead replica
-                body = {"prompt": f"After the kill {i}: {PREFIX[:200]}", "max_tokens": 4}
+                body = {"prompt": f"After the kill {i}: {PREFIX[:200]}", "max_tokens": 4, "ignore_eos": True}
                 resp = await client.post("/v1/completions", json=body)
                 assert resp.status_code == 200, resp.text
                 assert resp.headers[REPLICA] != victim
