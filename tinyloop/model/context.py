@@ -307,7 +307,7 @@ class PagedContext:
 
     def field_width(self, name: str) -> int:
         """The width of a row of field ``name``."""
-        return int(self.pool.store.read(name, torch.zeros(0, dtype=torch.long, device=self.pool.device)).shape[-1])
+        return self.pool.store.row_shapes[name][-1]
 
     def copy_new(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy what the new tokens of ``rows`` stored (K and V, or h) from slot ``src`` to slot

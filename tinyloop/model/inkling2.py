@@ -81,6 +81,7 @@ from torch import nn
 
 from tinyloop.errors import ConfigError, RequestError
 from tinyloop.model.config import ModelConfig
+from tinyloop.model.looped import ForwardOutput
 
 __all__ = ["MAX_PASSES", "MAX_PARAMETERS", "Inkling2Cache", "Inkling2Config", "Inkling2LM", "Transform",
            "inkling2_tensor_map", "load_inkling2"]
@@ -494,7 +495,7 @@ class _PagedMemory:
         return self.cache[full]
 
     def _store(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        width = self.shared(("width", name), partial(self.ctx.field_width, name))
+        width = self.ctx.field_width(name)
         return _cast(F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x, self.dtype)
 
     def conv_context(self, slot: str, x: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -918,8 +919,6 @@ class Inkling2LM(nn.Module):
         verify forward writes every slot of those positions again), K, V and the convolutions'
         inputs in the context's pool (``PagedContext``): a ``ForwardOutput`` whose logits are
         ``[B, T', vocab_size]`` (rows past the head's ``unpadded_vocab_size`` -inf)."""
-        from tinyloop.model.looped import ForwardOutput
-
         cfg, c, n_tok = self.arch, self.config, tokens.shape[1]
         loops = [spec.loops for spec in specs]
         laid_out = [spec.kv_loops or spec.loops for spec in specs]

@@ -173,6 +173,7 @@ class KVStore:
         else:
             self.dtype = dtype
             shapes = {"k": (config.kv_heads, config.head_dim), "v": (config.kv_heads, config.head_dim)}
+        self.row_shapes = shapes  # each field's shape of a row
         self.fields: dict[str, Buffer] = {
             name: (Int4Buffer(rows, shape, mode.group(shape[-1]), device) if mode.int4
                    else PlainBuffer(rows, shape, self.dtype, device))
