@@ -44,7 +44,7 @@ log = logging.getLogger("tinyloop.cpu")
 
 SOURCE = Path(__file__).resolve().parent / "kernels.c"
 # Every source the library is built from (SOURCE first), and the header they share.
-SOURCES = (SOURCE, SOURCE.with_name("qmatmul.c"), SOURCE.with_name("block.c"))
+SOURCES = (SOURCE, SOURCE.with_name("qmatmul.c"), SOURCE.with_name("block.c"), SOURCE.with_name("inkling2.c"))
 HEADERS = (SOURCE.with_name("kernels.h"),)
 # -march=native: the host's vector units (AVX-512 here); the cache key holds the CPU's flags.
 # -fopenmp-simd: the `omp simd` reductions vectorise without -ffast-math (same IEEE maths).
@@ -84,6 +84,15 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_residual_norm", None, [_P] * 4 + [_I] * 3 + [_F] + [_P] * 2),
     ("tl_causal_attention", ctypes.c_int, [_P] * 6 + [_I] * 5 + [_F, _P]),
     ("tl_decode_stack", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _P]),
+    # inkling2.c (``tinyloop.cpu.inkling2``)
+    ("tl_ink_attend_states", None, [_P] + [_I] * 4 + [_P, _I, _F, _P, _I, _F, _P]),
+    ("tl_ink_controller", None, [_P, _I, _P] + [_I] * 4 + [_P] * 3 + [_F, _P, _F, _P, _P]),
+    ("tl_ink_short_conv", None, [_P, _I, _P] + [_I] * 6 + [_P, _P, _I, _I, _F, _I, _I, _F, _P, _P]),
+    ("tl_ink_decode_attention", ctypes.c_int, [_P, _I, _P, _P, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _P, _I, _I]
+     + [_P] * 3 + [_I] * 7 + [_F] * 4 + [_P]),
+    ("tl_ink_route", None, [_P] + [_I] * 3 + [_P, _P, _I, _I, _F] + [_P] * 6),
+    ("tl_ink_activation", None, [_P, _I, _I, _F, _F, _P]),
+    ("tl_ink_combine", None, [_P] * 3 + [_I] * 3 + [_P]),
 ]
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or "error": why not

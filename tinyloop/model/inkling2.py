@@ -79,6 +79,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from tinyloop.cpu import inkling2 as native_ops
 from tinyloop.errors import ConfigError, RequestError
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.looped import ForwardOutput
@@ -90,6 +91,9 @@ MAX_PASSES = 64  # passes per forward: a bound on the work and the per-pass KV, 
 MAX_PARAMETERS = 1 << 38  # the text model's parameter count, checked before anything is allocated
 _RES_EPS = 1e-6  # the attention residuals' RMS norm ignores rms_norm_eps in the reference
 _CLIP_EPS = 1e-6
+# Whether the engine's forward may run a decode step's per-token maths in C (``tinyloop.cpu.inkling2``)
+# where the kernels' library loads: tests turn it off to compare against the torch ops.
+NATIVE = [True]
 _SLIDING, _FULL = "hybrid_sliding", "hybrid"
 
 # config.json key -> inclusive bounds
@@ -401,6 +405,7 @@ class LayerMemory(Protocol):
     paged KV pool (``tinyloop.model.context.PagedContext``)."""
 
     positions: torch.Tensor  # [B, T] the new tokens' positions
+    native: bool  # whether a decode step may run in C (``_Layer._native_forward``; ``_PagedMemory`` only)
 
     def conv_context(self, slot: str, x: torch.Tensor, kernel: int) -> torch.Tensor:
         """``x`` ``[B, T, C]`` after the ``kernel - 1`` inputs before it of the convolution
@@ -420,6 +425,10 @@ class LayerMemory(Protocol):
         call (what depends only on the positions)."""
         ...
 
+    def flush(self) -> None:
+        """Store what the layer instance kept and has not stored yet (at its end)."""
+        ...
+
 
 @dataclass
 class _CacheMemory:
@@ -427,6 +436,7 @@ class _CacheMemory:
 
     state: _LayerState
     positions: torch.Tensor
+    native: bool = False
 
     def conv_context(self, slot: str, x: torch.Tensor, kernel: int) -> torch.Tensor:
         batch, _, channels = x.shape
@@ -450,6 +460,9 @@ class _CacheMemory:
 
     def shared(self, key: Hashable, make: Callable[[], Any]) -> Any:
         return make()  # (the layers' caches may keep different key ranges)
+
+    def flush(self) -> None:
+        """Nothing waits: ``conv_context`` and ``attend_keys`` keep at once."""
 
 
 # the pool's field for each convolution's inputs (``KVStore``'s Inkling-2 fields)
@@ -486,7 +499,9 @@ class _PagedMemory:
     positions: torch.Tensor  # [R, T]
     dtype: torch.dtype  # the pool's
     cache: dict[Hashable, Any]  # what ``shared`` made, for every layer instance of one call
+    native: bool = False
     _tails: dict[str, torch.Tensor] | None = None  # the four convolutions' inputs before this call
+    _pending: dict[str, torch.Tensor] = field(default_factory=dict)  # fields kept, not yet written
 
     def shared(self, key: Hashable, make: Callable[[], Any]) -> Any:
         full = (key, None if self.rows is None else id(self.rows))
@@ -498,26 +513,50 @@ class _PagedMemory:
         width = self.ctx.field_width(name)
         return _cast(F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x, self.dtype)
 
-    def conv_context(self, slot: str, x: torch.Tensor, kernel: int) -> torch.Tensor:
-        name, channels = _CONV_FIELDS[slot], x.shape[-1]
+    def conv_tail(self, slot: str, kernel: int) -> torch.Tensor:
+        """The ``kernel - 1`` inputs of convolution ``slot`` before this call's tokens ``[R, K-1,
+        W]`` (W the pool field's width, at least the convolution's), in the pool's dtype."""
         if self._tails is None:  # the layer's four at once (one kernel size): one pool-row lookup
-            before = self.positions[:, :1] + torch.arange(1 - kernel, 0, device=x.device)  # [R, K-1]
+            before = self.positions[:, :1] + torch.arange(1 - kernel, 0, device=self.positions.device)  # [R, K-1]
             names = list(_CONV_FIELDS.values())
             self._tails = dict(zip(names, self.ctx.gather(self.rows, self.slots, names, before), strict=True))
-        tail = self._tails[name]
+        return self._tails[_CONV_FIELDS[slot]]
+
+    def keep(self, slot: str, x: torch.Tensor) -> None:
+        """Keep ``x`` ``[R, T, C]``, convolution ``slot``'s inputs (stored with the K/V write, or by
+        ``flush``)."""
+        self._pending[_CONV_FIELDS[slot]] = self._store(_CONV_FIELDS[slot], x)
+
+    def conv_context(self, slot: str, x: torch.Tensor, kernel: int) -> torch.Tensor:
+        channels = x.shape[-1]
+        tail = self.conv_tail(slot, kernel)
         tail = _cast(tail if tail.shape[-1] == channels else tail[..., :channels], x.dtype)
-        self.ctx.write_fields(self.rows, self.slots, **{name: self._store(name, x)})
+        self.keep(slot, x)
         return torch.cat([tail, x], dim=1)
+
+    def flush(self) -> None:
+        if self._pending:
+            self.ctx.write_fields(self.rows, self.slots, **self._pending)
+            self._pending = {}
+
+    def attend_rows(self, k: torch.Tensor, v: torch.Tensor, keep: int | None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``attend_keys`` with the keys and values as the pool holds them: ``[R, L, W]`` each, in
+        the pool's dtype (W at least ``KVH * D``)."""
+        batch, length = k.shape[:2]
+        self._pending.update(k=self._store("k", k.reshape(batch, length, -1)),
+                             v=self._store("v", v.reshape(batch, length, -1)))
+        self.flush()
+        key_positions, visible, read = self.shared(("keys", keep), partial(self._key_range, keep, batch))
+        keys, values = self.ctx.gather(self.rows, self.slots, ("k", "v"), read)
+        return keys, values, key_positions, visible
 
     def attend_keys(self, k: torch.Tensor, v: torch.Tensor,
                     keep: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, length, kv_heads, dim = k.shape
-        self.ctx.write_fields(self.rows, self.slots, k=self._store("k", k.reshape(batch, length, -1)),
-                              v=self._store("v", v.reshape(batch, length, -1)))
-        key_positions, visible, read = self.shared(("keys", keep), partial(self._key_range, keep, batch))
+        keys, values, key_positions, visible = self.attend_rows(k, v, keep)
         keys, values = (_cast(t if t.shape[-1] == kv_heads * dim else t[..., :kv_heads * dim], k.dtype)
-                        .view(batch, -1, kv_heads, dim).transpose(1, 2)
-                        for t in self.ctx.gather(self.rows, self.slots, ("k", "v"), read))
+                        .view(batch, -1, kv_heads, dim).transpose(1, 2) for t in (keys, values))
         return keys, values, key_positions, visible
 
     def _key_range(self, keep: int | None, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -574,6 +613,15 @@ class _Controller(nn.Module):
         h, message = _f32(h), _f32(message)
         low = self.down(torch.cat([_rms(h, self.eps), _rms(message, self.eps)], dim=-1))
         return (1 - torch.tanh(self.forget(low))) * h + torch.tanh(self.message(low)) * message
+
+    def normed(self, h: torch.Tensor, message: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``_weighted_rms(self(h, message), weight, eps)`` in one C call where the three
+        projections are float32 linears (not quantised), else through torch."""
+        layers = (self.down, self.forget, self.message)
+        if all(type(layer) is nn.Linear and layer.weight.dtype == torch.float32 for layer in layers):
+            return native_ops.controller(h, message, self.down.weight, self.forget.weight, self.message.weight,
+                                         self.eps, weight, eps)
+        return _weighted_rms(self(h, message), weight, eps)
 
 
 class _ShortConv(nn.Module):
@@ -664,6 +712,29 @@ class _Attention(nn.Module):
         projected: torch.Tensor = self.wo(out * torch.sigmoid(_f32(self.wg(xq))))
         return projected
 
+    def decode(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, memory: _PagedMemory) -> torch.Tensor:
+        """``forward`` for one new token a row (``[B, 1, hidden]`` each) with the per-token maths in
+        C (``native_ops``): the projections through torch, the convolutions (with k's clip and v's
+        norm) and the attention after them one call each."""
+        cfg, batch = self.config, xq.shape[0]
+        k_in, v_in = _f32(self.wk(xk)), _f32(self.wv(xv))
+        convs = []
+        for conv, x, src, slot in ((self.k_conv, k_in, xk, "k"), (self.v_conv, v_in, xv, "v")):
+            dynamic = None if conv.dynamic is None else _f32(conv.dynamic(src))
+            convs.append(native_ops.short_conv(
+                x, memory.conv_tail(slot, conv.kernel), _f32(conv.weight), conv.denominator, dynamic, conv.heads,
+                "clip" if slot == "k" else "rms", self.dim, cfg.qk_clip if slot == "k" else cfg.norm_eps))
+            memory.keep(slot, x)
+        keys, values, key_positions, visible = memory.attend_rows(
+            convs[0], convs[1], cfg.window - 1 if self.sliding else None)
+        out = native_ops.decode_attention(
+            _f32(self.wq(xq)), _f32(self.q_scale), _f32(self.wr(xq)), _f32(self.rel_scale), _f32(self.rel_proj),
+            _f32(self.sink(xq)), _f32(self.wg(xq)), keys, values, key_positions, visible[:, 0],
+            memory.positions[:, 0], self.kv_heads, cfg.window if self.sliding else 0,
+            None if self.sliding else (cfg.log_alpha, float(cfg.log_floor)), cfg.qk_clip, cfg.rel_clip)
+        projected: torch.Tensor = self.wo(out.view(batch, 1, -1))
+        return projected
+
     def _geometry(self, positions: torch.Tensor, key_positions: torch.Tensor,
                   visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What depends only on where the queries and keys sit (the same for every layer of this
@@ -741,13 +812,28 @@ class _MoE(nn.Module):
         out.index_add_(0, tokens, _f32(down) * token_weights[:, None])
         return out.reshape(shape)
 
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` of float32 ``x`` with the routing, the activation and the recombination in C
+        (``native_ops``); the experts' products through torch as there."""
+        shape = x.shape
+        cfg = self.config
+        picked, tokens, weights, counts = native_ops.route(x.reshape(-1, shape[-1]), _f32(self.router_weight),
+                                                       _f32(self.router_bias), cfg.top_k, cfg.route_scale)
+        per_expert = counts.tolist()
+        spans = [(e, end - count, end) for e, (count, end) in enumerate(zip(per_expert, accumulate(per_expert)))
+                 if count]
+        gate_up = _f32(self._grouped(picked, spans, "gate_up", 2 * self.inter))
+        down = self._grouped(native_ops.activation(gate_up, cfg.gate_softcap, cfg.up_softcap), spans, "down", shape[-1])
+        return native_ops.combine(_f32(down), tokens, weights, picked.shape[0] // cfg.top_k).view(shape)
+
     def _grouped(self, x: torch.Tensor, spans: list[tuple[int, int, int]], name: str, width: int) -> torch.Tensor:
         """``[N, width]``: the rows ``start:end`` of ``x`` through expert ``e``'s ``name`` projection
         for each ``(e, start, end)``; a plain linear writes its rows in place (no per-expert copy)
         unless autograd is on (``out=`` products are not differentiable)."""
         out, direct = x.new_empty(x.shape[0], width), not torch.is_grad_enabled()
+        experts = list(self.experts)
         for expert, start, end in spans:
-            layer = getattr(self.experts[expert], name)
+            layer = cast(nn.Module, experts[expert]._modules[name])
             if direct and type(layer) is nn.Linear:
                 torch.mm(x[start:end], layer.weight.t(), out=out[start:end])
             else:
@@ -800,6 +886,8 @@ class _Layer(nn.Module):
         """The next hidden state; ``blocks`` the block states before this layer, ``messages``
         ``[B, T, 4, H]`` (q, k, v, MLP) from the previous pass or None, ``memory`` this layer
         instance's K/V and convolution inputs."""
+        if memory.native and h.shape[1] == 1 and h.dtype == torch.float32:
+            return self._decode(h, blocks, messages, cast(_PagedMemory, memory))
         xq, xk, xv = self._attention_inputs(h, blocks, messages)
         out: torch.Tensor = self.attn_conv(self.attn(xq, xk, xv, memory), memory, "attn")
         if self.boundary:
@@ -811,7 +899,61 @@ class _Layer(nn.Module):
             x = self._gate("mlp", x, messages[..., 3, :])
         y: torch.Tensor = self.mlp_conv(self.moe(_weighted_rms(x, self.mlp_norm, self.config.norm_eps)), memory,
                                         "mlp")
+        memory.flush()
         return _cast(residual + y, h.dtype)
+
+    def _decode(self, h: torch.Tensor, blocks: list[torch.Tensor], messages: torch.Tensor | None,
+                memory: _PagedMemory) -> torch.Tensor:
+        """``forward`` of one new token a row (float32) with its per-token maths in C (``native_ops``,
+        ``tinyloop.cpu.inkling2``): the same steps, each norm folded into the step before it."""
+        eps = self.config.norm_eps
+        xq, xk, xv = self._attention_inputs_native(h, blocks, messages)
+        attn = self.attn.decode(xq, xk, xv, memory)
+        conv = self.attn_conv
+        out = native_ops.short_conv(attn, memory.conv_tail("attn", conv.kernel), _f32(conv.weight), conv.denominator,
+                                residual=None if self.boundary else h)
+        memory.keep("attn", attn)
+        residual = out
+        if self.boundary:
+            blocks = [*blocks, h]
+        states = torch.stack([*blocks, residual], dim=-2)
+        if messages is None:
+            x = native_ops.attend_states(states, self.mlp_input.query, _RES_EPS, self.mlp_norm, eps)[..., 0, :]
+        else:
+            mixed = native_ops.attend_states(states, self.mlp_input.query, _RES_EPS)[..., 0, :]
+            x = self._controller("mlp").normed(mixed, messages[..., 3, :], self.mlp_norm, eps)
+        y = self.moe.decode(x)
+        conv = self.mlp_conv
+        out = native_ops.short_conv(y, memory.conv_tail("mlp", conv.kernel), _f32(conv.weight), conv.denominator,
+                                residual=residual)
+        memory.keep("mlp", y)
+        memory.flush()
+        return out
+
+    def _attention_inputs_native(self, h: torch.Tensor, blocks: list[torch.Tensor], messages: torch.Tensor | None,
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_attention_inputs`` through ``native``'s attention residual and controllers."""
+        eps = self.config.norm_eps
+        norms: list[torch.Tensor] = [self.attn_norm] * 3 if self.sliding else [self.norm_q, self.norm_k, self.norm_v]
+        if self.attn_input is None:  # layer 0 reads its input as is (and has no messages)
+            x = _weighted_rms(h, norms[0], eps)
+            return (x, x, x) if self.sliding else (x, _weighted_rms(h, norms[1], eps), _weighted_rms(h, norms[2], eps))
+        states = torch.stack([*blocks, h], dim=-2)
+        query = self.attn_input.query
+        if messages is None:
+            if self.sliding:
+                x = native_ops.attend_states(states, query, _RES_EPS, norms[0], eps)[..., 0, :]
+                return x, x, x
+            xq, xk, xv = native_ops.attend_states(states, query, _RES_EPS, torch.stack(norms), eps).unbind(-2)
+            return xq, xk, xv
+        mixed = native_ops.attend_states(states, query, _RES_EPS).unbind(-2) * (3 if self.sliding else 1)
+        xq, xk, xv = (self._controller(name).normed(x, messages[..., i, :], norm, eps)
+                      for i, (name, x, norm) in enumerate(zip("qkv", mixed, norms)))
+        return xq, xk, xv
+
+    def _controller(self, name: str) -> _Controller:
+        assert self.gates is not None
+        return cast(_Controller, self.gates[name])
 
     def _attention_inputs(self, h: torch.Tensor, blocks: list[torch.Tensor],
                           messages: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -934,6 +1076,7 @@ class Inkling2LM(nn.Module):
         dtype = ctx.pool.store.dtype
         coda = torch.tensor([c.n_prelude + n * c.n_core for n in laid_out], dtype=torch.long, device=dev)
         shared: dict[Hashable, Any] = {}  # the masks every layer of a kind shares (``LayerMemory.shared``)
+        use_native = NATIVE[0] and n_tok == 1 and dtype == torch.float32 and dev.type == "cpu" and native_ops.usable()
 
         def memory(layer: int, pass_index: int, rows: torch.Tensor | None) -> LayerMemory:
             if layer < cfg.loop_start:
@@ -942,7 +1085,8 @@ class Inkling2LM(nn.Module):
                 slots = c.n_prelude + pass_index * c.n_core + layer - cfg.loop_start
             else:
                 slots = (coda if rows is None else coda[rows]) + layer - cfg.loop_end
-            return _PagedMemory(ctx, rows, slots, positions if rows is None else positions[rows], dtype, shared)
+            return _PagedMemory(ctx, rows, slots, positions if rows is None else positions[rows], dtype, shared,
+                                use_native)
 
         h, blocks = self._layers(tokens, loops, memory)
         if last_only:
@@ -992,17 +1136,23 @@ class Inkling2LM(nn.Module):
         """``layers`` in order from ``h`` and ``blocks`` (of ``rows``, None: all); ``previous`` the
         last pass's in-core block states and output, for the messages of a core pass after the first."""
         for layer in layers:
-            messages = None if previous is None else self._messages(layer - self.arch.loop_start, *previous)
-            new_h = self.layers[layer](h, blocks, messages, memory(layer, pass_index, rows))
+            mem = memory(layer, pass_index, rows)
+            messages = None if previous is None else self._messages(layer - self.arch.loop_start, *previous,
+                                                                    native=mem.native and h.dtype == torch.float32)
+            new_h = self.layers[layer](h, blocks, messages, mem)
             if self.arch.is_boundary(layer):
                 blocks = [*blocks, h]
             h = new_h
         return h, blocks
 
-    def _messages(self, core_layer: int, blocks: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        """``[B, T, 4, H]``: core layer ``core_layer``'s q, k, v and MLP queries over ``blocks`` and ``h``."""
+    def _messages(self, core_layer: int, blocks: list[torch.Tensor], h: torch.Tensor,
+                  native: bool = False) -> torch.Tensor:
+        """``[B, T, 4, H]``: core layer ``core_layer``'s q, k, v and MLP queries over ``blocks`` and
+        ``h`` (in C where ``native``)."""
         q_mlp, kv = self.q_mlp_messages[core_layer], self.kv_messages[core_layer]
         queries = torch.stack([q_mlp[0], kv[0], kv[1], q_mlp[1]])
+        if native:
+            return native_ops.attend_states(torch.stack([*blocks, h], dim=-2), queries, _RES_EPS)
         return _attend_states(queries, torch.stack([*blocks, h], dim=-2))
 
     def _check(self, input_ids: torch.Tensor, cache: Inkling2Cache, passes: int) -> None:
