@@ -60,8 +60,11 @@ def test_controller_is_the_torch_controller(rows: int, h: int, rank: int) -> Non
     with torch.no_grad():
         want = _weighted_rms(ctl(x, messages[..., 2, :]), weight, 1e-5)
         _close(ctl.normed(x, messages[..., 2, :], weight, 1e-5), want)
-        _close(native.controller(x, messages[..., 2, :], ctl.down.weight, ctl.forget.weight, ctl.message.weight,
-                                 1e-6, weight, 1e-5), want)
+        _close(native.controller(x, messages[..., 2, :], ctl.down.weight, ctl.forget.weight.t(),
+                                 ctl.message.weight.t(), 1e-6, weight, 1e-5), want)
+        ctl.forget.weight.mul_(2)  # changed weights: transposed again
+        _close(ctl.normed(x, messages[..., 2, :], weight, 1e-5),
+               _weighted_rms(ctl(x, messages[..., 2, :]), weight, 1e-5))
 
 
 class _Tail:

@@ -13,7 +13,6 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "kernels.h"
 
@@ -22,7 +21,7 @@
  * rest with ln 2 split in two, within 2 ulp of libm's over the range; below -87.3 it is 0. */
 static inline float vexp(float x) {
     const float clamped = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-    const float n = floorf(clamped * 1.44269504088896341f + 0.5f);
+    const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* rounded (1.5 * 2^23) */
     const float r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -31,10 +30,8 @@ static inline float vexp(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = (p * r) * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < -87.3f ? 0.0f : p * scale;
+    const union { int32_t i; float f; } scale = {((int32_t)n + 127) << 23}; /* 2^n */
+    return x < -87.3f ? 0.0f : p * scale.f;
 }
 
 /* tanh from vexp: sign(x) (1 - e) / (1 + e), e = exp(-2|x|) (absolute error ~1e-7 near 0). */
@@ -106,10 +103,11 @@ void tl_ink_attend_states(const float *states, int64_t ld, int64_t R, int64_t N,
 
 /* ``_Controller`` then, where `w` is given, ``_weighted_rms(., w, w_eps)``: per row,
  * low = down [rank, 2H] . [rms(h); rms(m)], out = (1 - tanh(forget . low)) h + tanh(message . low) m
- * (forget, message [H, rank]). h and m rows are ld_h and ld_m apart; out [R, H]; gains [H] scratch.
+ * (forget_t, message_t: the two [H, rank] weights transposed, [rank, H]). h and m rows are ld_h
+ * and ld_m apart; out [R, H]; gains [H] scratch.
  * rank <= 256. */
 void tl_ink_controller(const float *h, int64_t ld_h, const float *m, int64_t ld_m, int64_t R, int64_t H,
-                       int64_t rank, const float *down, const float *forget, const float *message, float eps,
+                       int64_t rank, const float *down, const float *forget_t, const float *message_t, float eps,
                        const float *w, float w_eps, float *gains, float *out) {
     float low[256];
     for (int64_t r = 0; r < R; ++r) {
@@ -126,16 +124,14 @@ void tl_ink_controller(const float *h, int64_t ld_h, const float *m, int64_t ld_
             low[k] = a + b;
         }
         float *o = out + r * H;
-        for (int64_t i = 0; i < H; ++i) {
-            const float *f = forget + i * rank, *g = message + i * rank;
-            float a = 0.0f, b = 0.0f;
-#pragma omp simd reduction(+ : a, b)
-            for (int64_t k = 0; k < rank; ++k) {
-                a += f[k] * low[k];
-                b += g[k] * low[k];
+        for (int64_t i = 0; i < H; ++i) o[i] = gains[i] = 0.0f;
+        for (int64_t k = 0; k < rank; ++k) {
+            const float *f = forget_t + k * H, *g = message_t + k * H, l = low[k];
+#pragma omp simd
+            for (int64_t i = 0; i < H; ++i) {
+                o[i] += f[i] * l;
+                gains[i] += g[i] * l;
             }
-            o[i] = a;
-            gains[i] = b;
         }
 #pragma omp simd
         for (int64_t i = 0; i < H; ++i) o[i] = (1.0f - vtanh(o[i])) * hr[i] + vtanh(gains[i]) * mr[i];

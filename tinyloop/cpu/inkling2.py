@@ -6,6 +6,8 @@ attention after its projections, and the experts' routing, activation and recomb
 tensors are float32 (``usable``); each function here is the torch code it replaces there, which
 the tests check it against on random shapes. Every tensor is float32 on the CPU; a row-strided
 input (a slice of a wider projection's output) is read in place. The callers check shapes.
+Every tensor whose address a kernel gets is held by a name until the call returns (a temporary's
+``.contiguous().data_ptr()`` would be freed first).
 """
 
 from __future__ import annotations
@@ -57,20 +59,23 @@ def attend_states(states: torch.Tensor, queries: torch.Tensor, eps: float, weigh
     return out
 
 
-def controller(h: torch.Tensor, message: torch.Tensor, down: torch.Tensor, forget: torch.Tensor,
-               gain: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
+def controller(h: torch.Tensor, message: torch.Tensor, down: torch.Tensor, forget_t: torch.Tensor,
+               gain_t: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
                weight_eps: float = 0.0) -> torch.Tensor:
-    """``_Controller`` (``down`` ``[rank, 2H]``, ``forget`` and ``gain`` ``[H, rank]``) of h and
-    message ``[..., H]``, then ``_weighted_rms`` by ``weight`` ``[H]`` where given."""
+    """``_Controller`` (``down`` ``[rank, 2H]``; ``forget_t`` and ``gain_t`` its ``[H, rank]``
+    weights transposed, ``[rank, H]``) of h and message ``[..., H]``, then ``_weighted_rms`` by
+    ``weight`` ``[H]`` where given."""
     hr, ld_h = _rows(h)
     mr, ld_m = _rows(message)
-    rank, width = forget.shape[1], h.shape[-1]
+    # (each contiguous copy held by a name: a temporary would be freed before the call reads it)
+    down, forget_t, gain_t = down.contiguous(), forget_t.contiguous(), gain_t.contiguous()
+    weight = None if weight is None else weight.contiguous()
+    rank, width = forget_t.shape[0], h.shape[-1]
     out = torch.empty(h.shape, dtype=torch.float32)
     gains = torch.empty(width, dtype=torch.float32)
     kernels.load().tl_ink_controller(hr.data_ptr(), ld_h, mr.data_ptr(), ld_m, hr.shape[0], width, rank,
-                                     down.contiguous().data_ptr(), forget.contiguous().data_ptr(),
-                                     gain.contiguous().data_ptr(), eps,
-                                     None if weight is None else weight.contiguous().data_ptr(), weight_eps,
+                                     down.data_ptr(), forget_t.data_ptr(), gain_t.data_ptr(), eps,
+                                     None if weight is None else weight.data_ptr(), weight_eps,
                                      gains.data_ptr(), out.data_ptr())
     return out
 
@@ -92,10 +97,11 @@ def short_conv(x: torch.Tensor, tail: torch.Tensor, taps: torch.Tensor, denomina
         residual = residual.contiguous()
         if x.stride(0) != t * c:
             x = x.contiguous()
+    taps = taps.contiguous()
     out = torch.empty(r, t, c, dtype=torch.float32)
     kernels.load().tl_ink_short_conv(
         x.data_ptr(), x.stride(0) if r > 1 else t * c, tail.data_ptr(), tail.stride(0) if r > 1 else 0,
-        tail.stride(1) if k > 2 else tail.shape[-1], r, t, c, k, taps.contiguous().data_ptr(),
+        tail.stride(1) if k > 2 else tail.shape[-1], r, t, c, k, taps.data_ptr(),
         None if dynamic is None else dynamic.data_ptr(), 0 if dynamic is None or r == 1 else dynamic.stride(0), heads,
         denominator, {None: 0, "clip": 1, "rms": 2}[post], group or c, post_value,
         None if residual is None else residual.data_ptr(), out.data_ptr())
@@ -126,11 +132,12 @@ def decode_attention(q: torch.Tensor, q_scale: torch.Tensor, rel: torch.Tensor, 
     key_positions = key_positions.contiguous()
     visible = visible.contiguous()
     positions = positions.contiguous()
+    q_scale, rel_scale, rel_proj = q_scale.contiguous(), rel_scale.contiguous(), rel_proj.contiguous()
     out = torch.empty(r, hq * d, dtype=torch.float32)
     alpha, floor = log_scale if log_scale is not None else (0.0, 1.0)
     code = kernels.load().tl_ink_decode_attention(
-        qr.data_ptr(), ld_q, q_scale.contiguous().data_ptr(), relr.data_ptr(), ld_rel,
-        rel_scale.contiguous().data_ptr(), rel_proj.contiguous().data_ptr(), dr, extent, sinkr.data_ptr(), ld_sink,
+        qr.data_ptr(), ld_q, q_scale.data_ptr(), relr.data_ptr(), ld_rel, rel_scale.data_ptr(), rel_proj.data_ptr(),
+        dr, extent, sinkr.data_ptr(), ld_sink,
         gater.data_ptr(), ld_gate, keys.data_ptr(), values.data_ptr(), keys.stride(0) if r > 1 else 0,
         keys.stride(1) if n_keys > 1 else keys.shape[-1], key_positions.data_ptr(), visible.data_ptr(),
         positions.data_ptr(), r, n_keys, hq, kv_heads, d, window, int(log_scale is not None), alpha, float(floor),
@@ -155,7 +162,8 @@ def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int,
     counts = torch.empty(e, dtype=torch.int64)
     scratch = torch.empty(n * top_k, dtype=torch.int64)
     weight_scratch = torch.empty(n * top_k, dtype=torch.float32)
-    kernels.load().tl_ink_route(xr.data_ptr(), ld, n, h, router.contiguous().data_ptr(), bias.contiguous().data_ptr(),
+    router, bias = router.contiguous(), bias.contiguous()
+    kernels.load().tl_ink_route(xr.data_ptr(), ld, n, h, router.data_ptr(), bias.data_ptr(),
                                 e, top_k, scale, picked.data_ptr(), tokens.data_ptr(), weights.data_ptr(),
                                 counts.data_ptr(), scratch.data_ptr(), weight_scratch.data_ptr())
     return picked, tokens, weights, counts

@@ -608,6 +608,8 @@ class _Controller(nn.Module):
         self.down = nn.Linear(2 * hidden, rank, bias=False)
         self.forget = nn.Linear(rank, hidden, bias=False)
         self.message = nn.Linear(rank, hidden, bias=False)
+        # ``normed``'s copies of forget's and message's weights, transposed, and what they were made of
+        self._transposed: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, h: torch.Tensor, message: torch.Tensor) -> torch.Tensor:
         h, message = _f32(h), _f32(message)
@@ -619,7 +621,11 @@ class _Controller(nn.Module):
         projections are float32 linears (not quantised), else through torch."""
         layers = (self.down, self.forget, self.message)
         if all(type(layer) is nn.Linear and layer.weight.dtype == torch.float32 for layer in layers):
-            return native_ops.controller(h, message, self.down.weight, self.forget.weight, self.message.weight,
+            key = tuple((layer.weight.data_ptr(), layer.weight._version) for layer in layers)
+            if self._transposed is None or self._transposed[0] != key:  # (the weights changed: again)
+                self._transposed = key, self.forget.weight.detach().t().contiguous(), \
+                    self.message.weight.detach().t().contiguous()
+            return native_ops.controller(h, message, self.down.weight, self._transposed[1], self._transposed[2],
                                          self.eps, weight, eps)
         return _weighted_rms(self(h, message), weight, eps)
 
