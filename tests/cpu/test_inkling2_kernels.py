@@ -241,6 +241,18 @@ def test_the_engines_decode_in_c_is_its_decode_in_torch(tmp_path: Path, monkeypa
         _close(a[:, :n], b[:, :n], 1e-5)
 
 
+def test_an_engine_without_cpu_kernels_decodes_on_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "i.tinyloop"
+    convert(CHECKPOINTS / "inkling2-tiny", out)
+    engine = Engine.load(out, dtype=torch.float32, kv_cache_mb=4, cpu_kernels=False)
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the C steps ran with cpu_kernels=False")
+
+    monkeypatch.setattr(native, "decode_attention", refuse)
+    assert len(_decode_trace(engine, [[5, 6, 7]], [2], 2)) == 2
+
+
 def test_vexp_covers_the_softmax_range() -> None:
     """The kernels' exp (inside the activation's sigmoid and tanh) against torch's over the
     range the maths reaches, extremes included."""

@@ -80,6 +80,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tinyloop.cpu import inkling2 as native_ops
+from tinyloop.cpu.backend import CPU
 from tinyloop.errors import ConfigError, RequestError
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.looped import ForwardOutput
@@ -92,7 +93,8 @@ MAX_PARAMETERS = 1 << 38  # the text model's parameter count, checked before any
 _RES_EPS = 1e-6  # the attention residuals' RMS norm ignores rms_norm_eps in the reference
 _CLIP_EPS = 1e-6
 # Whether the engine's forward may run a decode step's per-token maths in C (``tinyloop.cpu.inkling2``)
-# where the kernels' library loads: tests turn it off to compare against the torch ops.
+# where the engine put the model on its CPU kernels (``Engine(cpu_kernels=True)``, the default, and
+# the library built): tests turn it off to compare against the torch ops.
 NATIVE = [True]
 _SLIDING, _FULL = "hybrid_sliding", "hybrid"
 
@@ -1019,7 +1021,7 @@ class Inkling2LM(nn.Module):
         self.arch = config
         self.config = config.model_config()
         self.rope = _NoRope()
-        self.backend: Any = None  # the kernel backend the engine hands its models (unused: torch ops)
+        self.backend: Any = None  # the engine's kernel backend: ``cpu.backend.CPU`` lets decode run in C (NATIVE)
         self.embed = nn.Embedding(config.vocab_size, h)
         self.embed_norm = nn.Parameter(torch.ones(h))
         self.layers = nn.ModuleList(_Layer(config, i) for i in range(config.n_layers))
@@ -1030,7 +1032,8 @@ class Inkling2LM(nn.Module):
         self.head = nn.Linear(h, config.unpadded_vocab_size, bias=False)
 
     def use_backend(self, backend: Any) -> None:
-        """Kept for the engine (its kernels serve ``LoopedLM``'s blocks; this model runs torch ops)."""
+        """The engine's kernel backend: with ``cpu.backend.CPU`` (``Engine(cpu_kernels=True)``) the
+        engine's decode steps run their per-token maths in C (``_Layer._decode``), else torch ops."""
         self.backend = backend
 
     def new_cache(self, batch: int) -> Inkling2Cache:
@@ -1082,7 +1085,8 @@ class Inkling2LM(nn.Module):
         dtype = ctx.pool.store.dtype
         coda = torch.tensor([c.n_prelude + n * c.n_core for n in laid_out], dtype=torch.long, device=dev)
         shared: dict[Hashable, Any] = {}  # the masks every layer of a kind shares (``LayerMemory.shared``)
-        use_native = NATIVE[0] and n_tok == 1 and dtype == torch.float32 and dev.type == "cpu" and native_ops.usable()
+        use_native = (NATIVE[0] and self.backend is CPU and n_tok == 1 and dtype == torch.float32 and dev.type == "cpu"
+                      and native_ops.usable())  # (the engine's ``cpu_kernels``: the CPU backend, kernels built)
 
         def memory(layer: int, pass_index: int, rows: torch.Tensor | None) -> LayerMemory:
             if layer < cfg.loop_start:
