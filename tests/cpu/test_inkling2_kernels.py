@@ -253,6 +253,33 @@ def test_an_engine_without_cpu_kernels_decodes_on_torch(tmp_path: Path, monkeypa
     assert len(_decode_trace(engine, [[5, 6, 7]], [2], 2)) == 2
 
 
+def test_shapes_beyond_the_kernels_scratch_are_refused_and_their_models_decode_on_torch() -> None:
+    with pytest.raises(ValueError, match="65 states"):
+        native.attend_states(torch.randn(1, 65, 8), torch.randn(1, 8), 1e-6)
+    with pytest.raises(ValueError, match="rank 300"):
+        native.controller(torch.randn(1, 8), torch.randn(1, 8), torch.randn(300, 16), torch.randn(300, 8),
+                          torch.randn(300, 8), 1e-6)
+    with pytest.raises(ValueError, match="2 of 2000 experts"):
+        native.route(torch.randn(1, 8), torch.randn(2000, 8), torch.zeros(2000), 2, 1.0)
+    config = inkling2.Inkling2Config.from_hf({**_text_config(), "loop_gate_rank": 300})
+    assert inkling2.Inkling2LM(inkling2.Inkling2Config.from_hf(_text_config())).native_fits
+    assert not inkling2.Inkling2LM(config).native_fits
+
+
+def test_attention_over_more_keys_than_a_stack_buffer() -> None:
+    """Keys are a row's whole context (no fixed cap): 20000 here."""
+    gen = torch.Generator().manual_seed(0)
+    n_keys, heads, dim = 20000, 2, 8
+    q, gate = torch.randn(1, heads * dim, generator=gen), torch.randn(1, heads * dim, generator=gen)
+    rel, sink = torch.randn(1, heads * 4, generator=gen), torch.randn(1, heads, generator=gen)
+    keys, values = torch.randn(1, n_keys, dim, generator=gen), torch.randn(1, n_keys, dim, generator=gen)
+    positions = torch.tensor([n_keys - 1])
+    args = (q, torch.ones(heads, dim), rel, torch.ones(heads, 4), torch.randn(4, 16, generator=gen), sink, gate,
+            keys, values, torch.arange(n_keys)[None], torch.ones(1, n_keys, dtype=torch.bool), positions, 1, 0,
+            (0.1, 8.0), 8.0, 2.0)
+    _close(native.decode_attention(*args), _attention_reference(*args))
+
+
 def test_vexp_covers_the_softmax_range() -> None:
     """The kernels' exp (inside the activation's sigmoid and tanh) against torch's over the
     range the maths reaches, extremes included."""

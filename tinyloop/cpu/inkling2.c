@@ -65,14 +65,21 @@ static inline void clip(float *x, int64_t n, float threshold, float eps) {
     for (int64_t i = 0; i < n; ++i) x[i] *= f;
 }
 
+#define INK_MAX_STATES 64
+#define INK_MAX_RANK 256
+#define INK_MAX_EXPERTS 1024
+#define INK_MAX_TOP_K 64
+#define INK_MAX_DIM 1024
+
 /* ``_attend_states`` then, where `w` is given, ``_weighted_rms(., w[q], w_eps)`` (query q's
  * weight at w + q * ld_w): for each row r,
  * the Q queries [Q, H] attend over its N states (``states + r * ld``, each [H], rows N apart
  * by H): the states RMS-normed (eps), logits q . s / sqrt(H), softmax over N, the mix of the
- * normed states. out [R, Q, H]. N is at most 64 (the caller checks). */
-void tl_ink_attend_states(const float *states, int64_t ld, int64_t R, int64_t N, int64_t H, const float *queries,
+ * normed states. out [R, Q, H]. Returns 1 (and does nothing) where N exceeds INK_MAX_STATES. */
+int tl_ink_attend_states(const float *states, int64_t ld, int64_t R, int64_t N, int64_t H, const float *queries,
                           int64_t Q, float eps, const float *w, int64_t ld_w, float w_eps, float *out) {
-    float inv[64], p[64];
+    float inv[INK_MAX_STATES], p[INK_MAX_STATES];
+    if (N > INK_MAX_STATES) return 1;
     const float scale = 1.0f / sqrtf((float)H);
     for (int64_t r = 0; r < R; ++r) {
         const float *s = states + r * ld;
@@ -103,17 +110,19 @@ void tl_ink_attend_states(const float *states, int64_t ld, int64_t R, int64_t N,
             }
         }
     }
+    return 0;
 }
 
 /* ``_Controller`` then, where `w` is given, ``_weighted_rms(., w, w_eps)``: per row,
  * low = down [rank, 2H] . [rms(h); rms(m)], out = (1 - tanh(forget . low)) h + tanh(message . low) m
  * (forget_t, message_t: the two [H, rank] weights transposed, [rank, H]). h and m rows are ld_h
- * and ld_m apart; out [R, H]; gains [H] scratch.
- * rank <= 256. */
-void tl_ink_controller(const float *h, int64_t ld_h, const float *m, int64_t ld_m, int64_t R, int64_t H,
+ * and ld_m apart; out [R, H]; gains [H] scratch. Returns 1 (and does nothing) where rank exceeds
+ * INK_MAX_RANK. */
+int tl_ink_controller(const float *h, int64_t ld_h, const float *m, int64_t ld_m, int64_t R, int64_t H,
                        int64_t rank, const float *down, const float *forget_t, const float *message_t, float eps,
                        const float *w, float w_eps, float *gains, float *out) {
-    float low[256];
+    float low[INK_MAX_RANK];
+    if (rank > INK_MAX_RANK) return 1;
     for (int64_t r = 0; r < R; ++r) {
         const float *hr = h + r * ld_h, *mr = m + r * ld_m;
         const float ih = inv_rms(hr, H, eps), im = inv_rms(mr, H, eps);
@@ -145,6 +154,7 @@ void tl_ink_controller(const float *h, int64_t ld_h, const float *m, int64_t ld_
             for (int64_t i = 0; i < H; ++i) o[i] = w[i] * (o[i] * f);
         }
     }
+    return 0;
 }
 
 /* ``_ShortConv`` over x [R, T, C] (rows ld_x apart, tokens C apart) after each row's K - 1 earlier
@@ -205,17 +215,16 @@ void tl_ink_short_conv(const float *x, int64_t ld_x, const float *tail, int64_t 
  *   scores q . k / sqrt(D) + bias; softmax over them and the head's sink logit (sink [R, HQ],
  *     rows ld_sink apart), the sink's share dropped; out = the mix of the values times
  *     sigmoid(gate) (gate [R, HQ * D], rows ld_gate apart). out [R, HQ * D].
- * Returns 1 where L exceeds the scratch (the caller checks first), else 0. */
-#define INK_MAX_KEYS 8192
+ * `scratch` holds L floats. Returns 1 (and does nothing) where D or DR exceeds INK_MAX_DIM, else 0. */
 int tl_ink_decode_attention(const float *q, int64_t ld_q, const float *q_scale, const float *rel, int64_t ld_rel,
                             const float *rel_scale, const float *rel_proj, int64_t DR, int64_t extent,
                             const float *sink, int64_t ld_sink, const float *gate, int64_t ld_gate,
                             const float *keys, const float *values, int64_t ld_kv, int64_t kd,
                             const int64_t *key_pos, const uint8_t *visible, const int64_t *positions, int64_t R,
                             int64_t L, int64_t HQ, int64_t KVH, int64_t D, int64_t window, int64_t full,
-                            float alpha, float floor_, float qk_clip, float rel_clip, float *out) {
-    if (L > INK_MAX_KEYS || D > 1024 || DR > 1024) return 1;
-    float p[INK_MAX_KEYS], qh[1024], rh[1024];
+                            float alpha, float floor_, float qk_clip, float rel_clip, float *scratch, float *out) {
+    if (D > INK_MAX_DIM || DR > INK_MAX_DIM) return 1;
+    float qh[INK_MAX_DIM], rh[INK_MAX_DIM], *p = scratch;
     const int64_t groups = HQ / KVH;
     const float scale = 1.0f / sqrtf((float)D);
     for (int64_t r = 0; r < R; ++r) {
@@ -284,13 +293,14 @@ int tl_ink_decode_attention(const float *q, int64_t ld_q, const float *q_scale, 
  * scores = sigmoid(router [E, H] . x), the top_k experts by score + bias (ties: the lower
  * expert), their scores renormalised (sum + 1e-20) times route_scale. Then the N * top_k
  * (token, expert) pairs grouped by expert, in token order within one: picked [N * top_k, H]
- * (the token's row), tokens [N * top_k] (its index), weights [N * top_k], counts [E]. E <= 1024,
- * top_k <= 64. */
-void tl_ink_route(const float *x, int64_t ld_x, int64_t N, int64_t H, const float *router, const float *bias,
+ * (the token's row), tokens [N * top_k] (its index), weights [N * top_k], counts [E]. Returns 1
+ * (and does nothing) where E exceeds INK_MAX_EXPERTS or top_k INK_MAX_TOP_K or E. */
+int tl_ink_route(const float *x, int64_t ld_x, int64_t N, int64_t H, const float *router, const float *bias,
                   int64_t E, int64_t top_k, float route_scale, float *picked, int64_t *tokens, float *weights,
                   int64_t *counts, int64_t *chosen_scratch, float *weight_scratch) {
-    float scores[1024];
-    uint8_t taken[1024];
+    float scores[INK_MAX_EXPERTS];
+    uint8_t taken[INK_MAX_EXPERTS];
+    if (E > INK_MAX_EXPERTS || top_k > INK_MAX_TOP_K || top_k > E) return 1;
     for (int64_t e = 0; e < E; ++e) counts[e] = 0;
     for (int64_t n = 0; n < N; ++n) {
         const float *xn = x + n * ld_x;
@@ -316,7 +326,7 @@ void tl_ink_route(const float *x, int64_t ld_x, int64_t N, int64_t H, const floa
         for (int64_t k = 0; k < top_k; ++k)
             weight_scratch[n * top_k + k] = weight_scratch[n * top_k + k] / (sum + 1e-20f) * route_scale;
     }
-    int64_t start[1024], at = 0;
+    int64_t start[INK_MAX_EXPERTS], at = 0;
     for (int64_t e = 0; e < E; ++e) {
         start[e] = at;
         at += counts[e];
@@ -331,6 +341,7 @@ void tl_ink_route(const float *x, int64_t ld_x, int64_t N, int64_t H, const floa
             for (int64_t h = 0; h < H; ++h) dst[h] = xn[h];
         }
     }
+    return 0;
 }
 
 /* ``_MoE._activation``: per row of gate_up [M, 2I] ([g; u]), a b tanh(g / a) tanh(u / b) sigmoid(g)

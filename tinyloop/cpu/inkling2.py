@@ -16,11 +16,11 @@ import torch
 
 from tinyloop.cpu import kernels
 
-__all__ = ["usable", "attend_states", "controller", "short_conv", "decode_attention", "route", "activation",
-           "combine", "MAX_STATES", "MAX_KEYS", "MAX_EXPERTS", "MAX_RANK"]
+__all__ = ["usable", "fits", "attend_states", "controller", "short_conv", "decode_attention", "route", "activation",
+           "combine", "MAX_STATES", "MAX_EXPERTS", "MAX_TOP_K", "MAX_RANK", "MAX_DIM"]
 
-MAX_STATES = 64  # block states an attention residual mixes (the kernel's scratch)
-MAX_KEYS = 8192  # keys a decode attention reads per row
+# What the kernels' fixed scratch holds (``inkling2.c``'s INK_MAX_*): a model beyond any runs on torch
+MAX_STATES = 64  # block states an attention residual mixes
 MAX_EXPERTS = 1024
 MAX_TOP_K = 64
 MAX_RANK = 256  # a controller's rank
@@ -30,6 +30,20 @@ MAX_DIM = 1024  # a head's width, and the relative bias's
 def usable() -> bool:
     """Whether the kernels' library loads here (built on the first call)."""
     return kernels.available()
+
+
+def fits(states: int, experts: int, top_k: int, rank: int, dims: tuple[int, ...]) -> bool:
+    """Whether a model whose attention residuals mix up to ``states`` states, with ``experts``
+    experts, ``top_k`` a token, controllers of ``rank`` and head and relative widths ``dims``
+    is within what the kernels hold."""
+    return states <= MAX_STATES and experts <= MAX_EXPERTS and top_k <= MAX_TOP_K and rank <= MAX_RANK and all(
+        d <= MAX_DIM for d in dims)
+
+
+def _done(code: int, what: str) -> None:
+    if code:
+        raise ValueError(f"{what} is beyond the Inkling-2 kernels' scratch (inkling2.c's INK_MAX_*): "
+                         "run such a model on torch (``fits``)")
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -52,10 +66,11 @@ def attend_states(states: torch.Tensor, queries: torch.Tensor, eps: float, weigh
     if weight is not None:
         weight = weight.contiguous()
         ld_w = h if weight.dim() == 2 else 0
-    kernels.load().tl_ink_attend_states(states.data_ptr(), n * h, states.numel() // (n * h) if n * h else 0, n, h,
-                                        queries.data_ptr(), queries.shape[0], eps,
-                                        None if weight is None else weight.data_ptr(), ld_w, weight_eps,
-                                        out.data_ptr())
+    rows = states.numel() // (n * h) if n * h else 0
+    code = kernels.load().tl_ink_attend_states(states.data_ptr(), n * h, rows, n, h, queries.data_ptr(),
+                                               queries.shape[0], eps, None if weight is None else weight.data_ptr(),
+                                               ld_w, weight_eps, out.data_ptr())
+    _done(code, f"an attention residual over {n} states")
     return out
 
 
@@ -73,10 +88,11 @@ def controller(h: torch.Tensor, message: torch.Tensor, down: torch.Tensor, forge
     rank, width = forget_t.shape[0], h.shape[-1]
     out = torch.empty(h.shape, dtype=torch.float32)
     gains = torch.empty(width, dtype=torch.float32)
-    kernels.load().tl_ink_controller(hr.data_ptr(), ld_h, mr.data_ptr(), ld_m, hr.shape[0], width, rank,
-                                     down.data_ptr(), forget_t.data_ptr(), gain_t.data_ptr(), eps,
-                                     None if weight is None else weight.data_ptr(), weight_eps,
-                                     gains.data_ptr(), out.data_ptr())
+    code = kernels.load().tl_ink_controller(hr.data_ptr(), ld_h, mr.data_ptr(), ld_m, hr.shape[0], width, rank,
+                                            down.data_ptr(), forget_t.data_ptr(), gain_t.data_ptr(), eps,
+                                            None if weight is None else weight.data_ptr(), weight_eps,
+                                            gains.data_ptr(), out.data_ptr())
+    _done(code, f"a controller of rank {rank}")
     return out
 
 
@@ -134,6 +150,7 @@ def decode_attention(q: torch.Tensor, q_scale: torch.Tensor, rel: torch.Tensor, 
     positions = positions.contiguous()
     q_scale, rel_scale, rel_proj = q_scale.contiguous(), rel_scale.contiguous(), rel_proj.contiguous()
     out = torch.empty(r, hq * d, dtype=torch.float32)
+    scratch = torch.empty(max(n_keys, 1), dtype=torch.float32)
     alpha, floor = log_scale if log_scale is not None else (0.0, 1.0)
     code = kernels.load().tl_ink_decode_attention(
         qr.data_ptr(), ld_q, q_scale.data_ptr(), relr.data_ptr(), ld_rel, rel_scale.data_ptr(), rel_proj.data_ptr(),
@@ -141,10 +158,8 @@ def decode_attention(q: torch.Tensor, q_scale: torch.Tensor, rel: torch.Tensor, 
         gater.data_ptr(), ld_gate, keys.data_ptr(), values.data_ptr(), keys.stride(0) if r > 1 else 0,
         keys.stride(1) if n_keys > 1 else keys.shape[-1], key_positions.data_ptr(), visible.data_ptr(),
         positions.data_ptr(), r, n_keys, hq, kv_heads, d, window, int(log_scale is not None), alpha, float(floor),
-        qk_clip, rel_clip, out.data_ptr())
-    if code:
-        raise ValueError(f"decode attention over {n_keys} keys (at most {MAX_KEYS}), head width {d} "
-                         f"and relative width {dr} (at most {MAX_DIM})")
+        qk_clip, rel_clip, scratch.data_ptr(), out.data_ptr())
+    _done(code, f"an attention of head width {d} and relative width {dr}")
     return out
 
 
@@ -163,9 +178,10 @@ def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int,
     scratch = torch.empty(n * top_k, dtype=torch.int64)
     weight_scratch = torch.empty(n * top_k, dtype=torch.float32)
     router, bias = router.contiguous(), bias.contiguous()
-    kernels.load().tl_ink_route(xr.data_ptr(), ld, n, h, router.data_ptr(), bias.data_ptr(),
-                                e, top_k, scale, picked.data_ptr(), tokens.data_ptr(), weights.data_ptr(),
-                                counts.data_ptr(), scratch.data_ptr(), weight_scratch.data_ptr())
+    code = kernels.load().tl_ink_route(xr.data_ptr(), ld, n, h, router.data_ptr(), bias.data_ptr(), e, top_k, scale,
+                                       picked.data_ptr(), tokens.data_ptr(), weights.data_ptr(), counts.data_ptr(),
+                                       scratch.data_ptr(), weight_scratch.data_ptr())
+    _done(code, f"routing to {top_k} of {e} experts")
     return picked, tokens, weights, counts
 
 

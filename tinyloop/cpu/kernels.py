@@ -85,12 +85,12 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_causal_attention", ctypes.c_int, [_P] * 6 + [_I] * 5 + [_F, _P]),
     ("tl_decode_stack", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _P]),
     # inkling2.c (``tinyloop.cpu.inkling2``)
-    ("tl_ink_attend_states", None, [_P] + [_I] * 4 + [_P, _I, _F, _P, _I, _F, _P]),
-    ("tl_ink_controller", None, [_P, _I, _P] + [_I] * 4 + [_P] * 3 + [_F, _P, _F, _P, _P]),
+    ("tl_ink_attend_states", ctypes.c_int, [_P] + [_I] * 4 + [_P, _I, _F, _P, _I, _F, _P]),
+    ("tl_ink_controller", ctypes.c_int, [_P, _I, _P] + [_I] * 4 + [_P] * 3 + [_F, _P, _F, _P, _P]),
     ("tl_ink_short_conv", None, [_P, _I, _P] + [_I] * 6 + [_P, _P, _I, _I, _F, _I, _I, _F, _P, _P]),
     ("tl_ink_decode_attention", ctypes.c_int, [_P, _I, _P, _P, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _P, _I, _I]
-     + [_P] * 3 + [_I] * 7 + [_F] * 4 + [_P]),
-    ("tl_ink_route", None, [_P] + [_I] * 3 + [_P, _P, _I, _I, _F] + [_P] * 6),
+     + [_P] * 3 + [_I] * 7 + [_F] * 4 + [_P, _P]),
+    ("tl_ink_route", ctypes.c_int, [_P] + [_I] * 3 + [_P, _P, _I, _I, _F] + [_P] * 6),
     ("tl_ink_activation", None, [_P, _I, _I, _F, _F, _P]),
     ("tl_ink_combine", None, [_P] * 3 + [_I] * 3 + [_P]),
 ]

@@ -1030,6 +1030,10 @@ class Inkling2LM(nn.Module):
         self.final_query = nn.Parameter(torch.zeros(1, h))
         self.norm = nn.Parameter(torch.ones(h))
         self.head = nn.Linear(h, config.unpadded_vocab_size, bias=False)
+        # within what the C decode steps' scratch holds (else decode runs on torch ops)
+        self.native_fits = native_ops.fits(
+            config.n_layers // config.block_layers + 1, config.experts, config.top_k, config.gate_rank,
+            (config.head_dim, config.swa_head_dim, config.d_rel))
 
     def use_backend(self, backend: Any) -> None:
         """The engine's kernel backend: with ``cpu.backend.CPU`` (``Engine(cpu_kernels=True)``) the
@@ -1085,8 +1089,9 @@ class Inkling2LM(nn.Module):
         dtype = ctx.pool.store.dtype
         coda = torch.tensor([c.n_prelude + n * c.n_core for n in laid_out], dtype=torch.long, device=dev)
         shared: dict[Hashable, Any] = {}  # the masks every layer of a kind shares (``LayerMemory.shared``)
-        use_native = (NATIVE[0] and self.backend is CPU and n_tok == 1 and dtype == torch.float32 and dev.type == "cpu"
-                      and native_ops.usable())  # (the engine's ``cpu_kernels``: the CPU backend, kernels built)
+        # decode in C: on the engine's CPU backend (``cpu_kernels``), a float32 pool, kernels built
+        use_native = (NATIVE[0] and self.native_fits and self.backend is CPU and n_tok == 1
+                      and dtype == torch.float32 and dev.type == "cpu" and native_ops.usable())
 
         def memory(layer: int, pass_index: int, rows: torch.Tensor | None) -> LayerMemory:
             if layer < cfg.loop_start:
