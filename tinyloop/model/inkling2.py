@@ -407,7 +407,7 @@ class LayerMemory(Protocol):
     paged KV pool (``tinyloop.model.context.PagedContext``)."""
 
     positions: torch.Tensor  # [B, T] the new tokens' positions
-    native: bool  # whether a decode step may run in C (``_Layer._native_forward``; ``_PagedMemory`` only)
+    native: bool  # whether a decode step may run in C (``_Layer._decode``; ``_PagedMemory`` only)
 
     def conv_context(self, slot: str, x: torch.Tensor, kernel: int) -> torch.Tensor:
         """``x`` ``[B, T, C]`` after the ``kernel - 1`` inputs before it of the convolution
