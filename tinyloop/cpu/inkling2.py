@@ -12,6 +12,8 @@ Every tensor whose address a kernel gets is held by a name until the call return
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from tinyloop.cpu import kernels
@@ -30,6 +32,15 @@ MAX_DIM = 1024  # a head's width, and the relative bias's
 def usable() -> bool:
     """Whether the kernels' library loads here (built on the first call)."""
     return kernels.available()
+
+
+_LIBRARY: list[ctypes.CDLL] = []  # the loaded library, once ``kernels.load`` gave it (no lock a call)
+
+
+def _lib() -> ctypes.CDLL:
+    if not _LIBRARY:
+        _LIBRARY.append(kernels.load())
+    return _LIBRARY[0]
 
 
 def fits(states: int, experts: int, top_k: int, rank: int, dims: tuple[int, ...]) -> bool:
@@ -67,7 +78,7 @@ def attend_states(states: torch.Tensor, queries: torch.Tensor, eps: float, weigh
         weight = weight.contiguous()
         ld_w = h if weight.dim() == 2 else 0
     rows = states.numel() // (n * h) if n * h else 0
-    code = kernels.load().tl_ink_attend_states(states.data_ptr(), n * h, rows, n, h, queries.data_ptr(),
+    code = _lib().tl_ink_attend_states(states.data_ptr(), n * h, rows, n, h, queries.data_ptr(),
                                                queries.shape[0], eps, None if weight is None else weight.data_ptr(),
                                                ld_w, weight_eps, out.data_ptr())
     _done(code, f"an attention residual over {n} states")
@@ -88,7 +99,7 @@ def controller(h: torch.Tensor, message: torch.Tensor, down: torch.Tensor, forge
     rank, width = forget_t.shape[0], h.shape[-1]
     out = torch.empty(h.shape, dtype=torch.float32)
     gains = torch.empty(width, dtype=torch.float32)
-    code = kernels.load().tl_ink_controller(hr.data_ptr(), ld_h, mr.data_ptr(), ld_m, hr.shape[0], width, rank,
+    code = _lib().tl_ink_controller(hr.data_ptr(), ld_h, mr.data_ptr(), ld_m, hr.shape[0], width, rank,
                                             down.data_ptr(), forget_t.data_ptr(), gain_t.data_ptr(), eps,
                                             None if weight is None else weight.data_ptr(), weight_eps,
                                             gains.data_ptr(), out.data_ptr())
@@ -115,7 +126,7 @@ def short_conv(x: torch.Tensor, tail: torch.Tensor, taps: torch.Tensor, denomina
             x = x.contiguous()
     taps = taps.contiguous()
     out = torch.empty(r, t, c, dtype=torch.float32)
-    kernels.load().tl_ink_short_conv(
+    _lib().tl_ink_short_conv(
         x.data_ptr(), x.stride(0) if r > 1 else t * c, tail.data_ptr(), tail.stride(0) if r > 1 else 0,
         tail.stride(1) if k > 2 else tail.shape[-1], r, t, c, k, taps.data_ptr(),
         None if dynamic is None else dynamic.data_ptr(), 0 if dynamic is None or r == 1 else dynamic.stride(0), heads,
@@ -152,7 +163,7 @@ def decode_attention(q: torch.Tensor, q_scale: torch.Tensor, rel: torch.Tensor, 
     out = torch.empty(r, hq * d, dtype=torch.float32)
     scratch = torch.empty(max(n_keys, 1), dtype=torch.float32)
     alpha, floor = log_scale if log_scale is not None else (0.0, 1.0)
-    code = kernels.load().tl_ink_decode_attention(
+    code = _lib().tl_ink_decode_attention(
         qr.data_ptr(), ld_q, q_scale.data_ptr(), relr.data_ptr(), ld_rel, rel_scale.data_ptr(), rel_proj.data_ptr(),
         dr, extent, sinkr.data_ptr(), ld_sink,
         gater.data_ptr(), ld_gate, keys.data_ptr(), values.data_ptr(), keys.stride(0) if r > 1 else 0,
@@ -178,7 +189,7 @@ def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int,
     scratch = torch.empty(n * top_k, dtype=torch.int64)
     weight_scratch = torch.empty(n * top_k, dtype=torch.float32)
     router, bias = router.contiguous(), bias.contiguous()
-    code = kernels.load().tl_ink_route(xr.data_ptr(), ld, n, h, router.data_ptr(), bias.data_ptr(), e, top_k, scale,
+    code = _lib().tl_ink_route(xr.data_ptr(), ld, n, h, router.data_ptr(), bias.data_ptr(), e, top_k, scale,
                                        picked.data_ptr(), tokens.data_ptr(), weights.data_ptr(), counts.data_ptr(),
                                        scratch.data_ptr(), weight_scratch.data_ptr())
     _done(code, f"routing to {top_k} of {e} experts")
@@ -190,7 +201,7 @@ def activation(gate_up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.T
     gate_up = gate_up.contiguous()
     m, two_i = gate_up.shape
     out = torch.empty(m, two_i // 2, dtype=torch.float32)
-    kernels.load().tl_ink_activation(gate_up.data_ptr(), m, two_i // 2, gate_cap, up_cap, out.data_ptr())
+    _lib().tl_ink_activation(gate_up.data_ptr(), m, two_i // 2, gate_cap, up_cap, out.data_ptr())
     return out
 
 
@@ -198,6 +209,6 @@ def combine(down: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor, n: 
     """``[n, H]``: each row of ``down`` ``[M, H]`` times its weight, summed into its token's row."""
     down = down.contiguous()
     out = torch.empty(n, down.shape[1], dtype=torch.float32)
-    kernels.load().tl_ink_combine(down.data_ptr(), tokens.data_ptr(), weights.data_ptr(), down.shape[0], n,
+    _lib().tl_ink_combine(down.data_ptr(), tokens.data_ptr(), weights.data_ptr(), down.shape[0], n,
                                   down.shape[1], out.data_ptr())
     return out
