@@ -3,10 +3,12 @@ block's modules called one by one, same engine, same process, per weights and KV
 
     python bench/fused_block.py [--preset base100m] [--weights float int8 int4 bf16]
                                 [--kv full int4] [--loops 1 4] [--tokens 64] [--rounds 3] [--threads 2]
-                                [--layout preset huginn ouro]
+                                [--layout preset huginn ouro parcae]
 
 ``--layout``: the preset's blocks as they are; ``huginn``, with q and k biases (Huginn-0125's
-attention); ``ouro``, ``peri_ln`` blocks with three q/k/v projections (Ouro's).
+attention); ``ouro``, ``peri_ln`` blocks with three q/k/v projections (Ouro's); ``parcae``,
+``0.5 relu(fc)^2`` MLPs and a weightless RMS norm per q/k head after RoPE (Parcae's blocks; its
+layers with value embeddings run their modules and are not in this layout).
 
 For each weights mode (``bf16``: the model in bfloat16, which the engine keeps so) and KV mode, one
 engine decodes a 16-token random prompt greedily; ``use_cpu_kernels(model, fused=...)`` turns the
@@ -33,7 +35,8 @@ from tinyloop.requests import GenerationRequest, SamplingParams
 from tinyloop.tokenizer import default_tokenizer, gpt2_tokenizer
 
 LAYOUTS: dict[str, dict[str, object]] = {"preset": {}, "huginn": {"qk_bias": True},
-                                         "ouro": {"block_style": "peri_ln", "fused_qkv": False}}
+                                         "ouro": {"block_style": "peri_ln", "fused_qkv": False},
+                                         "parcae": {"mlp": "relu2", "qk_head_norm": True}}
 
 
 def decode(engine: Engine, prompt: list[int], n: int, loops: int) -> tuple[float, tuple[int, ...]]:

@@ -124,6 +124,26 @@ def test_q_k_biases_and_three_projections_are_fused_too(fused_calls: list[int], 
     assert_same(fused, plain, weights)
 
 
+@pytest.mark.parametrize("weights", ["float", "int8", "bf16"])
+@pytest.mark.parametrize("style", ["pre_ln", "sandwich"])
+def test_parcae_blocks_relu2_and_per_head_norms_are_fused_too(fused_calls: list[int], weights: str, style: str) -> None:
+    """Parcae's layout: ``0.5 relu(fc)^2`` MLPs and a weightless RMS norm per q/k head after RoPE."""
+    eng = engine(style, weights, mlp="relu2", qk_head_norm=True)
+    assert all(b.fused is not None for b in eng.model.modules() if isinstance(b, Block))
+    fused, plain = both(eng)
+    assert fused_calls[0] > 0
+    assert_same(fused, plain, weights)
+
+
+def test_parcae_value_embedding_layers_run_their_modules_and_the_others_fuse(fused_calls: list[int]) -> None:
+    eng = engine("pre_ln", mlp="relu2", qk_head_norm=True, value_embeds=(0,))
+    blocks = [b for b in eng.model.modules() if isinstance(b, Block)]
+    assert blocks[0].fused is None and all(b.fused is not None for b in blocks[1:])
+    fused, plain = both(eng)
+    assert fused_calls[0] > 0
+    assert_same(fused, plain)
+
+
 def test_blocks_it_does_not_cover_run_their_modules() -> None:
     for eng in (engine("post_ln"), engine(qk_norm=True)):
         assert all(b.fused is None for b in eng.model.modules() if isinstance(b, Block))

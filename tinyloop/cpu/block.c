@@ -19,8 +19,9 @@
  *   x_out   [R, H]   the block's output
  *
  * The block (``layers.Block``): a fused [q; k; v] projection or three, q and k biases where the
- * block has them, RoPE on q and k, no q/k norm;
- * SwiGLU MLP with a fused [gate; up] projection; norms placed by `style`:
+ * block has them, RoPE on q and k, no q/k norm with a weight (Parcae's weightless one per head
+ * after RoPE, `qk_head_norm`, is covered); a SwiGLU MLP with a fused [gate; up] projection, or
+ * Parcae's 0.5 relu(fc)^2 (`relu2`); norms placed by `style`:
  *   0 pre_ln:   x = x + attn(n1(x));      x = x + mlp(n3(x))
  *   1 sandwich: x = n2(x + attn(n1(x)));  x = n4(x + mlp(n3(x)))
  *   2 peri_ln:  x = x + n2(attn(n1(x)));  x = x + n4(mlp(n3(x)))
@@ -55,6 +56,9 @@ typedef struct {
     int64_t fused_qkv; /* 0: q, k and v are three products (Ouro) */
     tl_weight q, k, v;
     const float *q_bias, *k_bias; /* [HQ, D] and [KVH, D] added before RoPE (Huginn), or NULL */
+    int64_t relu2;        /* the MLP: 0 SwiGLU over fc = [gate; up] (2I wide), 1 0.5 relu(fc)^2 (I wide; Parcae) */
+    int64_t qk_head_norm; /* 1: q and k RMS-normed per head after RoPE, no weight, eps head_eps (Parcae) */
+    float head_eps;
 } tl_block;
 
 static int product(const tl_weight *w, const float *x, int64_t M, float *y) {
@@ -110,6 +114,13 @@ int tl_decode_block(const tl_block *b, const float *x, const float *normed, int6
             for (int64_t i = 0; i < kv_w; ++i) row[HQ * D + i] = row[HQ * D + i] + b->k_bias[i];
         }
     tl_rope(qkv, qkv_w, cos, sin, cs_rows, qk, R, HQ + KVH, 1, D, (int)b->rope_half); /* [R, HQ + KVH, D] */
+    if (b->qk_head_norm) /* each head of q and k over its D values (`F.rms_norm(q, (D,))`) */
+        for (int64_t i = 0; i < R * (HQ + KVH); ++i) {
+            float *head = qk + i * D, squares = 0.0f;
+            for (int64_t d = 0; d < D; ++d) squares += head[d] * head[d];
+            const float inv = 1.0f / sqrtf(squares / (float)D + b->head_eps);
+            for (int64_t d = 0; d < D; ++d) head[d] = head[d] * inv;
+        }
     const float scale = (float)(1.0 / sqrt((double)D));
     if (kv->int4) { /* the new K and V quantized as the pool stores them, then read back with the rest */
         for (int64_t m = 0; m < R; ++m) {
@@ -128,7 +139,13 @@ int tl_decode_block(const tl_block *b, const float *x, const float *normed, int6
     failed |= product(&b->o, att, R, a);
     join(b, x, a, b->n2, b->n3, R, r, h); /* r: the stream after attention, h: n3(r) */
     failed |= product(&b->fc, h, R, fc);
-    for (int64_t m = 0; m < R; ++m) tl_swiglu_row(fc + m * 2 * I, fc + m * 2 * I + I, s + m * I, I);
+    if (b->relu2) /* `F.relu(fc).square().mul(0.5)`: fc is [R, I] */
+        for (int64_t i = 0; i < R * I; ++i) {
+            const float t = fc[i] > 0.0f ? fc[i] : 0.0f;
+            s[i] = (t * t) * 0.5f;
+        }
+    else
+        for (int64_t m = 0; m < R; ++m) tl_swiglu_row(fc + m * 2 * I, fc + m * 2 * I + I, s + m * I, I);
     failed |= product(&b->proj, s, R, a);
     join(b, r, a, b->n4, then_w, R, x_out, then_out);
     free(memory);

@@ -9,8 +9,10 @@ rounding).
 
 It covers the plain decode step (one new token a row, a float32 or 4-bit KV pool, no tree, no
 loop gaps: ``PagedContext.decode_rows``) of a float32 block with a fused q/k/v projection or
-three (Ouro), q and k biases or none (Huginn), no q/k norm, a ``pre_ln``, ``sandwich`` or
-``peri_ln`` layout, and every weight on the kernels
+three (Ouro), q and k biases or none (Huginn), no q/k norm with a weight (Parcae's weightless
+per-head norm after RoPE is covered), a SwiGLU or Parcae's ``relu2`` MLP, no value embeddings
+(Parcae's layers with them run unfused), a ``pre_ln``, ``sandwich`` or ``peri_ln`` layout, and
+every weight on the kernels
 (``cpu_linear.PackedWeight`` with panels, ``quant.QuantWeight`` int8, int4 or bf16 with panels). Anything else (a
 prefill, a verify, h-mode KV, another dtype) returns None from ``run`` and the block
 runs unfused. ``cpu.backend.use_cpu_kernels`` gives each covered block one (``Block.fused``).
@@ -66,7 +68,8 @@ class _Block(ctypes.Structure):  # block.c's tl_block
     _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("intermediate", _I64),
                 ("style", _I64), ("rope_half", _I64), ("n1", _P), ("n2", _P), ("n3", _P), ("n4", _P),
                 ("qkv", _Weight), ("o", _Weight), ("fc", _Weight), ("proj", _Weight), ("eps", ctypes.c_float),
-                ("fused_qkv", _I64), ("q", _Weight), ("k", _Weight), ("v", _Weight), ("q_bias", _P), ("k_bias", _P)]
+                ("fused_qkv", _I64), ("q", _Weight), ("k", _Weight), ("v", _Weight), ("q_bias", _P), ("k_bias", _P),
+                ("relu2", _I64), ("qk_head_norm", _I64), ("head_eps", ctypes.c_float)]
 
 
 def _weight(module: torch.nn.Module) -> tuple[_Weight, torch.Tensor] | None:
@@ -121,9 +124,9 @@ class FusedBlock:
     @classmethod
     def for_block(cls, block: Block) -> FusedBlock | None:
         attn, c = block.attn, block.attn.config
-        if not kernels.available() or block.style not in _STYLES or c.qk_norm or c.qk_head_norm:
+        if not kernels.available() or block.style not in _STYLES or c.qk_norm:
             return None
-        if c.mlp != "swiglu" or attn.value_embed:  # (Parcae's layout runs its modules)
+        if c.mlp not in ("swiglu", "relu2") or attn.value_embed:  # (a layer with value embeddings runs its modules)
             return None
         if c.rope_style not in ("half", "interleaved"):
             return None
@@ -142,7 +145,8 @@ class FusedBlock:
         o, fc, proj = structs[-3:]
         struct = _Block(c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate, _STYLES[block.style],
                         int(c.rope_style == "half"), *(_norm(n) for n in norms), qkv, o, fc, proj, block.eps,
-                        int(c.fused_qkv), q, k, v, *(t.data_ptr() for t in biases) if biases else (None, None))
+                        int(c.fused_qkv), q, k, v, *(t.data_ptr() for t in biases) if biases else (None, None),
+                        int(c.mlp == "relu2"), int(c.qk_head_norm), torch.finfo(torch.float32).eps)
         keep = [w[1] for w in weights] + [n.weight for n in norms if n is not None] + biases
         return cls(block, struct, keep)
 
