@@ -7,8 +7,8 @@ block's modules called one by one, same engine, same process, per weights and KV
 
 ``--layout``: the preset's blocks as they are; ``huginn``, with q and k biases (Huginn-0125's
 attention); ``ouro``, ``peri_ln`` blocks with three q/k/v projections (Ouro's); ``parcae``,
-``0.5 relu(fc)^2`` MLPs and a weightless RMS norm per q/k head after RoPE (Parcae's blocks; its
-layers with value embeddings run their modules and are not in this layout).
+``0.5 relu(fc)^2`` MLPs, a weightless RMS norm per q/k head after RoPE and value embeddings on
+alternate layers (Parcae's blocks).
 
 For each weights mode (``bf16``: the model in bfloat16, which the engine keeps so) and KV mode, one
 engine decodes a 16-token random prompt greedily; ``use_cpu_kernels(model, fused=...)`` turns the
@@ -72,7 +72,10 @@ def main() -> None:
     print(f"{'layout':>7} {'weights':>7} {'kv':>5} {'loops':>5} {'fused tok/s':>11} {'unfused':>8} {'ratio':>6} "
           f"{'same tokens':>11}")
     for layout, weights, kv in [(la, w, kv) for la in args.layout for w in args.weights for kv in args.kv]:
-        model = init_model(base.replace(**LAYOUTS[layout]), seed=0)
+        changes = dict(LAYOUTS[layout])
+        if layout == "parcae":  # value embeddings on alternate layers, as the released models have
+            changes["value_embeds"] = tuple(range(0, base.n_prelude + base.n_core + base.n_coda, 2))
+        model = init_model(base.replace(**changes), seed=0)
         if weights == "bf16":
             model = model.to(torch.bfloat16)
         engine = Engine(model, tokenizer, max_seq_len=args.tokens + 32, kv_cache_mb=256, prefix_caching=False,

@@ -38,8 +38,9 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         if out is not None:
             self.block.fused = None
             try:
-                x, ctx, rows, slots, normed, then = args
-                want = self.block.run(x, ctx, ctx._rope, rows, slots, normed, then)  # type: ignore[arg-type,attr-defined]
+                x, ctx, rows, slots, normed, then, ids = (*args, None)[:7]
+                want = self.block.run(x, ctx, ctx._rope, rows, slots, normed, then,  # type: ignore[arg-type,attr-defined]
+                                      ids)
             finally:
                 self.block.fused = self
             for got, expected in zip(out, want, strict=True):
@@ -54,13 +55,16 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield counts
 
 
-def engine(style: str = "sandwich", weights: str = "float", kv_mode: str | None = None, **changes: object) -> Engine:
+def engine(style: str = "sandwich", weights: str = "float", kv_mode: str | None = None,
+           scale: dict[str, float] | None = None, **changes: object) -> Engine:
+    """``scale``: parameters whose name ends so, times that (before the engine packs them)."""
     config = PRESETS["tiny"].replace(max_position=256, block_style=style, **changes)
     model = init_model(config, seed=0)
     with torch.no_grad():  # peaked logits: no argmax ties between the two runs' roundings
         gen = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+        for name, p in model.named_parameters():
+            factor = next((f for end, f in (scale or {}).items() if name.endswith(end)), 1.0)
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.15 * factor)
     return Engine(model, default_tokenizer(), max_seq_len=128, block_size=8, weights=weights, kv_mode=kv_mode)
 
 
@@ -135,13 +139,35 @@ def test_parcae_blocks_relu2_and_per_head_norms_are_fused_too(fused_calls: list[
     assert_same(fused, plain, weights)
 
 
-def test_parcae_value_embedding_layers_run_their_modules_and_the_others_fuse(fused_calls: list[int]) -> None:
-    eng = engine("pre_ln", mlp="relu2", qk_head_norm=True, value_embeds=(0,))
+def test_parcae_value_embeddings_are_fused_too(fused_calls: list[int]) -> None:
+    """v plus the token's gated value embedding, in the step (the stack call declines: block by block)."""
+    eng = engine("pre_ln", mlp="relu2", qk_head_norm=True, value_embeds=(0, 2),  # tables and gates far from
+                 scale={"value_table.weight": 5.0, "value_gate.weight": 5.0})  # zero: dropping them would show
     blocks = [b for b in eng.model.modules() if isinstance(b, Block)]
-    assert blocks[0].fused is None and all(b.fused is not None for b in blocks[1:])
+    assert all(b.fused is not None for b in blocks)
     fused, plain = both(eng)
     assert fused_calls[0] > 0
     assert_same(fused, plain)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4", "bf16"])
+def test_quantised_weights_leave_the_value_gate_float_and_its_layers_fuse(fused_calls: list[int],
+                                                                         weights: str) -> None:
+    eng = engine("pre_ln", weights, mlp="relu2", qk_head_norm=True, value_embeds=(0,),
+                 scale={"value_table.weight": 5.0, "value_gate.weight": 5.0})
+    blocks = [b for b in eng.model.modules() if isinstance(b, Block)]
+    assert type(blocks[0].attn.value_gate) is torch.nn.Linear
+    assert all(b.fused is not None for b in blocks)
+    fused, plain = both(eng)
+    assert fused_calls[0] > 0
+    assert_same(fused, plain, weights)
+
+
+def test_a_value_gate_that_is_not_a_float_linear_runs_its_layers_modules() -> None:
+    eng = engine("pre_ln", mlp="relu2", qk_head_norm=True, value_embeds=(0,))
+    block = next(b for b in eng.model.modules() if isinstance(b, Block))
+    block.attn.value_gate = QuantLinear(torch.nn.Linear(32, block.attn.config.kv_heads, bias=False), "int8")
+    assert FusedBlock.for_block(block) is None
 
 
 def test_blocks_it_does_not_cover_run_their_modules() -> None:

@@ -20,8 +20,8 @@
  *
  * The block (``layers.Block``): a fused [q; k; v] projection or three, q and k biases where the
  * block has them, RoPE on q and k, no q/k norm with a weight (Parcae's weightless one per head
- * after RoPE, `qk_head_norm`, is covered); a SwiGLU MLP with a fused [gate; up] projection, or
- * Parcae's 0.5 relu(fc)^2 (`relu2`); norms placed by `style`:
+ * after RoPE, `qk_head_norm`, is covered), Parcae's value embeddings added to v; a SwiGLU MLP
+ * with a fused [gate; up] projection, or Parcae's 0.5 relu(fc)^2 (`relu2`); norms placed by `style`:
  *   0 pre_ln:   x = x + attn(n1(x));      x = x + mlp(n3(x))
  *   1 sandwich: x = n2(x + attn(n1(x)));  x = n4(x + mlp(n3(x)))
  *   2 peri_ln:  x = x + n2(attn(n1(x)));  x = x + n4(mlp(n3(x)))
@@ -59,6 +59,10 @@ typedef struct {
     int64_t relu2;        /* the MLP: 0 SwiGLU over fc = [gate; up] (2I wide), 1 0.5 relu(fc)^2 (I wide; Parcae) */
     int64_t qk_head_norm; /* 1: q and k RMS-normed per head after RoPE, no weight, eps head_eps (Parcae) */
     float head_eps;
+    /* Parcae's value embeddings, or NULL: v += 2 sigmoid(value_gate . in[:gate_channels]) * value_table[id]
+     * (value_table [vocab, KVH * D], value_gate [KVH, gate_channels], float32; `ids` then required) */
+    const float *value_table, *value_gate;
+    int64_t gate_channels, vocab; /* vocab: value_table's rows (an id past them: code 3) */
 } tl_block;
 
 static int product(const tl_weight *w, const float *x, int64_t M, float *y) {
@@ -78,15 +82,21 @@ static void join(const tl_block *b, const float *x, const float *a, const float 
 }
 
 /* Returns 0; 1 where scratch memory could not be allocated; 2 where a write row is outside the
- * pool (nothing of the block is then kept). */
+ * pool, 3 where a block with value embeddings got no `ids` [R] or one past its table (nothing of
+ * the block is then kept). */
 int tl_decode_block(const tl_block *b, const float *x, const float *normed, int64_t R, const float *cos,
                     const float *sin, int64_t cs_rows, const tl_kv *kv, const int64_t *write_rows,
                     const int64_t *key_rows, int64_t L, const int64_t *n_keys, const float *then_w, float *x_out,
-                    float *then_out) {
+                    float *then_out, const int64_t *ids) {
     const int64_t H = b->hidden, HQ = b->heads, KVH = b->kv_heads, D = b->head_dim, I = b->intermediate;
     const int64_t qkv_w = (HQ + 2 * KVH) * D, qk_w = (HQ + KVH) * D, kv_w = KVH * D;
     for (int64_t i = 0; i < R; ++i)
         if (write_rows[i] < 0 || write_rows[i] >= kv->pool_rows) return 2;
+    if (b->value_table != NULL) {
+        if (ids == NULL) return 3;
+        for (int64_t i = 0; i < R; ++i)
+            if (ids[i] < 0 || ids[i] >= b->vocab) return 3;
+    }
     const size_t floats = (size_t)R * (size_t)(3 * H + 2 * qkv_w + qk_w + HQ * D + 3 * I + 2 * kv_w);
     float *memory = malloc(floats * sizeof(float));
     if (memory == NULL) return 1;
@@ -112,6 +122,18 @@ int tl_decode_block(const tl_block *b, const float *x, const float *normed, int6
             float *row = qkv + m * qkv_w;
             for (int64_t i = 0; i < HQ * D; ++i) row[i] = row[i] + b->q_bias[i];
             for (int64_t i = 0; i < kv_w; ++i) row[HQ * D + i] = row[HQ * D + i] + b->k_bias[i];
+        }
+    if (b->value_table != NULL) /* v += gate * the token's value embedding, per KV head */
+        for (int64_t m = 0; m < R; ++m) {
+            float *v = qkv + m * qkv_w + qk_w;
+            const float *row = b->value_table + ids[m] * kv_w, *xin = in + m * H;
+            for (int64_t h = 0; h < KVH; ++h) {
+                const float *g = b->value_gate + h * b->gate_channels;
+                float dot = 0.0f;
+                for (int64_t c = 0; c < b->gate_channels; ++c) dot += xin[c] * g[c];
+                const float gate = 2.0f * (1.0f / (1.0f + expf(-dot)));
+                for (int64_t d = 0; d < D; ++d) v[h * D + d] = v[h * D + d] + gate * row[h * D + d];
+            }
         }
     tl_rope(qkv, qkv_w, cos, sin, cs_rows, qk, R, HQ + KVH, 1, D, (int)b->rope_half); /* [R, HQ + KVH, D] */
     if (b->qk_head_norm) /* each head of q and k over its D values (`F.rms_norm(q, (D,))`) */
@@ -165,7 +187,7 @@ int tl_decode_stack(const tl_block *const *blocks, int64_t n, int64_t slot0, flo
         const float *then_w = i + 1 < n ? blocks[i + 1]->n1 : NULL;
         const int code = tl_decode_block(blocks[i], x, i == 0 ? NULL : scratch, R, cos, sin, cs_rows, kv,
                                          write_by_slot + slot * R, keys_by_slot + slot * R * L, L, n_keys, then_w,
-                                         x, then_w != NULL ? scratch : NULL);
+                                         x, then_w != NULL ? scratch : NULL, NULL);
         if (code) return code;
     }
     return 0;

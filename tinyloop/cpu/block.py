@@ -10,9 +10,9 @@ rounding).
 It covers the plain decode step (one new token a row, a float32 or 4-bit KV pool, no tree, no
 loop gaps: ``PagedContext.decode_rows``) of a float32 block with a fused q/k/v projection or
 three (Ouro), q and k biases or none (Huginn), no q/k norm with a weight (Parcae's weightless
-per-head norm after RoPE is covered), a SwiGLU or Parcae's ``relu2`` MLP, no value embeddings
-(Parcae's layers with them run unfused), a ``pre_ln``, ``sandwich`` or ``peri_ln`` layout, and
-every weight on the kernels
+per-head norm after RoPE is covered), a SwiGLU or Parcae's ``relu2`` MLP, Parcae's value
+embeddings (their gate a float32 linear; the rows' tokens handed in: such blocks are not stacked
+into one call), a ``pre_ln``, ``sandwich`` or ``peri_ln`` layout, and every weight on the kernels
 (``cpu_linear.PackedWeight`` with panels, ``quant.QuantWeight`` int8, int4 or bf16 with panels). Anything else (a
 prefill, a verify, h-mode KV, another dtype) returns None from ``run`` and the block
 runs unfused. ``cpu.backend.use_cpu_kernels`` gives each covered block one (``Block.fused``).
@@ -31,7 +31,7 @@ from tinyloop.cpu import kernels
 from tinyloop.model.context import PagedContext
 from tinyloop.model.cpu_linear import PackedLinear
 from tinyloop.model.kvstore import Int4Buffer, PlainBuffer
-from tinyloop.model.layers import AttentionContext, Block, RMSNorm
+from tinyloop.model.layers import Attention, AttentionContext, Block, RMSNorm
 from tinyloop.model.quant import QuantLinear
 
 __all__ = ["FusedBlock"]
@@ -69,7 +69,8 @@ class _Block(ctypes.Structure):  # block.c's tl_block
                 ("style", _I64), ("rope_half", _I64), ("n1", _P), ("n2", _P), ("n3", _P), ("n4", _P),
                 ("qkv", _Weight), ("o", _Weight), ("fc", _Weight), ("proj", _Weight), ("eps", ctypes.c_float),
                 ("fused_qkv", _I64), ("q", _Weight), ("k", _Weight), ("v", _Weight), ("q_bias", _P), ("k_bias", _P),
-                ("relu2", _I64), ("qk_head_norm", _I64), ("head_eps", ctypes.c_float)]
+                ("relu2", _I64), ("qk_head_norm", _I64), ("head_eps", ctypes.c_float), ("value_table", _P),
+                ("value_gate", _P), ("gate_channels", _I64), ("vocab", _I64)]
 
 
 def _weight(module: torch.nn.Module) -> tuple[_Weight, torch.Tensor] | None:
@@ -107,6 +108,20 @@ def _watched(block: Block) -> tuple[_Watch, ...]:
     return tuple(out)
 
 
+def _value_embedding(attn: Attention) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Parcae's value table ``[vocab, KVH * D]`` and gate weight ``[KVH, channels]`` as block.c reads
+    them (float32, contiguous), or Nones: a gate that is not a plain float32 linear (quantised with
+    ``--weights``: its product rounds its input, which the C step's float dot would not) runs the
+    layer's modules."""
+    table, gate = attn.value_table.weight, attn.value_gate
+    if not isinstance(gate, torch.nn.Linear) or gate.bias is not None or gate.weight.dtype != torch.float32:
+        return None, None  # (a PackedLinear is one: its weight maybe re-laid column-major, copied here)
+    weight = gate.weight.detach().contiguous()
+    if table.dtype != torch.float32 or not table.is_contiguous() or table.device.type != "cpu":
+        return None, None
+    return table.detach(), weight
+
+
 def _norm(norm: RMSNorm | None) -> int | None:
     return None if norm is None else norm.weight.data_ptr()
 
@@ -126,7 +141,7 @@ class FusedBlock:
         attn, c = block.attn, block.attn.config
         if not kernels.available() or block.style not in _STYLES or c.qk_norm:
             return None
-        if c.mlp not in ("swiglu", "relu2") or attn.value_embed:  # (a layer with value embeddings runs its modules)
+        if c.mlp not in ("swiglu", "relu2"):
             return None
         if c.rope_style not in ("half", "interleaved"):
             return None
@@ -139,6 +154,9 @@ class FusedBlock:
         weights = [w for w in found if w is not None]
         if len(weights) != len(found):
             return None
+        value = _value_embedding(attn) if attn.value_embed else (None, None)
+        if attn.value_embed and value[0] is None:
+            return None
         structs = [w[0] for w in weights]
         none = _Weight(0, 0, 0, 0, None, None)
         qkv, q, k, v = (structs[0], none, none, none) if c.fused_qkv else (none, *structs[:3])
@@ -146,8 +164,11 @@ class FusedBlock:
         struct = _Block(c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate, _STYLES[block.style],
                         int(c.rope_style == "half"), *(_norm(n) for n in norms), qkv, o, fc, proj, block.eps,
                         int(c.fused_qkv), q, k, v, *(t.data_ptr() for t in biases) if biases else (None, None),
-                        int(c.mlp == "relu2"), int(c.qk_head_norm), torch.finfo(torch.float32).eps)
+                        int(c.mlp == "relu2"), int(c.qk_head_norm), torch.finfo(torch.float32).eps,
+                        *(None if t is None else t.data_ptr() for t in value),
+                        0 if value[1] is None else value[1].shape[1], 0 if value[0] is None else value[0].shape[0])
         keep = [w[1] for w in weights] + [n.weight for n in norms if n is not None] + biases
+        keep += [t for t in value if t is not None]
         return cls(block, struct, keep)
 
     def __deepcopy__(self, memo: dict[int, object]) -> None:
@@ -161,11 +182,17 @@ class FusedBlock:
                    for modules, name, layer, holder, panels in self._watch)
 
     def run(self, x: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None, slots: torch.Tensor | int,
-            normed: torch.Tensor | None, then: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``Block.run`` for a plain decode step (x ``[R, 1, H]`` float32 contiguous); None where
-        this call is not one it covers (the block then runs unfused)."""
+            normed: torch.Tensor | None, then: RMSNorm | None,
+            ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``Block.run`` for a plain decode step (x ``[R, 1, H]`` float32 contiguous; ``ids`` the
+        rows' tokens ``[R, 1]``, which value embeddings need); None where this call is not one it
+        covers (the block then runs unfused)."""
         if not _decode_step(ctx, x) or not self.current():
             return None
+        if self._struct.value_table is not None:
+            if ids is None or ids.numel() != x.shape[0]:
+                return None
+            ids = ids.reshape(-1).to(torch.int64).contiguous()
         index = ctx.decode_rows(rows, slots)
         if index is None:
             return None
@@ -185,7 +212,7 @@ class FusedBlock:
             cos.data_ptr(), sin.data_ptr(), cos.shape[0], ctypes.byref(kv),
             write.data_ptr(), keys.data_ptr(), keys.shape[1], n_keys.data_ptr(),
             None if then is None else then.weight.data_ptr(), out.data_ptr(),
-            None if then_out is None else then_out.data_ptr())
+            None if then_out is None else then_out.data_ptr(), None if ids is None else ids.data_ptr())
         _check(code, kv)
         return out, then_out
 
@@ -197,8 +224,8 @@ class FusedBlock:
         fused = [getattr(layer, "fused", None) for layer in blocks]
         if not _decode_step(ctx, x):
             return None
-        steps = [f for f in fused if isinstance(f, FusedBlock) and f.current()]
-        if len(steps) != len(fused):
+        steps = [f for f in fused if isinstance(f, FusedBlock) and f.current() and f._struct.value_table is None]
+        if len(steps) != len(fused):  # (value embeddings need the tokens: block by block)
             return None
         index = ctx.decode_slots()
         kv = None if index is None else _kv(ctx.pool.store.fields)
@@ -236,5 +263,7 @@ def _decode_step(ctx: AttentionContext, x: torch.Tensor) -> TypeGuard[PagedConte
 def _check(code: int, kv: _KV) -> None:
     if code == 2:
         raise IndexError(f"a KV row is outside the pool of {kv.pool_rows} rows")
+    if code == 3:
+        raise IndexError("a token id is outside the value embedding table")
     if code:
         raise MemoryError("a fused decode block could not allocate its scratch memory")

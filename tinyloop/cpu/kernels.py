@@ -77,7 +77,7 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_pack_bf16", None, [_P] + [_I] * 3 + [_P]),
     ("tl_matmul_bf16", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 2),
     # block.c
-    ("tl_decode_block", ctypes.c_int, [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I] + [_P] * 4),
+    ("tl_decode_block", ctypes.c_int, [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I] + [_P] * 5),
     ("tl_max_rows", None, [_P, _I, _I, _P, _P]),
     ("tl_rope_threaded", None, [_P, _I] + [_P] * 2 + [_I, _P] + [_I] * 4 + [ctypes.c_int]),
     ("tl_swiglu_rows", None, [_P, _I, _I, _P]),

@@ -199,6 +199,9 @@ class Attention(HookFree):
         if value_embed:
             self.value_table = nn.Embedding(config.vocab_size, kv_dim)
             self.value_gate = nn.Linear(VALUE_GATE_CHANNELS, config.kv_heads, bias=False)
+            # a few hundred weights: quantising them saves nothing, and a float gate lets the fused
+            # C step (cpu/block.py) add the value embedding itself
+            self.value_gate.keep_float = True  # type: ignore[assignment]
         # q and k straight from the fused projection: RoPE rotates both in one call
         self.rope_qk_together = (config.fused_qkv and not config.qk_norm and not config.qk_bias
                                  and not value_embed)
@@ -304,7 +307,8 @@ class FusedStep(Protocol):
     for a call it does not cover (the block then runs its modules)."""
 
     def run(self, x: torch.Tensor, ctx: AttentionContext, rows: torch.Tensor | None, slots: torch.Tensor | int,
-            normed: torch.Tensor | None, then: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+            normed: torch.Tensor | None, then: RMSNorm | None,
+            ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         ...
 
     def run_stack(self, blocks: nn.ModuleList, x: torch.Tensor, ctx: AttentionContext,
@@ -356,7 +360,7 @@ class Block(HookFree):
         block before made it, and ``then`` the next block's input norm, applied to the output in
         the last residual's backend call; ``ids`` the rows' tokens (value embeddings: ``Attention``).
         Returns the output and ``then`` of it (None without)."""
-        if self.fused is not None and (done := self.fused.run(x, ctx, rows, slots, normed, then)) is not None:
+        if self.fused is not None and (done := self.fused.run(x, ctx, rows, slots, normed, then, ids)) is not None:
             return done
         join, style, eps, cast_first = self.backend.residual_norm, self.style, self.eps, self.cast_first
         post = style != "pre_ln"
