@@ -131,6 +131,8 @@ def test_weight_only_modes_quantise_the_experts_too(tmp_path: Path, reference: d
     engine = Engine.load(out, kv_cache_mb=4, weights=weights)
     experts = [m for name, m in engine.model.named_modules() if ".moe.experts." in name and isinstance(m, QuantLinear)]
     assert len(experts) == 6 * 4 * 2  # every expert's gate_up and down, in every layer
+    controllers = [m for name, m in engine.model.named_modules() if ".gates." in name and name.count(".") == 4]
+    assert controllers and all(type(m) is torch.nn.Linear for m in controllers)  # rank-wide: kept float32
     ids = reference["input_ids"][0].tolist()
     logits = full_logits(engine, ids, 3)
     expected = reference["logits_passes3"][0]

@@ -610,6 +610,8 @@ class _Controller(nn.Module):
         self.down = nn.Linear(2 * hidden, rank, bias=False)
         self.forget = nn.Linear(rank, hidden, bias=False)
         self.message = nn.Linear(rank, hidden, bias=False)
+        for layer in (self.down, self.forget, self.message):  # rank-wide: quantising saves next to nothing,
+            layer.keep_float = True  # type: ignore[assignment]  # and float keeps ``normed`` in one C call
         # ``normed``'s copies of forget's and message's weights, transposed, and what they were made of
         self._transposed: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
 

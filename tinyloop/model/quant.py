@@ -28,7 +28,7 @@ An int4 weight keeps its codes a second time (``codes4``, half a byte a weight) 
 
 ``quantize_linears(model, "int8" | "int4" | "bf16")`` swaps every float32 ``nn.Linear`` for a
 ``QuantLinear`` (the exit gate, one output wide, stays as it is, as do a linear marked
-``keep_float`` (Parcae's value gate) and an int4 layer whose input width is not a multiple of
+``keep_float`` (Parcae's value gate, Inkling-2's controllers) and an int4 layer whose input width is not a multiple of
 the group). Its ``weight`` is the
 dequantized matrix, made on demand (h-mode's K, V recompute reads it), so code that reads a
 layer's weight still works, at float32 cost. The embedding stays float32 (a lookup reads one
