@@ -189,9 +189,11 @@ class FusedBlock:
         covers (the block then runs unfused)."""
         if not _decode_step(ctx, x) or not self.current():
             return None
-        if self._struct.value_table is not None:
-            if ids is None or ids.numel() != x.shape[0]:
-                return None
+        if self._struct.value_table is None:
+            ids = None  # (read only for value embeddings)
+        elif ids is None or ids.numel() != x.shape[0]:
+            return None
+        else:
             ids = ids.reshape(-1).to(torch.int64).contiguous()
         index = ctx.decode_rows(rows, slots)
         if index is None:

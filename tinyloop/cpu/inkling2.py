@@ -2,8 +2,9 @@
 library): the attention residual, the cross-pass controller, the short convolution, the decode
 attention after its projections, and the experts' routing, activation and recombination.
 
-``tinyloop.model.inkling2`` calls them in the engine's forward where the library loads and the
-tensors are float32 (``usable``); each function here is the torch code it replaces there, which
+``tinyloop.model.inkling2`` calls them in the engine's decode steps where the engine put the model
+on its CPU backend (the library built), the tensors are float32 and the model is within the
+kernels' scratch (``fits``); each function here is the torch code it replaces there, which
 the tests check it against on random shapes. Every tensor is float32 on the CPU; a row-strided
 input (a slice of a wider projection's output) is read in place. The callers check shapes.
 Every tensor whose address a kernel gets is held by a name until the call returns (a temporary's
@@ -12,13 +13,11 @@ Every tensor whose address a kernel gets is held by a name until the call return
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from tinyloop.cpu import kernels
 
-__all__ = ["usable", "fits", "attend_states", "controller", "short_conv", "decode_attention", "route", "activation",
+__all__ = ["fits", "attend_states", "controller", "short_conv", "decode_attention", "route", "activation",
            "combine", "MAX_STATES", "MAX_EXPERTS", "MAX_TOP_K", "MAX_RANK", "MAX_DIM"]
 
 # What the kernels' fixed scratch holds (``inkling2.c``'s INK_MAX_*): a model beyond any runs on torch
@@ -27,20 +26,6 @@ MAX_EXPERTS = 1024
 MAX_TOP_K = 64
 MAX_RANK = 256  # a controller's rank
 MAX_DIM = 1024  # a head's width, and the relative bias's
-
-
-def usable() -> bool:
-    """Whether the kernels' library loads here (built on the first call)."""
-    return kernels.available()
-
-
-_LIBRARY: list[ctypes.CDLL] = []  # the loaded library, once ``kernels.load`` gave it (no lock a call)
-
-
-def _lib() -> ctypes.CDLL:
-    if not _LIBRARY:
-        _LIBRARY.append(kernels.load())
-    return _LIBRARY[0]
 
 
 def fits(states: int, experts: int, top_k: int, rank: int, dims: tuple[int, ...]) -> bool:
@@ -78,7 +63,7 @@ def attend_states(states: torch.Tensor, queries: torch.Tensor, eps: float, weigh
         weight = weight.contiguous()
         ld_w = h if weight.dim() == 2 else 0
     rows = states.numel() // (n * h) if n * h else 0
-    code = _lib().tl_ink_attend_states(states.data_ptr(), n * h, rows, n, h, queries.data_ptr(),
+    code = kernels.load().tl_ink_attend_states(states.data_ptr(), n * h, rows, n, h, queries.data_ptr(),
                                                queries.shape[0], eps, None if weight is None else weight.data_ptr(),
                                                ld_w, weight_eps, out.data_ptr())
     _done(code, f"an attention residual over {n} states")
@@ -99,7 +84,7 @@ def controller(h: torch.Tensor, message: torch.Tensor, down: torch.Tensor, forge
     rank, width = forget_t.shape[0], h.shape[-1]
     out = torch.empty(h.shape, dtype=torch.float32)
     gains = torch.empty(width, dtype=torch.float32)
-    code = _lib().tl_ink_controller(hr.data_ptr(), ld_h, mr.data_ptr(), ld_m, hr.shape[0], width, rank,
+    code = kernels.load().tl_ink_controller(hr.data_ptr(), ld_h, mr.data_ptr(), ld_m, hr.shape[0], width, rank,
                                             down.data_ptr(), forget_t.data_ptr(), gain_t.data_ptr(), eps,
                                             None if weight is None else weight.data_ptr(), weight_eps,
                                             gains.data_ptr(), out.data_ptr())
@@ -126,7 +111,7 @@ def short_conv(x: torch.Tensor, tail: torch.Tensor, taps: torch.Tensor, denomina
             x = x.contiguous()
     taps = taps.contiguous()
     out = torch.empty(r, t, c, dtype=torch.float32)
-    _lib().tl_ink_short_conv(
+    kernels.load().tl_ink_short_conv(
         x.data_ptr(), x.stride(0) if r > 1 else t * c, tail.data_ptr(), tail.stride(0) if r > 1 else 0,
         tail.stride(1) if k > 2 else tail.shape[-1], r, t, c, k, taps.data_ptr(),
         None if dynamic is None else dynamic.data_ptr(), 0 if dynamic is None or r == 1 else dynamic.stride(0), heads,
@@ -152,10 +137,8 @@ def decode_attention(q: torch.Tensor, q_scale: torch.Tensor, rel: torch.Tensor, 
     relr, ld_rel = _rows(rel)
     sinkr, ld_sink = _rows(sink)
     gater, ld_gate = _rows(gate)
-    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
-    values = values if values.stride() == keys.stride() else values.contiguous()
-    if values.stride() != keys.stride():
-        keys = keys.contiguous()
+    if keys.stride(-1) != 1 or values.stride() != keys.stride():  # (the kernel reads both with one stride)
+        keys, values = keys.contiguous(), values.contiguous()
     key_positions = key_positions.contiguous()
     visible = visible.contiguous()
     positions = positions.contiguous()
@@ -163,7 +146,7 @@ def decode_attention(q: torch.Tensor, q_scale: torch.Tensor, rel: torch.Tensor, 
     out = torch.empty(r, hq * d, dtype=torch.float32)
     scratch = torch.empty(max(n_keys, 1), dtype=torch.float32)
     alpha, floor = log_scale if log_scale is not None else (0.0, 1.0)
-    code = _lib().tl_ink_decode_attention(
+    code = kernels.load().tl_ink_decode_attention(
         qr.data_ptr(), ld_q, q_scale.data_ptr(), relr.data_ptr(), ld_rel, rel_scale.data_ptr(), rel_proj.data_ptr(),
         dr, extent, sinkr.data_ptr(), ld_sink,
         gater.data_ptr(), ld_gate, keys.data_ptr(), values.data_ptr(), keys.stride(0) if r > 1 else 0,
@@ -189,7 +172,7 @@ def route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int,
     scratch = torch.empty(n * top_k, dtype=torch.int64)
     weight_scratch = torch.empty(n * top_k, dtype=torch.float32)
     router, bias = router.contiguous(), bias.contiguous()
-    code = _lib().tl_ink_route(xr.data_ptr(), ld, n, h, router.data_ptr(), bias.data_ptr(), e, top_k, scale,
+    code = kernels.load().tl_ink_route(xr.data_ptr(), ld, n, h, router.data_ptr(), bias.data_ptr(), e, top_k, scale,
                                        picked.data_ptr(), tokens.data_ptr(), weights.data_ptr(), counts.data_ptr(),
                                        scratch.data_ptr(), weight_scratch.data_ptr())
     _done(code, f"routing to {top_k} of {e} experts")
@@ -201,7 +184,7 @@ def activation(gate_up: torch.Tensor, gate_cap: float, up_cap: float) -> torch.T
     gate_up = gate_up.contiguous()
     m, two_i = gate_up.shape
     out = torch.empty(m, two_i // 2, dtype=torch.float32)
-    _lib().tl_ink_activation(gate_up.data_ptr(), m, two_i // 2, gate_cap, up_cap, out.data_ptr())
+    kernels.load().tl_ink_activation(gate_up.data_ptr(), m, two_i // 2, gate_cap, up_cap, out.data_ptr())
     return out
 
 
@@ -209,6 +192,6 @@ def combine(down: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor, n: 
     """``[n, H]``: each row of ``down`` ``[M, H]`` times its weight, summed into its token's row."""
     down = down.contiguous()
     out = torch.empty(n, down.shape[1], dtype=torch.float32)
-    _lib().tl_ink_combine(down.data_ptr(), tokens.data_ptr(), weights.data_ptr(), down.shape[0], n,
+    kernels.load().tl_ink_combine(down.data_ptr(), tokens.data_ptr(), weights.data_ptr(), down.shape[0], n,
                                   down.shape[1], out.data_ptr())
     return out

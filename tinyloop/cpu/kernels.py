@@ -162,6 +162,9 @@ def _build(cc: str) -> Path:
 def load() -> ctypes.CDLL:
     """The built library (built on the first call); raises KernelUnavailable, with the reason,
     where it cannot be (the reason is kept: later calls raise it again without retrying)."""
+    lib = _state.get("lib")  # loaded: no lock (every kernel call comes through here)
+    if lib is not None:
+        return lib  # type: ignore[return-value]
     with _lock:
         if "lib" in _state:
             return _state["lib"]  # type: ignore[return-value]

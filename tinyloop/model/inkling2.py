@@ -728,12 +728,12 @@ class _Attention(nn.Module):
         norm) and the attention after them one call each."""
         cfg, batch = self.config, xq.shape[0]
         k_in, v_in = _f32(self.wk(xk)), _f32(self.wv(xv))
-        convs = []
-        for conv, x, src, slot in ((self.k_conv, k_in, xk, "k"), (self.v_conv, v_in, xv, "v")):
+        convs = []  # k clipped, v RMS-normed per head, as ``forward`` does after its convolutions
+        for conv, x, src, slot, post, value in ((self.k_conv, k_in, xk, "k", "clip", cfg.qk_clip),
+                                                (self.v_conv, v_in, xv, "v", "rms", cfg.norm_eps)):
             dynamic = None if conv.dynamic is None else _f32(conv.dynamic(src))
-            convs.append(native_ops.short_conv(
-                x, memory.conv_tail(slot, conv.kernel), _f32(conv.weight), conv.denominator, dynamic, conv.heads,
-                "clip" if slot == "k" else "rms", self.dim, cfg.qk_clip if slot == "k" else cfg.norm_eps))
+            convs.append(native_ops.short_conv(x, memory.conv_tail(slot, conv.kernel), _f32(conv.weight),
+                                               conv.denominator, dynamic, conv.heads, post, self.dim, value))
             memory.keep(slot, x)
         keys, values, key_positions, visible = memory.attend_rows(
             convs[0], convs[1], cfg.window - 1 if self.sliding else None)
@@ -896,7 +896,7 @@ class _Layer(nn.Module):
         """The next hidden state; ``blocks`` the block states before this layer, ``messages``
         ``[B, T, 4, H]`` (q, k, v, MLP) from the previous pass or None, ``memory`` this layer
         instance's K/V and convolution inputs."""
-        if memory.native and h.shape[1] == 1 and h.dtype == torch.float32:
+        if _in_c(memory, h):
             return self._decode(h, blocks, messages, cast(_PagedMemory, memory))
         xq, xk, xv = self._attention_inputs(h, blocks, messages)
         out: torch.Tensor = self.attn_conv(self.attn(xq, xk, xv, memory), memory, "attn")
@@ -989,6 +989,12 @@ class _Layer(nn.Module):
 
 # (layer, pass, rows) -> that layer instance's memory for those rows (None: all)
 MemoryOf = Callable[[int, int, torch.Tensor | None], LayerMemory]
+
+
+def _in_c(memory: LayerMemory, h: torch.Tensor) -> bool:
+    """Whether a layer instance runs its per-token maths in C: a decode step ``serve`` cleared for
+    it (``memory.native``: one new token a row) on a float32 hidden state."""
+    return memory.native and h.dtype == torch.float32
 
 
 def _rows_of(rows: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
@@ -1091,9 +1097,9 @@ class Inkling2LM(nn.Module):
         dtype = ctx.pool.store.dtype
         coda = torch.tensor([c.n_prelude + n * c.n_core for n in laid_out], dtype=torch.long, device=dev)
         shared: dict[Hashable, Any] = {}  # the masks every layer of a kind shares (``LayerMemory.shared``)
-        # decode in C: on the engine's CPU backend (``cpu_kernels``), a float32 pool, kernels built
-        use_native = (NATIVE[0] and self.native_fits and self.backend is CPU and n_tok == 1
-                      and dtype == torch.float32 and dev.type == "cpu" and native_ops.usable())
+        # decode in C: on the engine's CPU backend (``cpu_kernels``), a float32 pool
+        # (the CPU backend: a CPU model whose kernels built, ``cpu.backend.use_cpu_kernels``)
+        use_native = NATIVE[0] and self.native_fits and self.backend is CPU and n_tok == 1 and dtype == torch.float32
 
         def memory(layer: int, pass_index: int, rows: torch.Tensor | None) -> LayerMemory:
             if layer < cfg.loop_start:
@@ -1155,7 +1161,7 @@ class Inkling2LM(nn.Module):
         for layer in layers:
             mem = memory(layer, pass_index, rows)
             messages = None if previous is None else self._messages(layer - self.arch.loop_start, *previous,
-                                                                    native=mem.native and h.dtype == torch.float32)
+                                                                    native=_in_c(mem, h))
             new_h = self.layers[layer](h, blocks, messages, mem)
             if self.arch.is_boundary(layer):
                 blocks = [*blocks, h]

@@ -28,8 +28,8 @@ An int4 weight keeps its codes a second time (``codes4``, half a byte a weight) 
 
 ``quantize_linears(model, "int8" | "int4" | "bf16")`` swaps every float32 ``nn.Linear`` for a
 ``QuantLinear`` (the exit gate, one output wide, stays as it is, as do a linear marked
-``keep_float`` (Parcae's value gate, Inkling-2's controllers) and an int4 layer whose input width is not a multiple of
-the group). Its ``weight`` is the
+``keep_float`` (Parcae's value gate, Inkling-2's controllers) and an int4 layer whose input
+width is not a multiple of the group). Its ``weight`` is the
 dequantized matrix, made on demand (h-mode's K, V recompute reads it), so code that reads a
 layer's weight still works, at float32 cost. The embedding stays float32 (a lookup reads one
 row); a tied LM head gets its own quantized copy (``LoopedLM.packed_head``).
@@ -202,7 +202,7 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (isinstance(child, nn.Linear) and child.out_features > 1 and _quantizable(child.weight, mode)
-                    and not getattr(child, "keep_float", False)):  # (Parcae's value gate: cpu/block.py)
+                    and not getattr(child, "keep_float", False)):  # (tiny ones a C step reads as float32)
                 setattr(parent, name, QuantLinear(child, mode))
                 count += 1
     lm_head = getattr(model, "lm_head", None)
