@@ -1,5 +1,6 @@
-"""Batch-1 decode with each block's step as one C call (``cpu.block.FusedBlock``) against the
-block's modules called one by one, same engine, same process, per weights and KV mode.
+"""Batch-1 decode with the whole step as one C call (``cpu.step.FusedStep``), with each block's
+step as one C call (``cpu.block.FusedBlock``, a stack of them one call), and with the blocks'
+modules called one by one: same engine, same process, per weights and KV mode.
 
     python bench/fused_block.py [--preset base100m] [--weights float int8 int4 bf16]
                                 [--kv full int4] [--loops 1 4] [--tokens 64] [--rounds 3] [--threads 2]
@@ -8,15 +9,17 @@ block's modules called one by one, same engine, same process, per weights and KV
 ``--layout``: the preset's blocks as they are; ``huginn``, with q and k biases (Huginn-0125's
 attention); ``ouro``, ``peri_ln`` blocks with three q/k/v projections (Ouro's); ``parcae``,
 ``0.5 relu(fc)^2`` MLPs, a weightless RMS norm per q/k head after RoPE and value embeddings on
-alternate layers (Parcae's blocks).
+alternate layers (Parcae's blocks; its diagonal injection has no whole-step call).
 
 For each weights mode (``bf16``: the model in bfloat16, which the engine keeps so) and KV mode, one
 engine decodes a 16-token random prompt greedily; ``use_cpu_kernels(model, fused=...)`` turns the
-fused step on and off in turn, the two taking turns in every round. Decode tokens/s = (tokens - 1)
-/ (t(tokens) - t(1)), the median over rounds, and fused / unfused. The tokens of the two runs of
-a round are compared too: a random model's flat logits can part them after a few dozen tokens
-(the fused SwiGLU rounds its exp as C's ``expf`` does, torch as its vectorised exp does);
-``tests/cpu/test_fused_block.py`` checks every fused step against the modules to 2e-5.
+fused steps on and off, and the whole-step call is dropped for the "blocks" runs, the three taking
+turns in every round. Decode tokens/s = (tokens - 1) / (t(tokens) - t(1)), the median over rounds;
+"fused" is the step's rate over the modules', "step/blocks" the whole step's over the blocks'. The
+tokens of the runs of a round are compared too: a random model's flat logits can part them after a
+few dozen tokens (the fused SwiGLU rounds its exp as C's ``expf`` does, torch as its vectorised exp
+does); ``tests/cpu/test_fused_block.py`` checks every fused step against the modules to 2e-5, and
+``tests/cpu/test_fused_step.py`` the whole step against the blocks.
 """
 
 from __future__ import annotations
@@ -69,8 +72,9 @@ def main() -> None:
     prompt = torch.randint(0, min(base.vocab_size, tokenizer.vocab_size), (16,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     print(f"{args.preset}, batch 1, {args.tokens} tokens, {args.rounds} rounds, {torch.get_num_threads()} threads")
-    print(f"{'layout':>7} {'weights':>7} {'kv':>5} {'loops':>5} {'fused tok/s':>11} {'unfused':>8} {'ratio':>6} "
-          f"{'same tokens':>11}")
+    print(f"{'layout':>7} {'weights':>7} {'kv':>5} {'loops':>5} {'step tok/s':>10} {'blocks':>7} {'modules':>7} "
+          f"{'fused':>6} {'step/blocks':>11} {'same tokens':>11}")
+    kinds = ("step", "blocks", "modules")
     for layout, weights, kv in [(la, w, kv) for la in args.layout for w in args.weights for kv in args.kv]:
         changes = dict(LAYOUTS[layout])
         if layout == "parcae":  # value embeddings on alternate layers, as the released models have
@@ -81,21 +85,23 @@ def main() -> None:
         engine = Engine(model, tokenizer, max_seq_len=args.tokens + 32, kv_cache_mb=256, prefix_caching=False,
                         weights="float" if weights == "bf16" else weights, kv_mode=None if kv == "full" else kv)
         for loops in args.loops:
-            rates: dict[bool, list[float]] = {True: [], False: []}
+            rates: dict[str, list[float]] = {kind: [] for kind in kinds}
             same = True
             for round_ in range(args.rounds):
                 outs = {}
-                for fused in (True, False) if round_ % 2 == 0 else (False, True):
-                    use_cpu_kernels(engine.model, True, fused=fused)
+                for kind in kinds[round_ % 3:] + kinds[:round_ % 3]:
+                    use_cpu_kernels(engine.model, True, fused=kind != "modules")
+                    if kind == "blocks":
+                        engine.model.fused_step = None
                     decode(engine, prompt, 2, loops)  # warm
                     one, _ = decode(engine, prompt, 1, loops)
-                    full, outs[fused] = decode(engine, prompt, args.tokens, loops)
-                    rates[fused].append((args.tokens - 1) / max(full - one, 1e-9))
-                same = same and outs[True] == outs[False]
+                    full, outs[kind] = decode(engine, prompt, args.tokens, loops)
+                    rates[kind].append((args.tokens - 1) / max(full - one, 1e-9))
+                same = same and len(set(outs.values())) == 1
             use_cpu_kernels(engine.model, True)
-            on, off = statistics.median(rates[True]), statistics.median(rates[False])
-            print(f"{layout:>7} {weights:>7} {kv:>5} {loops:>5} {on:>11.1f} {off:>8.1f} {on / off:>6.2f} "
-                  f"{'yes' if same else 'no':>11}")
+            step, blocks, modules = (statistics.median(rates[kind]) for kind in kinds)
+            print(f"{layout:>7} {weights:>7} {kv:>5} {loops:>5} {step:>10.1f} {blocks:>7.1f} {modules:>7.1f} "
+                  f"{step / modules:>6.2f} {step / blocks:>11.2f} {'yes' if same else 'no':>11}")
 
 
 if __name__ == "__main__":

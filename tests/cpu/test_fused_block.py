@@ -56,8 +56,9 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 
 def engine(style: str = "sandwich", weights: str = "float", kv_mode: str | None = None,
-           scale: dict[str, float] | None = None, **changes: object) -> Engine:
-    """``scale``: parameters whose name ends so, times that (before the engine packs them)."""
+           scale: dict[str, float] | None = None, step: bool = True, **changes: object) -> Engine:
+    """``scale``: parameters whose name ends so, times that (before the engine packs them);
+    ``step=False``: without the whole-step call (``cpu.step``), so that the stacks run."""
     config = PRESETS["tiny"].replace(max_position=256, block_style=style, **changes)
     model = init_model(config, seed=0)
     with torch.no_grad():  # peaked logits: no argmax ties between the two runs' roundings
@@ -65,7 +66,10 @@ def engine(style: str = "sandwich", weights: str = "float", kv_mode: str | None 
         for name, p in model.named_parameters():
             factor = next((f for end, f in (scale or {}).items() if name.endswith(end)), 1.0)
             p.copy_(torch.randn(p.shape, generator=gen) * 0.15 * factor)
-    return Engine(model, default_tokenizer(), max_seq_len=128, block_size=8, weights=weights, kv_mode=kv_mode)
+    eng = Engine(model, default_tokenizer(), max_seq_len=128, block_size=8, weights=weights, kv_mode=kv_mode)
+    if not step:
+        eng.model.fused_step = None
+    return eng
 
 
 GREEDY = SamplingParams(temperature=0, logprobs=True, ignore_eos=True)
@@ -253,7 +257,7 @@ SAME_LOOPS = [req([5, 6, 7], max_tokens=8, loops=3, sampling=GREEDY),
 @pytest.mark.parametrize("kv_mode", [None, "int4"])
 def test_a_decode_stack_is_one_call_and_equals_its_blocks(stack_calls: list[int], style: str, weights: str,
                                                          kv_mode: str | None) -> None:
-    eng = engine(style, weights, kv_mode=kv_mode)
+    eng = engine(style, weights, kv_mode=kv_mode, step=False)
     stacked = eng.generate_many(SAME_LOOPS)
     assert stack_calls[0] > 0  # (prelude, every loop of the core, coda: each one call)
     use_cpu_kernels(eng.model, True, fused=False)
@@ -262,7 +266,7 @@ def test_a_decode_stack_is_one_call_and_equals_its_blocks(stack_calls: list[int]
 
 def test_a_stack_with_a_block_it_cannot_fuse_runs_block_by_block(stack_calls: list[int],
                                                                  fused_calls: list[int]) -> None:
-    eng = engine(weights="int8")
+    eng = engine(weights="int8", step=False)
     core = [m for m in eng.model.core if isinstance(m, Block)]
     core[1].fused = None  # e.g. a layout the C step does not cover
     stacked = eng.generate_many(SAME_LOOPS)
@@ -273,10 +277,11 @@ def test_a_stack_with_a_block_it_cannot_fuse_runs_block_by_block(stack_calls: li
 
 
 def test_a_stack_notices_a_rebuilt_block(stack_calls: list[int]) -> None:
-    eng = engine(weights="int8")
+    eng = engine(weights="int8", step=False)
     eng.generate_many(SAME_LOOPS[:1])
     first = stack_calls[0]
     use_cpu_kernels(eng.model, True)  # every FusedBlock rebuilt: the stacks' struct arrays too
+    eng.model.fused_step = None
     again = eng.generate_many(SAME_LOOPS[:1])
     assert stack_calls[0] > first
     use_cpu_kernels(eng.model, True, fused=False)

@@ -28,6 +28,7 @@ import torch
 
 from tinyloop.cpu import kernels
 from tinyloop.cpu.block import FusedBlock
+from tinyloop.cpu.step import FusedStep
 from tinyloop.model.backend import TORCH, TorchBackend
 from tinyloop.model.cpu_linear import PackedWeight, packed_weights
 from tinyloop.model.kvstore import Int4Buffer, KVStore, PlainBuffer
@@ -149,11 +150,13 @@ def use_cpu_kernels(model: LoopedLM, on: bool = True, fused: bool = True) -> boo
         _set_panels(model, False)
         for block in blocks:
             block.fused = None
+        model.fused_step = None
         return False
     model.use_backend(CPU)
     _set_panels(model, True)
     for block in blocks:
         block.fused = FusedBlock.for_block(block) if fused else None
+    model.fused_step = FusedStep.for_model(model) if fused and isinstance(model, LoopedLM) else None
     return True
 
 

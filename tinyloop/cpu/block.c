@@ -192,3 +192,83 @@ int tl_decode_stack(const tl_block *const *blocks, int64_t n, int64_t slot0, flo
     }
     return 0;
 }
+
+/* A looped model's whole decode step (`LoopedLM.forward` of one new token a row, every row the
+ * same loops, no exit rule, no warm state) in one call: `cpu.step.FusedStep`. The same kernels
+ * in the same order as the step through Python (embedding row, prelude stack, prelude norm, the
+ * initial state, each loop's injection and core stack, the final norm, the coda, the head).
+ *   tokens [R]  each row's token (one past the embedding: code 3, nothing run)
+ *   state  [R, H]  the initial core state (zeros or each row's noise; `init_embed`: written
+ *                  here from e), then the last loop's state (`ForwardOutput.state`)
+ *   core_slots [loops] each loop's first core slot; coda_slot the coda's
+ *   logits [R, V]
+ * Returns 0, 1 where scratch memory could not be allocated, or a stack's code (2, 3). */
+typedef struct {
+    int64_t hidden, vocab, n_prelude, n_core, n_coda;
+    const tl_block *const *prelude, *const *core, *const *coda;
+    const float *embed; /* [vocab, H], row i's value h at i * embed_row + h * embed_col (a tied head's */
+    int64_t embed_row, embed_col; /* table may be column-major: cpu_linear) */
+    float embed_scale;
+    const float *prelude_norm; /* NULL: none */
+    int64_t concat;            /* 1: each loop's input is adapter([state; e]) (concat_linear), 0: the state */
+    tl_weight adapter;
+    int64_t init_embed; /* 1: the initial state is e (state_init "embed") */
+    int64_t every_loop; /* 1: final_norm on the state after each loop (loop_norm "every_loop") */
+    int64_t norm_first; /* 1: final_norm on the state before the coda (loop_norm "final_only") */
+    int64_t norm_last;  /* 1: final_norm after the coda (there is one, or loop_norm "none") */
+    const float *final_norm;
+    float eps;
+    tl_weight head;
+} tl_model;
+
+int tl_decode_model(const tl_model *m, const int64_t *tokens, int64_t R, int64_t loops, const int64_t *core_slots,
+                    int64_t coda_slot, float *state, float *logits, const float *cos, const float *sin,
+                    int64_t cs_rows, const tl_kv *kv, const int64_t *write_by_slot, const int64_t *keys_by_slot,
+                    int64_t L, const int64_t *n_keys) {
+    const int64_t H = m->hidden;
+    for (int64_t i = 0; i < R; ++i)
+        if (tokens[i] < 0 || tokens[i] >= m->vocab) return 3;
+    float *memory = malloc((size_t)(R * 5 * H) * sizeof(float));
+    if (memory == NULL) return 1;
+    float *x = memory, *e = x + R * H, *scratch = e + R * H, *cat = scratch + R * H; /* cat: [R, 2H] */
+    int code = 0;
+    for (int64_t i = 0; i < R; ++i) {
+        const float *row = m->embed + tokens[i] * m->embed_row;
+        if (m->embed_scale != 1.0f)
+            for (int64_t h = 0; h < H; ++h) x[i * H + h] = row[h * m->embed_col] * m->embed_scale;
+        else
+            for (int64_t h = 0; h < H; ++h) x[i * H + h] = row[h * m->embed_col];
+    }
+#define STACK(blocks, n, slot, buf)                                                                              \
+    if ((n) > 0 && (code = tl_decode_stack((blocks), (n), (slot), (buf), scratch, R, cos, sin, cs_rows, kv,      \
+                                           write_by_slot, keys_by_slot, L, n_keys)) != 0)                       \
+        goto done;
+    STACK(m->prelude, m->n_prelude, 0, x)
+    if (m->prelude_norm != NULL)
+        tl_rms_norm(x, m->prelude_norm, e, R, H, m->eps);
+    else
+        memcpy(e, x, (size_t)(R * H) * sizeof(float));
+    if (m->init_embed) memcpy(state, e, (size_t)(R * H) * sizeof(float));
+    for (int64_t r = 0; r < loops; ++r) {
+        if (m->concat) {
+            for (int64_t i = 0; i < R; ++i) {
+                memcpy(cat + i * 2 * H, state + i * H, (size_t)H * sizeof(float));
+                memcpy(cat + i * 2 * H + H, e + i * H, (size_t)H * sizeof(float));
+            }
+            if ((code = product(&m->adapter, cat, R, state)) != 0) goto done;
+        }
+        STACK(m->core, m->n_core, core_slots[r], state)
+        if (m->every_loop) tl_rms_norm(state, m->final_norm, state, R, H, m->eps); /* (row by row: in place) */
+    }
+    if (m->norm_first)
+        tl_rms_norm(state, m->final_norm, x, R, H, m->eps);
+    else
+        memcpy(x, state, (size_t)(R * H) * sizeof(float));
+    STACK(m->coda, m->n_coda, coda_slot, x)
+    if (m->norm_last) tl_rms_norm(x, m->final_norm, x, R, H, m->eps);
+    code = product(&m->head, x, R, logits);
+#undef STACK
+done:
+    free(memory);
+    return code;
+}

@@ -29,18 +29,18 @@ import torch
 
 from tinyloop.cpu import kernels
 from tinyloop.model.context import PagedContext
-from tinyloop.model.cpu_linear import PackedLinear
+from tinyloop.model.cpu_linear import PackedLinear, PackedWeight
 from tinyloop.model.kvstore import Int4Buffer, PlainBuffer
 from tinyloop.model.layers import Attention, AttentionContext, Block, RMSNorm
-from tinyloop.model.quant import QuantLinear
+from tinyloop.model.quant import QuantLinear, QuantWeight
 
-__all__ = ["FusedBlock"]
+__all__ = ["FusedBlock", "Weight", "check_code", "held_weight", "kv_struct", "module_weight", "stack_index"]
 
 _STYLES = {"pre_ln": 0, "sandwich": 1, "peri_ln": 2}
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
-class _Weight(ctypes.Structure):  # block.c's tl_weight
+class Weight(ctypes.Structure):  # block.c's tl_weight
     _fields_ = [("kind", _I64), ("n", _I64), ("k", _I64), ("group", _I64), ("panels", _P), ("scales", _P)]
 
 
@@ -49,7 +49,7 @@ class _KV(ctypes.Structure):  # block.c's tl_kv
                 ("v_codes", _P), ("k_meta", _P), ("v_meta", _P)]
 
 
-def _kv(fields: Mapping[str, object]) -> _KV | None:
+def kv_struct(fields: Mapping[str, object]) -> _KV | None:
     """A layer's K and V pool as block.c reads it: float32 rows, or 4-bit (``Int4Buffer``); None
     for any other (h-mode, another dtype)."""
     k, v = fields.get("k"), fields.get("v")
@@ -67,23 +67,33 @@ def _kv(fields: Mapping[str, object]) -> _KV | None:
 class _Block(ctypes.Structure):  # block.c's tl_block
     _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("intermediate", _I64),
                 ("style", _I64), ("rope_half", _I64), ("n1", _P), ("n2", _P), ("n3", _P), ("n4", _P),
-                ("qkv", _Weight), ("o", _Weight), ("fc", _Weight), ("proj", _Weight), ("eps", ctypes.c_float),
-                ("fused_qkv", _I64), ("q", _Weight), ("k", _Weight), ("v", _Weight), ("q_bias", _P), ("k_bias", _P),
+                ("qkv", Weight), ("o", Weight), ("fc", Weight), ("proj", Weight), ("eps", ctypes.c_float),
+                ("fused_qkv", _I64), ("q", Weight), ("k", Weight), ("v", Weight), ("q_bias", _P), ("k_bias", _P),
                 ("relu2", _I64), ("qk_head_norm", _I64), ("head_eps", ctypes.c_float), ("value_table", _P),
                 ("value_gate", _P), ("gate_channels", _I64), ("vocab", _I64)]
 
 
-def _weight(module: torch.nn.Module) -> tuple[_Weight, torch.Tensor] | None:
+def module_weight(module: torch.nn.Module) -> tuple[Weight, torch.Tensor] | None:
     """A linear layer as block.c reads it, and the panels it points at; None off the kernels."""
-    if isinstance(module, PackedLinear) and module.bias is None and module.packed.panels is not None:
-        n, k = module.weight.shape
-        return _Weight(0, n, k, 0, module.packed.panels.data_ptr(), None), module.packed.panels
-    if isinstance(module, QuantLinear) and module.bias is None and module.quant.panels is not None:
-        quant = module.quant
-        (n, k), kind = quant.shape, {"int8": 1, "int4": 2, "bf16": 3}[quant.mode]
-        scales = quant.scales.data_ptr() if kind == 1 else None
-        return _Weight(kind, n, k, quant.group, quant.panels.data_ptr(), scales), quant.panels
+    if isinstance(module, PackedLinear) and module.bias is None:
+        return held_weight(module.packed)
+    if isinstance(module, QuantLinear) and module.bias is None:
+        return held_weight(module.quant)
     return None
+
+
+def held_weight(holder: PackedWeight | QuantWeight) -> tuple[Weight, torch.Tensor] | None:
+    """A weight's panels as block.c reads them (float32 ``PackedWeight``, or int8, int4 or bf16
+    ``QuantWeight``), and the panels; None where it has none."""
+    panels = holder.panels
+    if panels is None:
+        return None
+    if isinstance(holder, PackedWeight):
+        n, k = holder.weight.shape
+        return Weight(0, n, k, 0, panels.data_ptr(), None), panels
+    (n, k), kind = holder.shape, {"int8": 1, "int4": 2, "bf16": 3}[holder.mode]
+    scales = holder.scales.data_ptr() if kind == 1 else None
+    return Weight(kind, n, k, holder.group, panels.data_ptr(), scales), panels
 
 
 _Watch = tuple[dict[str, "torch.nn.Module | None"], str, torch.nn.Module, object, object]
@@ -150,7 +160,7 @@ class FusedBlock:
         if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
                for t in [*(n.weight for n in norms if n is not None), *biases]):
             return None
-        found = [_weight(parent._modules[name]) for parent, name in _layers(block)]  # type: ignore[arg-type]
+        found = [module_weight(parent._modules[name]) for parent, name in _layers(block)]  # type: ignore[arg-type]
         weights = [w for w in found if w is not None]
         if len(weights) != len(found):
             return None
@@ -158,7 +168,7 @@ class FusedBlock:
         if attn.value_embed and value[0] is None:
             return None
         structs = [w[0] for w in weights]
-        none = _Weight(0, 0, 0, 0, None, None)
+        none = Weight(0, 0, 0, 0, None, None)
         qkv, q, k, v = (structs[0], none, none, none) if c.fused_qkv else (none, *structs[:3])
         o, fc, proj = structs[-3:]
         struct = _Block(c.hidden, c.heads, c.kv_heads, c.head_dim, c.intermediate, _STYLES[block.style],
@@ -175,6 +185,17 @@ class FusedBlock:
         """A copied block has its own panels (or none yet): it runs unfused until
         ``use_cpu_kernels`` gives it its own (the struct points at this block's memory)."""
         return None
+
+    @property
+    def address(self) -> int:
+        """The address of the block's struct (what a stack's call takes, one per block)."""
+        return ctypes.addressof(self._struct)
+
+    @property
+    def stackable(self) -> bool:
+        """Whether the block runs inside a stack's one call (``run_stack``, ``cpu.step``): not
+        with value embeddings, which need the rows' tokens."""
+        return self._struct.value_table is None
 
     def current(self) -> bool:
         """Whether the block still has the layers and panels this was built from."""
@@ -198,7 +219,7 @@ class FusedBlock:
         index = ctx.decode_rows(rows, slots)
         if index is None:
             return None
-        kv = _kv(ctx.pool.store.fields)
+        kv = kv_struct(ctx.pool.store.fields)
         if kv is None:
             return None
         if normed is not None and (normed.dtype is not torch.float32 or not normed.is_contiguous()):
@@ -215,7 +236,7 @@ class FusedBlock:
             write.data_ptr(), keys.data_ptr(), keys.shape[1], n_keys.data_ptr(),
             None if then is None else then.weight.data_ptr(), out.data_ptr(),
             None if then_out is None else then_out.data_ptr(), None if ids is None else ids.data_ptr())
-        _check(code, kv)
+        check_code(code, kv)
         return out, then_out
 
     def run_stack(self, blocks: torch.nn.ModuleList, x: torch.Tensor, ctx: AttentionContext,
@@ -226,26 +247,25 @@ class FusedBlock:
         fused = [getattr(layer, "fused", None) for layer in blocks]
         if not _decode_step(ctx, x):
             return None
-        steps = [f for f in fused if isinstance(f, FusedBlock) and f.current() and f._struct.value_table is None]
+        steps = [f for f in fused if isinstance(f, FusedBlock) and f.current() and f.stackable]
         if len(steps) != len(fused):  # (value embeddings need the tokens: block by block)
             return None
-        index = ctx.decode_slots()
-        kv = None if index is None else _kv(ctx.pool.store.fields)
-        if index is None or kv is None:
+        found = stack_index(ctx)
+        if found is None:
             return None
-        write, keys, n_keys, cos, sin = index
+        (write, keys, n_keys, cos, sin), kv = found
         if not 0 <= slot0 <= write.shape[0] - len(steps):
             return None
         cached = _STACKS.get(blocks)
         if cached is None or cached[0] != tuple(steps):  # (identity: a rebuilt FusedBlock is another object)
-            cached = tuple(steps), (_P * len(steps))(*(ctypes.addressof(f._struct) for f in steps))
+            cached = tuple(steps), (_P * len(steps))(*(f.address for f in steps))
             _STACKS[blocks] = cached
         r = x.shape[0]
         out, scratch = x.clone(), torch.empty_like(x)
         code = kernels.load().tl_decode_stack(
             cached[1], len(steps), slot0, out.data_ptr(), scratch.data_ptr(), r, cos.data_ptr(), sin.data_ptr(),
             cos.shape[0], ctypes.byref(kv), write.data_ptr(), keys.data_ptr(), keys.shape[2], n_keys.data_ptr())
-        _check(code, kv)
+        check_code(code, kv)
         return out
 
 
@@ -255,6 +275,14 @@ _Structs = tuple[tuple["FusedBlock", ...], ctypes.Array[ctypes.c_void_p]]
 _STACKS: weakref.WeakKeyDictionary[torch.nn.Module, _Structs] = weakref.WeakKeyDictionary()
 
 
+def stack_index(ctx: PagedContext) -> tuple[tuple[torch.Tensor, ...], _KV] | None:
+    """A plain decode step's rows at every slot (``PagedContext.decode_slots``) and its pool as
+    block.c reads it, for a call through stacks of blocks; None for any other step or pool."""
+    index = ctx.decode_slots()
+    kv = None if index is None else kv_struct(ctx.pool.store.fields)
+    return None if index is None or kv is None else (index, kv)
+
+
 def _decode_step(ctx: AttentionContext, x: torch.Tensor) -> TypeGuard[PagedContext]:
     """Whether x ``[R, 1, H]`` (float32, contiguous) goes through a paged context: what both the
     fused block and the fused stack take (the context then says whether the step is plain)."""
@@ -262,7 +290,7 @@ def _decode_step(ctx: AttentionContext, x: torch.Tensor) -> TypeGuard[PagedConte
             and x.is_contiguous())
 
 
-def _check(code: int, kv: _KV) -> None:
+def check_code(code: int, kv: _KV) -> None:
     if code == 2:
         raise IndexError(f"a KV row is outside the pool of {kv.pool_rows} rows")
     if code == 3:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,15 @@ __all__ = ["LoopedLM", "RowSpec", "ForwardOutput"]
 
 _NOISE_MIX = 0x9E3779B97F4A7C15
 _NOISE_CACHE_BYTES = 16 << 20  # randn initial states kept (LoopedLM._noise): 16k positions at hidden 256
+
+
+class WholeStep(Protocol):
+    """A plain decode step in one call (``cpu.step.FusedStep``): ``tokens`` ``[B, 1]`` through
+    ``loops`` loops in ``window`` slots from ``state`` ``[B, 1, H]``: logits ``[B, 1, V]`` and
+    the last loop's state, or None where it does not cover the call."""
+
+    def run(self, tokens: torch.Tensor, ctx: AttentionContext, loops: int, window: int,
+            state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 
 @dataclass(slots=True)
@@ -123,6 +132,8 @@ class LoopedLM(nn.Module):
         self.backend: Backend = TORCH
         # the head's CPU layout (cpu_linear.pack_linears) or quantized copy (quant.quantize_linears)
         self.packed_head: PackedWeight | QuantWeight | None = None
+        # the whole plain decode step in one C call (``cpu.step.FusedStep``; ``use_cpu_kernels``)
+        self.fused_step: WholeStep | None = None
 
     def use_backend(self, backend: Backend) -> None:
         """Run this model's norms, SwiGLU, RoPE and (through the contexts the engine builds)
@@ -274,10 +285,13 @@ class LoopedLM(nn.Module):
         windows = torch.tensor(wins, dtype=torch.long, device=dev)  # [B]
         # one window for every row (the usual case): a layer's slot is one int, found without index ops
         window = wins[0] if wins.count(wins[0]) == bsz else None
+        rules = [s.exit if s.exit is not None else c.exit for s in specs]
+        if n_tok == 1 and self.fused_step is not None and window is not None and (
+                fused := self._fused_decode(tokens, ctx, specs, loops, window, rules)) is not None:
+            return fused
         e = self.embed_prelude(tokens, ctx)
         ids = tokens if c.value_embeds else None  # the layers with value embeddings read them
         state = self.initial_state(e, specs)
-        rules = [s.exit if s.exit is not None else c.exit for s in specs]
         stops = None  # rules that stop a decoded token early run one token per row
         if n_tok == 1 and any(rule.stops for rule in rules):
             stops = StopTracker(rules, loops, state[:, -1], c.vocab_size)
@@ -317,6 +331,28 @@ class LoopedLM(nn.Module):
         if select is not None:
             logits = select.logits(logits)
         return ForwardOutput(logits=logits, state=state, loops_used=done)
+
+    def _fused_decode(self, tokens: torch.Tensor, ctx: AttentionContext, specs: Sequence[RowSpec], loops: list[int],
+                      window: int, rules: list[ExitRule]) -> ForwardOutput | None:
+        """``forward`` of one token a row as one C call (``cpu.step``) where the step is plain:
+        every row the same loops (and window), no exit rule, no warm state, no given positions;
+        None where it is not (or the call is not one the C step covers)."""
+        n = loops[0]
+        if (loops.count(n) != len(loops) or any(rule.kind != "none" for rule in rules)
+                or any(s.warm_state is not None or s.positions is not None for s in specs)):
+            return None
+        assert self.fused_step is not None
+        shape = (tokens.shape[0], 1, self.config.hidden)
+        state = torch.empty(shape, device=tokens.device)  # zeros or each row's noise ("embed": made in the step)
+        if self.config.state_init != "embed":
+            state = self.initial_state(state, specs).contiguous()
+        done = self.fused_step.run(tokens, ctx, n, window, state)
+        if done is None:
+            return None
+        self.counters["core_block_calls"] += n
+        self.counters["core_row_loops"] += n * len(loops)
+        self.counters["fused_steps"] += 1
+        return ForwardOutput(logits=done[0], state=done[1], loops_used=list(loops))
 
     def _logits_of(self, act: list[int], h: torch.Tensor, ctx: AttentionContext, windows: torch.Tensor,
                    ids: torch.Tensor | None) -> Callable[[list[int]], torch.Tensor]:
