@@ -55,9 +55,12 @@
 #define QBLOCK 32    /* inputs per activation block */
 #define QPANEL 16    /* output columns per panel */
 #define QMAX_ROWS 8  /* rows a panel pass keeps in registers */
-/* bytes: prefetch this far ahead along the panel stream (measured: 128-256 best, 1-2 kB 10-25% slower),
- * into L2 (`prefetcht1`: `prefetchnta` ran 1.5-3.4x slower on an Intel Xeon, kernels.c's PANEL_AHEAD) */
-#define Q_AHEAD 256
+/* bytes: prefetch this far ahead along the panel stream, into L2 (`prefetcht1`: `prefetchnta` ran
+ * 1.5-3.4x slower on an Intel Xeon, kernels.c's PANEL_AHEAD). 2 kB against 256 B, measured with the
+ * hint already t1 (bench/LOG.md, 2026-12-02 23:50): one-row products 5-20% more GB/s at int8 and
+ * int4, 7-24% at bf16; the engine's decode 8-13% faster at batch 1, 10-19% at batch 8; prefill
+ * the same. (The earlier "128-256 B best" was measured before the hint was t1, on another machine.) */
+#define Q_AHEAD 2048
 #define Q_CHUNK_BYTES (192 * 1024) /* panels every block of rows reuses from L2 (past QMAX_ROWS rows) */
 #define Q_SPLIT_BYTES (64 * 1024)  /* a product whose weights are smaller stays on its caller's thread */
 #define Q_TASKS_PER_THREAD 4       /* tasks a thread at 1-3 rows (streaming: fewer claims) */
