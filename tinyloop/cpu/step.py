@@ -53,14 +53,12 @@ class FusedStep:
     not cover. Rebuilt by ``use_cpu_kernels``; ``current`` says whether the model still has the
     fused blocks, weights and panels it was built from."""
 
-    __slots__ = ("model", "_struct", "_stacks", "_fused", "_watch", "_tensors", "_slots")
+    __slots__ = ("model", "_struct", "_stacks", "_fused", "_watch", "_slots")
 
     def __init__(self, model: LoopedLM, struct: _Model, stacks: list[ctypes.Array[ctypes.c_void_p]],
-                 fused: tuple[FusedBlock, ...], watch: tuple[tuple[object, str, object], ...],
-                 tensors: tuple[torch.Tensor, ...]) -> None:
-        self.model, self._struct, self._stacks, self._fused = model, struct, stacks, fused
-        self._watch = watch  # (holder, attribute, value) each still holds
-        self._tensors = tensors  # the tensors the struct points at, with the pointers it took
+                 fused: tuple[FusedBlock, ...], watch: tuple[tuple[object, str, object], ...]) -> None:
+        self.model, self._struct, self._stacks, self._fused = model, struct, stacks, fused  # (_stacks: pointed at)
+        self._watch = watch  # (holder, attribute, value) each still holds: the weights the struct points at
         self._slots: dict[tuple[int, int], ctypes.Array[ctypes.c_int64]] = {}
 
     @classmethod
@@ -98,8 +96,7 @@ class FusedStep:
         watch += [(model.embed, "weight", embed), (model.final_norm, "weight", model.final_norm.weight)]
         if prelude_norm is not None:
             watch.append((prelude_norm, "weight", prelude_norm.weight))
-        tensors = (embed, *norms)
-        return cls(model, struct, arrays, fused, tuple(watch), tensors)
+        return cls(model, struct, arrays, fused, tuple(watch))
 
     def __deepcopy__(self, memo: dict[int, object]) -> None:
         """A copied model runs its modules until ``use_cpu_kernels`` gives it its own step."""
@@ -132,7 +129,7 @@ class FusedStep:
         """The step of ``tokens`` ``[B, 1]`` through ``loops`` loops in ``window`` slots from the
         initial ``state`` ``[B, 1, H]`` (overwritten): logits ``[B, 1, V]`` and the last loop's
         state ``[B, 1, H]``; None where the call is not one this covers."""
-        if not isinstance(ctx, PagedContext) or not 1 <= loops or not 1 <= window or not self.current():
+        if not isinstance(ctx, PagedContext) or loops < 1 or window < 1 or not self.current():
             return None
         found = stack_index(ctx)
         if found is None:
@@ -140,7 +137,7 @@ class FusedStep:
         (write, keys, n_keys, cos, sin), kv = found
         c = self.model.config
         coda_slot = c.n_prelude + window * c.n_core
-        if coda_slot + c.n_coda > write.shape[0] or min(loops, window) * c.n_core + c.n_prelude > write.shape[0]:
+        if coda_slot + c.n_coda > write.shape[0]:  # (every core slot lies below the coda's)
             return None
         b = tokens.shape[0]
         if not _float_rows(state) or state.shape != (b, 1, c.hidden):

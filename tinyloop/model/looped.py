@@ -282,13 +282,13 @@ class LoopedLM(nn.Module):
         loops = [s.loops for s in specs]
         dev = self.embed.weight.device
         wins = [min(s.window, s.kv_loops or s.loops) for s in specs]
-        windows = torch.tensor(wins, dtype=torch.long, device=dev)  # [B]
         # one window for every row (the usual case): a layer's slot is one int, found without index ops
         window = wins[0] if wins.count(wins[0]) == bsz else None
         rules = [s.exit if s.exit is not None else c.exit for s in specs]
         if n_tok == 1 and self.fused_step is not None and window is not None and (
                 fused := self._fused_decode(tokens, ctx, specs, loops, window, rules)) is not None:
             return fused
+        windows = torch.tensor(wins, dtype=torch.long, device=dev)  # [B]
         e = self.embed_prelude(tokens, ctx)
         ids = tokens if c.value_embeds else None  # the layers with value embeddings read them
         state = self.initial_state(e, specs)
