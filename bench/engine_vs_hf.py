@@ -43,7 +43,7 @@ from tinyloop.cpu import kernels
 from tinyloop.engine.engine import Engine
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.context import FullContext
-from tinyloop.model.looped import RowSpec
+from tinyloop.model.looped import LoopedLM, RowSpec
 from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.model.quant import QuantLinear, QuantWeight, quant_available
 from tinyloop.requests import GenerationRequest, SamplingParams
@@ -92,17 +92,26 @@ def quant_bytes_per_token(model: torch.nn.Module, loops: int) -> int:
             + loops * (size(getattr(model, "core", None)) + size(getattr(model, "adapter", None))) + head)
 
 
-def top1_agreement(reference: Engine, other: Engine, prompt: list[int], n: int, loops: int) -> float:
-    """How often ``other``'s argmax equals ``reference``'s along ``reference``'s greedy continuation."""
+def greedy_sequence(reference: Engine, prompt: list[int], n: int, loops: int) -> torch.Tensor:
+    """``[1, len(prompt) + n - 1]``: ``prompt`` and ``reference``'s greedy continuation of ``n``
+    tokens less its last (the positions whose next-token argmax ``top1_picks`` compares)."""
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     out = reference.generate(GenerationRequest(prompt_tokens=tuple(prompt), max_tokens=n, loops=loops,
                                                sampling=greedy))
-    tokens = torch.tensor([prompt + list(out.tokens)[:-1]], dtype=torch.long)
-    spec = [RowSpec(loops=loops, window=loops)]
-    picks = []
-    for engine in (reference, other):
-        ctx = FullContext(engine.model.rope, 1, tokens.shape[1])
-        picks.append(engine.model(tokens, ctx, spec, last_only=False).logits[0, len(prompt) - 1:].argmax(-1))
+    return torch.tensor([prompt + list(out.tokens)[:-1]], dtype=torch.long)
+
+
+def top1_picks(model: LoopedLM, tokens: torch.Tensor, prompt_len: int, loops: int) -> torch.Tensor:
+    """``model``'s argmax at each continuation position of ``tokens`` (teacher-forced, one forward)."""
+    ctx = FullContext(model.rope, 1, tokens.shape[1])
+    logits = model(tokens, ctx, [RowSpec(loops=loops, window=loops)], last_only=False).logits
+    return logits[0, prompt_len - 1:].argmax(-1)
+
+
+def top1_agreement(reference: Engine, other: Engine, prompt: list[int], n: int, loops: int) -> float:
+    """How often ``other``'s argmax equals ``reference``'s along ``reference``'s greedy continuation."""
+    tokens = greedy_sequence(reference, prompt, n, loops)
+    picks = [top1_picks(engine.model, tokens, len(prompt), loops) for engine in (reference, other)]
     return float((picks[0] == picks[1]).float().mean())
 
 

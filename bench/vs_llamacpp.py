@@ -5,7 +5,7 @@
     python bench/vs_llamacpp.py --quick                    # smoke run: small preset, loops 1, 1 round
     python bench/vs_llamacpp.py --only tg1 --weights int8 --loops 1 --rounds 1
         [--preset base100m] [--threads 2] [--rounds 4] [--tokens 64] [--prompt 16] [--pp 512]
-        [--only tg1,tg8,pp,quality] [--weights float32 int8 int4 bf16] [--cache DIR]
+        [--only tg1,tg8,pp,quality] [--weights float32 int8 int4 bf16] [--quality-prompts 8] [--cache DIR]
         [--llama-cpp-python 0.3.36]
 
 llama.cpp is built once into a cache directory (``--cache``, else ``$TINYLOOP_PEER_CACHE``, else
@@ -56,13 +56,18 @@ of it can fall 10-25x (seen on a 2-core VM: base100m q8_0 at 8 tok/s, 205 a minu
 the min-max shows; on a busy machine compare with ``--threads 1``.
 
 Quality (``quality`` in ``--only``): top-1 agreement with our float32 model along its greedy
-continuation (teacher-forced, ``engine_vs_hf.top1_agreement``) of our ``int8`` / ``int4`` (and
-``bf16``) engines, and of llama.cpp's quantisation schemes applied to our own model: every ``nn.Linear``
-weight and the tied embedding/head of a float32 copy replaced by
-``gguf.quants.dequantize(gguf.quants.quantize(w, Q8_0 | Q4_0))``. llama.cpp's runtime cannot run
-our looped model, so its quantiser is compared, on the same continuation. ``q4_0`` without
-``--pure`` keeps the head in ``q6_K``, which ``gguf.quants`` cannot quantise: its row keeps the
-head float32 (an upper bound).
+continuations (teacher-forced: one forward over the reference's tokens, ``engine_vs_hf.top1_picks``)
+of ``--quality-prompts`` (8) random prompts, the mean and the min-max over the prompts, for our
+``int8`` / ``int4`` (and ``bf16``) engines and for llama.cpp's quantisation schemes applied to our
+own model (its runtime cannot run a looped model): every ``nn.Linear`` weight and the tied
+embedding/head of a float32 copy replaced by ``gguf.quants.dequantize(gguf.quants.quantize(w,
+Q8_0 | Q4_0))``, and every product's input by its ``Q8_0`` round trip, as llama.cpp's runtime
+quantises activations for both (a "weights only" row shows what that costs). ``q4_0`` without
+``--pure`` keeps the head in ``q6_K``, which ``gguf.quants`` cannot quantise: its row keeps the head
+and its input float32 (an upper bound). A random-weights model's logits are nearly flat, so one
+rounding flips many argmaxes; the same table follows on the bundled demo model (trained, 4.6M
+parameters), along its continuations of 8 Python and addition prompts (``DEMO_TEXTS``). With 8
+prompts of 64 tokens one position is 0.002 and the standard error of a mean near 0.97 is ~0.008.
 """
 
 from __future__ import annotations
@@ -83,7 +88,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine_vs_hf import copy_bandwidth, ours_tokens, quant_bytes_per_token, top1_agreement, weight_bytes_per_token
+from engine_vs_hf import (
+    copy_bandwidth,
+    greedy_sequence,
+    ours_tokens,
+    quant_bytes_per_token,
+    top1_picks,
+    weight_bytes_per_token,
+)
 from torch import nn
 
 from tinyloop.cpu import kernels
@@ -458,63 +470,145 @@ def measure_prompts(measure: str, gen: torch.Generator, vocab: int, prompt: int,
     return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
 
 
-def llama_q_model(model: LoopedLM, qtype: str, head: bool) -> LoopedLM:
+def llama_q_model(model: LoopedLM, qtype: str, head: bool, activations: bool = False) -> LoopedLM:
     """Our float32 ``model``, changed in place: llama.cpp's ``qtype`` (``Q8_0``/``Q4_0``) round trip on
     every ``nn.Linear`` weight (blocks of 32 along a row, as llama.cpp's) and, with ``head``, on the
-    tied embedding/head (llama.cpp's ``token_embd``: input rows and logits alike)."""
+    tied embedding/head (llama.cpp's ``token_embd``: input rows and logits alike). With
+    ``activations``, each of those products' inputs goes through the ``Q8_0`` round trip too, as
+    llama.cpp's runtime does (``Q8_0`` is the ``vec_dot_type`` of both): forward pre-hooks on the
+    linears and a wrapped ``head``, so the model must run its modules (no C kernels)."""
     from gguf import GGMLQuantizationType, quants
 
     kind = GGMLQuantizationType[qtype]
+    q8 = GGMLQuantizationType.Q8_0
 
-    def round_trip(w: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(quants.dequantize(quants.quantize(w.detach().float().numpy(), kind), kind))
+    def round_trip(w: torch.Tensor, as_: GGMLQuantizationType = kind) -> torch.Tensor:
+        flat = w.detach().float().reshape(-1, w.shape[-1]).numpy()
+        return torch.from_numpy(quants.dequantize(quants.quantize(flat, as_), as_)).view(w.shape)
+
+    def quantise_input(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (round_trip(args[0], q8), *args[1:])
 
     with torch.no_grad():
         for m in model.modules():
             if type(m) is nn.Linear and m.weight.shape[-1] % 32 == 0 and m.out_features > 1:
                 m.weight.copy_(round_trip(m.weight))
+                if activations:
+                    m.register_forward_pre_hook(quantise_input)
         if head:
             model.head_weight.copy_(round_trip(model.head_weight))
+            if activations:
+                plain_head = model.head
+                model.head = lambda x: plain_head(round_trip(x, q8))  # type: ignore[method-assign]
     return model
 
 
-def quality_rows(config: ModelConfig, tokenizer: Tokenizer, modes: list[str], engines: dict[str, Engine | str],
-                 loops_list: list[int], tokens: int, prompt: int, gen: torch.Generator) -> list[str]:
-    """Top-1 agreement with our float32 engine: ours quantised, and llama.cpp's schemes on our model."""
-    max_seq = prompt + tokens + 8
-    ref = engines.get("float32")
-    reference = ref if isinstance(ref, Engine) else make_engine(config, tokenizer, "float32", max_seq)
+# The bundled demo model's prompts for the trained-model quality table: Python source and addition
+# lines, what it was trained on (tinyloop/data/MODEL_CARD.md).
+DEMO = Path(__file__).resolve().parents[1] / "tinyloop" / "data" / "demo.tinyloop"
+DEMO_TEXTS = ("def fibonacci(n):\n    ", "import os\nimport sys\n\n\ndef main(argv):\n",
+              "class Stack:\n    def __init__(self):\n", "    for key, value in sorted(items.items()):\n",
+              "12345+67890=", "def read_config(path):\n    \"\"\"Read",
+              "    try:\n        return self._cache[name]\n    except KeyError:\n",
+              "with open(filename, 'rb') as f:\n")
 
-    def theirs(qtype: str, head: bool) -> Engine:
-        return Engine(llama_q_model(init_model(config, seed=0), qtype, head=head), tokenizer, max_seq_len=max_seq,
-                      kv_cache_mb=16, prefix_caching=False)
 
-    others: list[tuple[str, Callable[[], Engine | str]]] = []
-    for mode in (m for m in ("int8", "int4", "bf16") if m in modes):
-        others.append((f"TinyLoop {mode}", partial(engines.__getitem__, mode)))
-        if mode == "int8":
-            others.append(("llama.cpp q8_0 weights on our model", partial(theirs, "Q8_0", True)))
-        if mode == "int4":
-            others.append(("llama.cpp q4_0 --pure weights on our model", partial(theirs, "Q4_0", True)))
-            others.append(("llama.cpp q4_0 layers, head f32 (its q6_K)", partial(theirs, "Q4_0", False)))
+@dataclass
+class Continuations:
+    """A float32 reference's greedy continuations of ``prompts`` at each loops, and its argmax along
+    them: what every other model's top-1 is set against (teacher-forced)."""
+
+    prompts: list[list[int]]
+    sequences: dict[tuple[int, int], torch.Tensor]  # (loops, prompt index) -> tokens
+    picks: dict[tuple[int, int], torch.Tensor]
+
+    @classmethod
+    def of(cls, reference: Engine, prompts: list[list[int]], tokens: int, loops_list: list[int]) -> Continuations:
+        sequences = {(loops, i): greedy_sequence(reference, p, tokens, loops)
+                     for loops in loops_list for i, p in enumerate(prompts)}
+        picks = {(loops, i): top1_picks(reference.model, seq, len(prompts[i]), loops)
+                 for (loops, i), seq in sequences.items()}
+        return cls(prompts, sequences, picks)
+
+    def agreement(self, model: LoopedLM, loops: int) -> list[float]:
+        """Per prompt, the share of positions where ``model``'s argmax is the reference's."""
+        return [float((top1_picks(model, self.sequences[loops, i], len(p), loops) == self.picks[loops, i])
+                      .float().mean()) for i, p in enumerate(self.prompts)]
+
+
+def quality_rows(cont: Continuations, others: list[tuple[str, Callable[[], LoopedLM]]],
+                 loops_list: list[int]) -> list[str]:
+    """One row per (loops, model): mean top-1 over the prompts and the min-max of the prompts'."""
     rows = []
-    vocab = min(tokenizer.vocab_size, config.vocab_size)
-    prompt_ids = torch.randint(0, vocab, (prompt,), generator=gen).tolist()
     for label, build in others:
         try:
-            other = build()
+            other: LoopedLM | str = build()
         except Exception as exc:  # a row, not the run
             other = f"{type(exc).__name__}: {exc}"
         for loops in loops_list:
             if isinstance(other, str):
-                rows.append(f"{loops:>5} | {label:<44} | - ({other})")
+                rows.append(f"{loops:>5} | {label:<48} | - ({other})")
                 continue
             try:
-                top1 = f"{top1_agreement(reference, other, prompt_ids, tokens, loops):.3f}"
+                got = cont.agreement(other, loops)
+                top1 = f"{statistics.fmean(got):.3f} ({min(got):.3f}-{max(got):.3f})"
             except Exception as exc:  # a row, not the run
                 top1 = f"- ({type(exc).__name__}: {exc})"
-            rows.append(f"{loops:>5} | {label:<44} | {top1}")
+            rows.append(f"{loops:>5} | {label:<48} | {top1}")
+        del other
     return rows
+
+
+def llama_rows(make_float: Callable[[], LoopedLM], modes: list[str]) -> list[tuple[str, Callable[[], LoopedLM]]]:
+    """llama.cpp's schemes on our float32 model, for the modes set against them."""
+    def theirs(qtype: str, head: bool, activations: bool = True) -> Callable[[], LoopedLM]:
+        return lambda: llama_q_model(make_float().eval(), qtype, head=head, activations=activations)
+
+    rows: list[tuple[str, Callable[[], LoopedLM]]] = []
+    if "int8" in modes:
+        rows += [("llama.cpp q8_0 (weights and activations)", theirs("Q8_0", True)),
+                 ("llama.cpp q8_0 weights only", theirs("Q8_0", True, activations=False))]
+    if "int4" in modes:
+        rows += [("llama.cpp q4_0 --pure (weights and activations)", theirs("Q4_0", True)),
+                 ("llama.cpp q4_0 layers, head f32 (its q6_K)", theirs("Q4_0", False))]
+    return rows
+
+
+def bench_quality(config: ModelConfig, tokenizer: Tokenizer, modes: list[str], engines: dict[str, Engine | str],
+                  loops_list: list[int], tokens: int, prompt: int, n_prompts: int,
+                  gen: torch.Generator) -> list[str]:
+    """The bench's random-weights model: ours quantised and llama.cpp's schemes, ``n_prompts`` random prompts."""
+    ref = engines.get("float32")
+    reference = ref if isinstance(ref, Engine) else make_engine(config, tokenizer, "float32", prompt + tokens + 8)
+    vocab = min(tokenizer.vocab_size, config.vocab_size)
+    prompts = torch.randint(0, vocab, (n_prompts, prompt), generator=gen).tolist()
+    cont = Continuations.of(reference, prompts, tokens, loops_list)
+
+    def ours(mode: str) -> LoopedLM:
+        engine = engines[mode]
+        if isinstance(engine, str):
+            raise RuntimeError(engine)
+        return engine.model
+
+    others = [(f"TinyLoop {m}", partial(ours, m)) for m in ("int8", "int4", "bf16") if m in modes]
+    return quality_rows(cont, others + llama_rows(partial(init_model, config, seed=0), modes), loops_list)
+
+
+def demo_quality(modes: list[str], loops_list: list[int], tokens: int) -> list[str]:
+    """The bundled demo model (trained): ours quantised and llama.cpp's schemes on ``DEMO_TEXTS``."""
+    from tinyloop.model.artifact import load_artifact
+
+    reference = Engine.load(DEMO, prefix_caching=False)
+    prompts = [reference.tokenizer.encode(t) for t in DEMO_TEXTS]
+    cont = Continuations.of(reference, prompts, tokens, loops_list)
+
+    def ours(mode: str) -> LoopedLM:
+        if mode == "bf16":
+            return Engine.load(DEMO, dtype=torch.bfloat16, prefix_caching=False).model
+        return Engine.load(DEMO, weights=mode, prefix_caching=False).model
+
+    others = [(f"TinyLoop {m}", partial(ours, m)) for m in ("int8", "int4", "bf16") if m in modes]
+    return quality_rows(cont, others + llama_rows(lambda: load_artifact(DEMO).model, modes), loops_list)
 
 
 class Timings:
@@ -668,6 +762,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per sequence (tg)")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens (tg)")
     ap.add_argument("--pp", type=int, default=512, help="prompt tokens of the prefill measure")
+    ap.add_argument("--quality-prompts", type=int, default=8, help="random prompts of the quality table")
     ap.add_argument("--only", default="tg1,tg8,pp,quality", help="comma-separated subset of tg1,tg8,pp,quality")
     ap.add_argument("--weights", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     ap.add_argument("--cache", default=None, help="llama.cpp's source, build and GGUFs "
@@ -679,7 +774,7 @@ def parse_args() -> argparse.Namespace:
     if unknown := args.only - {*MEASURES, "quality"}:
         ap.error(f"--only: unknown {', '.join(sorted(unknown))}")
     if args.quick:
-        args.rounds, args.tokens, args.copy_mb = 1, 8, 128
+        args.rounds, args.tokens, args.copy_mb, args.quality_prompts = 1, 8, 128, 2
     args.loops = args.loops or ([1] if args.quick else [1, 4])
     args.preset = args.preset or ("small" if args.quick else PRESET)
     return args
@@ -718,12 +813,15 @@ def main() -> None:
             print("\n".join(f"- {n}" for n in dict.fromkeys(bench.notes)))
         qmodes = [m for m in args.weights if m in ("int8", "int4", "bf16")]
         if "quality" in args.only and qmodes:
-            print(f"\nquality: top-1 agreement with our float32 along its greedy continuation of {args.tokens} "
-                  f"tokens (teacher-forced); llama.cpp cannot run our looped model, so its quantiser is "
-                  f"applied to our weights")
-            print(f"{'loops':>5} | {'weights':<44} | top-1")
-            print("\n".join(quality_rows(config, tokenizer, qmodes, engines, args.loops, args.tokens,
-                                         args.prompt, bench.gen)))
+            header = f"{'loops':>5} | {'weights':<48} | top-1 mean (min-max over prompts)"
+            print(f"\nquality: top-1 agreement with our float32 along its greedy continuations of {args.tokens} "
+                  f"tokens (teacher-forced), {args.quality_prompts} random prompts; llama.cpp cannot run our "
+                  f"looped model, so its quantisers are applied to our weights\n{header}")
+            print("\n".join(bench_quality(config, tokenizer, qmodes, engines, args.loops, args.tokens, args.prompt,
+                                         args.quality_prompts, bench.gen)), flush=True)
+            print(f"\nquality on the bundled demo model (trained, {DEMO.name}), the same measure along its "
+                  f"continuations of {len(DEMO_TEXTS)} Python and addition prompts\n{header}")
+            print("\n".join(demo_quality(qmodes, args.loops, args.tokens)))
     print(f"\ncopy bandwidth ({args.copy_mb} MiB tensor, read + write): {bench.bandwidth / 1e9:.1f} GB/s")
     if bench.gbs_notes:
         print("batch-1 GB/s of weights read (fraction of the copy bandwidth):\n"

@@ -208,6 +208,44 @@ def test_llama_quantisers_on_our_model() -> None:
                 assert not torch.equal(a, b) and (a - b).abs().max() < a.abs().max() / 4, name
 
 
+def test_llama_activation_round_trip_reaches_every_product() -> None:
+    gguf = pytest.importorskip("gguf")
+    from gguf import quants
+
+    config = PRESETS["tiny"]
+    weights_only = vs.llama_q_model(init_model(config, seed=0), "Q8_0", head=True)
+    both = vs.llama_q_model(init_model(config, seed=0), "Q8_0", head=True, activations=True)
+    linears = [m for m in both.modules() if type(m) is torch.nn.Linear and m.out_features > 1]
+    assert linears and all(len(m._forward_pre_hooks) == 1 for m in linears)
+    for a, b in zip(weights_only.parameters(), both.parameters()):
+        assert torch.equal(a, b)  # the same rounded weights: only the inputs differ
+    x = torch.randn(3, config.hidden, generator=torch.Generator().manual_seed(0))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    rounded = torch.from_numpy(quants.dequantize(quants.quantize(x.numpy(), q8), q8))
+    assert not torch.equal(rounded, x)
+    assert torch.equal(both.head(x), weights_only.head(rounded))
+    layer = linears[0]
+    wide = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(1))
+    wide_q = torch.from_numpy(quants.dequantize(quants.quantize(wide.numpy(), q8), q8))
+    assert torch.equal(layer(wide), torch.nn.functional.linear(wide_q, layer.weight, layer.bias))
+
+
+def test_continuations_count_argmax_agreement() -> None:
+    config = PRESETS["tiny"]
+    tokenizer = vs.pick_tokenizer(config)
+    reference = vs.make_engine(config, tokenizer, "float32", 64)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    cont = vs.Continuations.of(reference, prompts, 6, [1, 2])
+    assert cont.sequences[2, 1].shape == (1, 3 + 6 - 1) and cont.picks[2, 1].shape == (6,)
+    assert cont.agreement(reference.model, 1) == [1.0, 1.0]  # itself
+    other = init_model(config, seed=0)
+    plain_head = other.head
+    other.head = lambda x: -plain_head(x)  # the argmax becomes the argmin: no position agrees
+    assert cont.agreement(other, 2) == [0.0, 0.0]
+    rows = vs.quality_rows(cont, [("same", lambda: reference.model), ("broken", lambda: 1 / 0)], [1])
+    assert rows[0].endswith("| 1.000 (1.000-1.000)") and "ZeroDivisionError" in rows[1]
+
+
 def test_tiny_model_through_llama_cpp(tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     bins = vs.cache_dir(None) / "build" / "bin"
