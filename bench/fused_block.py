@@ -1,6 +1,7 @@
-"""Batch-1 decode with the whole step as one C call (``cpu.step.FusedStep``), with each block's
-step as one C call (``cpu.block.FusedBlock``, a stack of them one call), and with the blocks'
-modules called one by one: same engine, same process, per weights and KV mode.
+"""Batch-1 decode with a burst of whole steps as one C call (``FusedStep.burst``, the engine's
+default for a lone greedy sequence), with the whole step as one C call (``cpu.step.FusedStep``),
+with each block's step as one C call (``cpu.block.FusedBlock``, a stack of them one call), and
+with the blocks' modules called one by one: same engine, same process, per weights and KV mode.
 
     python bench/fused_block.py [--preset base100m] [--weights float int8 int4 bf16]
                                 [--kv full int4] [--loops 1 4] [--tokens 64] [--rounds 3] [--threads 2]
@@ -12,10 +13,12 @@ attention); ``ouro``, ``peri_ln`` blocks with three q/k/v projections (Ouro's); 
 alternate layers (Parcae's blocks; its diagonal injection has no whole-step call).
 
 For each weights mode (``bf16``: the model in bfloat16, which the engine keeps so) and KV mode, one
-engine decodes a 16-token random prompt greedily; ``use_cpu_kernels(model, fused=...)`` turns the
-fused steps on and off, and the whole-step call is dropped for the "blocks" runs, the three taking
-turns in every round. Decode tokens/s = (tokens - 1) / (t(tokens) - t(1)), the median over rounds;
-"fused" is the step's rate over the modules', "step/blocks" the whole step's over the blocks'. The
+engine decodes a 16-token random prompt greedily; ``decode_burst`` is the engine's default for the
+"burst" runs and 1 for the others, ``use_cpu_kernels(model, fused=...)`` turns the fused steps on
+and off, and the whole-step call is dropped for the "blocks" runs, the four taking turns in every
+round. Decode tokens/s = (tokens - 1) / (t(tokens) - t(1)), the median over rounds; "fused" is the
+step's rate over the modules', "step/blocks" the whole step's over the blocks', "burst/step" the
+burst's over the whole step's (one token a step). The
 tokens of the runs of a round are compared too: a random model's flat logits can part them after a
 few dozen tokens (the fused SwiGLU rounds its exp as C's ``expf`` does, torch as its vectorised exp
 does); ``tests/cpu/test_fused_block.py`` checks every fused step against the modules to 2e-5, and
@@ -33,6 +36,7 @@ import torch
 from tinyloop.cpu import kernels
 from tinyloop.cpu.backend import use_cpu_kernels
 from tinyloop.engine.engine import Engine
+from tinyloop.engine.plain import DEFAULT_DECODE_BURST
 from tinyloop.model.presets import PRESETS, init_model
 from tinyloop.requests import GenerationRequest, SamplingParams
 from tinyloop.tokenizer import default_tokenizer, gpt2_tokenizer
@@ -72,9 +76,9 @@ def main() -> None:
     prompt = torch.randint(0, min(base.vocab_size, tokenizer.vocab_size), (16,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     print(f"{args.preset}, batch 1, {args.tokens} tokens, {args.rounds} rounds, {torch.get_num_threads()} threads")
-    print(f"{'layout':>7} {'weights':>7} {'kv':>5} {'loops':>5} {'step tok/s':>10} {'blocks':>7} {'modules':>7} "
-          f"{'fused':>6} {'step/blocks':>11} {'same tokens':>11}")
-    kinds = ("step", "blocks", "modules")
+    print(f"{'layout':>7} {'weights':>7} {'kv':>5} {'loops':>5} {'burst tok/s':>11} {'step':>7} {'blocks':>7} "
+          f"{'modules':>7} {'fused':>6} {'step/blocks':>11} {'burst/step':>10} {'same tokens':>11}")
+    kinds = ("burst", "step", "blocks", "modules")
     for layout, weights, kv in [(la, w, kv) for la in args.layout for w in args.weights for kv in args.kv]:
         changes = dict(LAYOUTS[layout])
         if layout == "parcae":  # value embeddings on alternate layers, as the released models have
@@ -89,7 +93,8 @@ def main() -> None:
             same = True
             for round_ in range(args.rounds):
                 outs = {}
-                for kind in kinds[round_ % 3:] + kinds[:round_ % 3]:
+                for kind in kinds[round_ % 4:] + kinds[:round_ % 4]:
+                    engine.decode_burst = DEFAULT_DECODE_BURST if kind == "burst" else 1
                     use_cpu_kernels(engine.model, True, fused=kind != "modules")
                     if kind == "blocks":
                         engine.model.fused_step = None
@@ -99,9 +104,11 @@ def main() -> None:
                     rates[kind].append((args.tokens - 1) / max(full - one, 1e-9))
                 same = same and len(set(outs.values())) == 1
             use_cpu_kernels(engine.model, True)
-            step, blocks, modules = (statistics.median(rates[kind]) for kind in kinds)
-            print(f"{layout:>7} {weights:>7} {kv:>5} {loops:>5} {step:>10.1f} {blocks:>7.1f} {modules:>7.1f} "
-                  f"{step / modules:>6.2f} {step / blocks:>11.2f} {'yes' if same else 'no':>11}")
+            engine.decode_burst = DEFAULT_DECODE_BURST
+            burst, step, blocks, modules = (statistics.median(rates[kind]) for kind in kinds)
+            print(f"{layout:>7} {weights:>7} {kv:>5} {loops:>5} {burst:>11.1f} {step:>7.1f} {blocks:>7.1f} "
+                  f"{modules:>7.1f} {step / modules:>6.2f} {step / blocks:>11.2f} {burst / step:>10.2f} "
+                  f"{'yes' if same else 'no':>11}")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,7 @@ def load_engine(settings: Settings) -> Engine:
                        prefix_caching=settings.prefix_caching, max_draft_nodes=settings.max_draft_nodes,
                        pack_weights=settings.pack_weights, weights=settings.weights,
                        draft_min_prob=settings.draft_min_prob, draft_weights=settings.draft_weights,
+                       decode_burst=settings.decode_burst,
                        cpu_kernels=settings.cpu_kernels, cuda_kernels=settings.cuda_kernels,
                        cuda_graphs=settings.cuda_graphs)
     if engine.context_capped_by_kv:

@@ -95,6 +95,9 @@ class Settings:
     draft_min_prob: float = _opt(0.2, "TINYLOOP_DRAFT_MIN_PROB",
                                  "a speculative chain stops at a draft token the draft gives less than this "
                                  "probability (0 = always draft_ahead)")
+    decode_burst: int = _opt(8, "TINYLOOP_DECODE_BURST",
+                             "tokens a lone greedy request decodes per engine step in one C call (1-64; 1: one "
+                             "a step); a request arriving meanwhile waits for the burst")
     draft_weights: str = _opt("int8", "TINYLOOP_DRAFT_WEIGHTS",
                               "weights speculative drafts run on: int8 (a quantized twin of a float32 CPU "
                               "model's linear weights, a quarter more weight memory; the verify keeps the "
@@ -182,6 +185,8 @@ class Settings:
                 raise ConfigError(f"{name} must be > 0")
         if not 0 <= self.draft_min_prob <= 1:
             raise ConfigError("draft_min_prob must be in [0, 1]")
+        if not 1 <= self.decode_burst <= 64:
+            raise ConfigError("decode_burst must be in 1..64")
         if self.draft_weights not in ("same", "int8"):
             raise ConfigError(f"draft_weights must be same or int8, got {self.draft_weights!r}")
         if self.weights not in ("float", "int8", "int4", "bf16"):

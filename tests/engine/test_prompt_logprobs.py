@@ -182,7 +182,8 @@ def test_preempted_mid_prompt_neither_repeats_nor_loses_an_entry(caching: bool) 
 
 
 def test_preempted_while_decoding_keeps_its_entries() -> None:
-    eng = make_engine(max_seq_len=256, block_size=8, prefill_chunk=10)
+    # one token a step (no burst): the sequence is preempted with half its output made
+    eng = make_engine(max_seq_len=256, block_size=8, prefill_chunk=10, decode_burst=1)
     expected = eng.generate(req(PROMPT, max_tokens=6, loops=LOOPS, sampling=GREEDY)).tokens
     seq = eng.start(asking(max_tokens=6))
     while len(seq.output) < 3:

@@ -53,8 +53,8 @@ async def read_events(resp: httpx.Response, n: int) -> list[str]:
     connection, and no half-iterated httpx generator is left for the GC."""
     events: list[str] = []
     with trio.CancelScope() as scope:
-        async for line in resp.aiter_lines():
-            if line.startswith("data: "):
+        async for line in resp.aiter_lines():  # (lines already read come out after the cancel: a burst's)
+            if line.startswith("data: ") and len(events) < n:
                 events.append(line.removeprefix("data: "))
                 if len(events) == n:
                     scope.cancel()

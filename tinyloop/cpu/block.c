@@ -272,3 +272,45 @@ done:
     free(memory);
     return code;
 }
+
+/* A lone row's greedy burst: up to K steps of `tl_decode_model` at batch 1, each feeding the token
+ * the step before picked (the first: `token`), each pick the first maximum of the step's logits
+ * over ids below `limit` (`tl_max_rows`, the sampler's greedy rule). Step i stores its K and V at
+ * position start + i and attends to start + i + 1 keys.
+ *   init   [K, H] each step's initial core state (its noise), or NULL: zeros, or e where the model
+ *          makes it (`init_embed`)
+ *   state  [H] scratch, then the last step's state; logits [V] scratch, then the last step's
+ *   cos/sin [K, D] each step's RoPE; write [K, S] each step's KV row per slot; keys [S, L] the
+ *          rows of every key (L >= start + K)
+ *   stops  [n_stops] ids after which the burst ends (EOS, stop tokens)
+ *   out    [K] the picked ids; *made how many steps ran to a pick
+ * Returns 0 (K steps, or a stop id picked), 5 where step *made's logits held a NaN or +inf or
+ * nothing finite (nothing picked from them), or `tl_decode_model`'s code. */
+int tl_decode_burst(const tl_model *m, int64_t token, int64_t K, int64_t loops, const int64_t *core_slots,
+                    int64_t coda_slot, const float *init, float *state, float *logits, const float *cos,
+                    const float *sin, int64_t D, const tl_kv *kv, const int64_t *write, int64_t S,
+                    const int64_t *keys, int64_t L, int64_t start, int64_t limit, const int64_t *stops,
+                    int64_t n_stops, int64_t *out, int64_t *made) {
+    const int64_t H = m->hidden;
+    *made = 0;
+    if (limit < 1 || limit > m->head.n || start + K > L) return 4;
+    for (int64_t i = 0; i < K; ++i) {
+        if (init != NULL)
+            memcpy(state, init + i * H, (size_t)H * sizeof(float));
+        else
+            memset(state, 0, (size_t)H * sizeof(float));
+        const int64_t n_keys = start + i + 1;
+        const int code = tl_decode_model(m, &token, 1, loops, core_slots, coda_slot, state, logits, cos + i * D,
+                                         sin + i * D, 1, kv, write + i * S, keys, L, &n_keys);
+        if (code != 0) return code;
+        int64_t at = 0;
+        int8_t usable = 0;
+        tl_max_rows(logits, 1, limit, &at, &usable);
+        if (!usable) return 5;
+        out[i] = token = at;
+        *made = i + 1;
+        for (int64_t j = 0; j < n_stops; ++j)
+            if (stops[j] == at) return 0;
+    }
+    return 0;
+}

@@ -28,6 +28,7 @@ int tl_decode_attention_int4(const float *q, int64_t ldq, const uint8_t *k_codes
 int tl_decode_attention(const float *q, int64_t ldq, const float *k, const float *v, const int64_t *rows,
                         const int64_t *n_keys, float *out, int64_t R, int64_t HQ, int64_t KVH, int64_t D, int64_t L,
                         int64_t T, float scale);
+void tl_max_rows(const float *x, int64_t B, int64_t V, int64_t *index, int8_t *usable);
 int tl_panel_matmul(const float *x, int64_t M, int64_t K, const float *panels, int64_t N, const float *bias,
                     float *y);
 int tl_matmul_q8(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, const float *scales,

@@ -15,6 +15,10 @@ no loop output projection, and whose head is on the kernels (``packed_head`` wit
 initial state comes from ``LoopedLM.initial_state`` (zeros or each row's noise; ``embed``: made in
 C from the prelude's output). Anything else runs ``forward``'s modules. ``use_cpu_kernels`` gives
 the model one (``LoopedLM.fused_step``).
+
+``burst`` runs up to T such steps of one row in one call (``tl_decode_burst``), each feeding the
+greedy pick of the step before: a lone greedy sequence's next T tokens with no Python between
+them (``LoopedLM.decode_burst``, ``Engine(decode_burst=...)``).
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ from typing import cast
 import torch
 
 from tinyloop.cpu import kernels
-from tinyloop.cpu.block import FusedBlock, Weight, check_code, held_weight, module_weight, stack_index
+from tinyloop.cpu.block import FusedBlock, Weight, check_code, held_weight, kv_struct, module_weight, stack_index
 from tinyloop.model.context import PagedContext
 from tinyloop.model.layers import AttentionContext, RMSNorm
-from tinyloop.model.looped import LoopedLM
+from tinyloop.model.looped import Burst, LoopedLM
 
 __all__ = ["FusedStep"]
 
@@ -152,3 +156,44 @@ class FusedStep:
             raise IndexError(f"a token id is outside the embedding of {self._struct.vocab} rows")
         check_code(code, kv)
         return logits, state
+
+    def burst(self, token: int, ctx: AttentionContext, loops: int, window: int, init: torch.Tensor | None,
+              limit: int, stops: tuple[int, ...]) -> Burst | None:
+        """One row's greedy steps over ``ctx``'s T new positions (``PagedContext.burst_slots``):
+        the first feeds ``token``, each later one the id the step before picked (the first
+        maximum of its logits below ``limit``), ending after a pick in ``stops``. ``init``
+        ``[T, H]``: each step's initial state (its noise), or None (zeros, or made in C for
+        ``embed``). None where the call is not one this covers."""
+        if not isinstance(ctx, PagedContext) or loops < 1 or window < 1 or not self.current():
+            return None
+        found = ctx.burst_slots()
+        kv = None if found is None else kv_struct(ctx.pool.store.fields)
+        if found is None or kv is None:
+            return None
+        write, keys, cos, sin = found
+        c = self.model.config
+        n, slots = write.shape
+        coda_slot = c.n_prelude + window * c.n_core
+        if coda_slot + c.n_coda > slots:
+            return None
+        if init is not None and (not _float_rows(init) or init.shape != (n, c.hidden)):
+            return None
+        if not 0 <= token < self._struct.vocab:
+            raise IndexError(f"a token id is outside the embedding of {self._struct.vocab} rows")
+        state = torch.empty(c.hidden, dtype=torch.float32, device="cpu")
+        logits = torch.empty(self._struct.head.n, dtype=torch.float32, device="cpu")
+        out = (ctypes.c_int64 * n)()
+        made = ctypes.c_int64(0)
+        stop_ids = (ctypes.c_int64 * max(len(stops), 1))(*stops)
+        code = kernels.load().tl_decode_burst(
+            ctypes.byref(self._struct), token, n, loops, self._core_slots(loops, window), coda_slot,
+            None if init is None else init.data_ptr(), state.data_ptr(), logits.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), cos.shape[-1], ctypes.byref(kv), write.data_ptr(), slots, keys.data_ptr(), keys.shape[-1],
+            ctx.burst_start, limit, stop_ids, len(stops), out, ctypes.byref(made))
+        if code == 3:
+            raise IndexError(f"a token id is outside the embedding of {self._struct.vocab} rows")
+        if code == 4:
+            raise ValueError(f"a burst of {n} steps from {ctx.burst_start} over {keys.shape[-1]} keys, limit {limit}")
+        if code != 5:
+            check_code(code, kv)
+        return Burst(list(out[:made.value]), code == 5, state)

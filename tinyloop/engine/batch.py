@@ -75,8 +75,14 @@ class Batch:
             finish, fallback = st.plan(group)
             finishes.append(finish)
             plain.extend(fallback)
-        ready.extend(self.plain.decode(plain))
         events: list[TokenEvent] = []
+        if (len(plain) == 1 and not ready and len(prepared) == 1 and prepared[0][0] is self.plain
+                and sum(not s.finished for s in seqs) == 1):
+            burst = self.plain.burst(plain[0])  # a lone greedy sequence: several tokens in one call
+            if burst is not None:
+                events.extend(burst)
+                plain = []
+        ready.extend(self.plain.decode(plain))
         sample: list[tuple[Sequence, torch.Tensor]] = []
         for seq, logits in ready:
             first = guard(seq, self.strategy(seq).first, seq, logits)

@@ -34,6 +34,7 @@ from tinyloop.engine.device_stream import new_stream, on_stream
 from tinyloop.engine.graphs import DecodeGraphs
 from tinyloop.engine.kv_budget import KVAccounting, KVBudget, context_fits, pool_blocks
 from tinyloop.engine.output import accept_token
+from tinyloop.engine.plain import DEFAULT_DECODE_BURST, check_burst
 from tinyloop.engine.prefill import advance, prefill_chunks
 from tinyloop.engine.prefix_cache import PrefixCache, PrefixEntries
 from tinyloop.engine.sampling import StopMatcher, make_generator
@@ -74,7 +75,7 @@ class Engine(KVAccounting, PrefixEntries):
                  weights: str = "float", draft_min_prob: float = DEFAULT_DRAFT_MIN_PROB,
                  draft_weights: str = "same", cpu_kernels: bool = True,
                  cuda_kernels: bool = False, cuda_graphs: bool = False,
-                 default_loops: int | None = None) -> None:
+                 default_loops: int | None = None, decode_burst: int = DEFAULT_DECODE_BURST) -> None:
         self.model = cast(LoopedLM, model.eval())  # an Inkling2LM: the same forward; ModelLimits refuses the rest
         if weights not in WEIGHT_MODES:
             raise RequestError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}", param="weights")
@@ -105,6 +106,7 @@ class Engine(KVAccounting, PrefixEntries):
         self.prefill_chunk = prefill_chunk
         # speculative drafts: tokens per step (all sequences), the probability a chain stops under
         self.max_draft_nodes, self.draft_min_prob = check_drafting(max_draft_nodes, draft_min_prob)
+        self.decode_burst = check_burst(decode_burst)  # a lone greedy sequence's tokens per step (plain.py)
         self.vocab_limit = min(tokenizer.vocab_size, self.config.vocab_size)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -188,11 +190,9 @@ class Engine(KVAccounting, PrefixEntries):
         child = self.start(seq.request)
         child.kv.free()  # whatever start found in the prefix cache: the parent's KV replaces it
         child.kv = seq.kv.fork()
-        child.cached_tokens = seq.cached_tokens
-        child.output = list(seq.output)
-        child.pending = seq.pending
+        child.cached_tokens, child.pending = seq.cached_tokens, seq.pending
+        child.output, child.prompt = list(seq.output), list(seq.prompt)
         child.warm_state, child.matcher = seq.warm_state, grammar.fork(seq.matcher)  # its own grammar state
-        child.prompt = list(seq.prompt)
         return child
 
     def free(self, seq: Sequence) -> None:

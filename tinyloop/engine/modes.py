@@ -21,7 +21,7 @@ from tinyloop.errors import EngineBroken, KVCacheExhausted
 from tinyloop.model.config import ModelConfig
 from tinyloop.model.context import PagedContext
 from tinyloop.model.kvcache import SeqKV
-from tinyloop.model.looped import ForwardOutput, RowSpec
+from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
 from tinyloop.requests import TokenLogprob
 
 __all__ = ["Core", "Finish", "Strategy", "guard", "no_events", "reserve_or_fail"]
@@ -41,6 +41,10 @@ class Core(Protocol):
     draft_model: nn.Module  # what speculative drafts run on (the model, or its int8 twin)
     prefill_chunk: int  # prompt tokens a sequence prefills per step
     prefilled_tokens: int  # prompt tokens run through the model so far
+    decode_burst: int  # a lone greedy sequence's tokens per step (plain.py)
+    max_seq_len: int
+    vocab_limit: int  # ids the sampler may pick: the tokenizer's (a checkpoint's padding rows never)
+    model: LoopedLM
 
     @property
     def eos_ids(self) -> frozenset[int]: ...
@@ -48,6 +52,7 @@ class Core(Protocol):
     def prefill_step(self, seq: Sequence) -> torch.Tensor | None: ...
 
     def decode(self, seqs: Seq[Sequence]) -> torch.Tensor: ...
+
 
     def forward(self, seqs: Seq[Sequence], tokens: torch.Tensor, warm: bool,
                 counts: Seq[int] | None = None) -> ForwardOutput: ...

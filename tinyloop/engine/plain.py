@@ -1,5 +1,13 @@
 """Plain decoding: one batched decode forward for the step's sequences, then sampling.
 
+A lone greedy sequence (``sampling.is_plain_greedy``: no bias, penalties, logprobs or
+``min_tokens``; no grammar or warm start) decodes a burst instead, where the model has a
+whole-step C call (``Engine.burst``): up to ``decode_burst`` tokens in one call, each step fed
+the argmax of the step before, with no Python between them. Its tokens are accepted one by one
+as sampled ones are (stop strings, stop tokens, EOS, ``max_tokens``), and what follows a stop
+is dropped with its KV (the sequence ends there). The tokens are the ones one step per token
+picks; a stream gets them together, and a request that arrives meanwhile starts after the burst.
+
 Also the fallback of the other modes (a speculative sequence that cannot speculate this step
 decodes here) and the sampler of every prompt's first logits. A constrained row (structured
 outputs, ``tinyloop.grammar``) has its grammar's refused tokens set to -inf before the sampler
@@ -13,12 +21,27 @@ from typing import Any
 import torch
 
 from tinyloop.engine.modes import Core, Finish, guard, no_events, reserve_or_fail
-from tinyloop.engine.sampling import sample_batch, token_logprob
+from tinyloop.engine.sampling import is_plain_greedy, sample_batch, token_logprob
 from tinyloop.engine.sequence import ModeState, Sequence, TokenEvent
-from tinyloop.errors import EngineBroken, EngineError
+from tinyloop.errors import EngineBroken, EngineError, KVCacheExhausted, RequestError
 from tinyloop.grammar import MaskBuffer, constrain_rows
+from tinyloop.model.looped import Burst, RowSpec
 
-__all__ = ["PlainDecoding"]
+__all__ = ["DEFAULT_DECODE_BURST", "PlainDecoding", "check_burst"]
+
+# A lone greedy sequence decodes up to this many tokens per step where the model has a whole-step
+# C call (bench/LOG.md 2026-12-03: int4 1.34x, int8 1.24x, float32 1.05x tokens/s of one token a
+# step at batch 1 on base100m); 1 runs one step per token
+DEFAULT_DECODE_BURST = 8
+MAX_DECODE_BURST = 64
+
+
+def check_burst(n: object) -> int:
+    """``decode_burst`` checked: an int from 1 to ``MAX_DECODE_BURST``."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_DECODE_BURST:
+        raise RequestError(f"decode_burst must be an integer from 1 to {MAX_DECODE_BURST}, got {n!r}",
+                           param="decode_burst")
+    return n
 
 
 class PlainDecoding:
@@ -62,6 +85,54 @@ class PlainDecoding:
             if logits is not None:
                 out.append((s, logits[0]))
         return out
+
+    def burst(self, seq: Sequence) -> list[TokenEvent] | None:
+        """A lone sequence's burst (the module docstring) and the events of the tokens it
+        accepts; None where it does not burst this step (it decodes one token)."""
+        params = seq.request.sampling
+        n = min(self.core.decode_burst, seq.request.max_tokens - len(seq.output),
+                self.core.max_seq_len - seq.kv.length)
+        if (n < 2 or seq.matcher is not None or seq.request.warm_start or not is_plain_greedy(params)
+                or getattr(self.core.model, "fused_step", None) is None):  # (Inkling-2's has none)
+            return None
+        start = seq.kv.length
+        try:
+            done = self._run_burst(seq, n)
+        except KVCacheExhausted:
+            return None  # no room for the burst: one token, whose block prepare reserved
+        except EngineBroken:
+            raise
+        except Exception as exc:
+            seq.fail(exc)
+            return []
+        if done is None:
+            return None
+        seq.pending, seq.last_loops = None, seq.loops
+        events = []
+        for token in done.tokens:  # as sampled ones: the first stop ends the sequence, the rest is dropped
+            seq.loops_total += seq.loops
+            event = guard(seq, self.core.accept, seq, token, None)
+            if event is None:
+                break
+            events.append(event)
+            if seq.finished:
+                break
+        seq.kv.length = start + len(events)  # the positions of the tokens fed to pick them
+        if done.unusable and not seq.finished:
+            seq.fail(EngineError("the model produced non-finite logits for this request"))
+        return events
+
+    @torch.inference_mode()
+    def _run_burst(self, seq: Sequence, n: int) -> Burst | None:
+        """Up to ``n`` greedy steps of ``seq`` in one call (``LoopedLM.decode_burst``), the first
+        fed its pending token, its KV blocks reserved for all ``n``; nothing else of it changes."""
+        core, start, params = self.core, seq.kv.length, seq.request.sampling
+        seq.kv.reserve(start + n)
+        ctx = core.context([seq.kv], [start], n)
+        spec = RowSpec(loops=seq.loops, window=seq.window, start=start, noise_seed=seq.noise_seed, exit=seq.exit)
+        stops = tuple(sorted({*params.stop_token_ids, *(() if params.ignore_eos else core.eos_ids)}))
+        assert seq.pending is not None
+        return core.model.decode_burst(seq.pending, ctx, spec, n, core.vocab_limit, stops)
 
     def sample(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> list[TokenEvent]:
         """Sample every row and accept its token; a row with NaN or +inf logits, or with no

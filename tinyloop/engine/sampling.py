@@ -52,6 +52,7 @@ __all__ = [
     "draw",
     "greedy_token",
     "greedy_token_prob",
+    "is_plain_greedy",
     "logprob_entries",
     "make_generator",
     "sample_batch",
@@ -347,7 +348,7 @@ def sample_batch(
     else:
         top, first = rows.max(dim=-1)  # [B]
         where, usable = first.tolist(), torch.isfinite(top).tolist()
-    fast = [i for i, p in enumerate(params) if usable[i] and _is_plain_greedy(p)]
+    fast = [i for i, p in enumerate(params) if usable[i] and is_plain_greedy(p)]
     argmax = [where[i] for i in fast]  # [F]
     results: dict[int, SampleResult | None] = dict(zip(fast, (SampleResult(int(t)) for t in argmax)))
     for i in range(batch):
@@ -363,7 +364,7 @@ def _on_device(logits: torch.Tensor) -> bool:
     return not logits.is_cpu
 
 
-def _is_plain_greedy(params: SamplingParams) -> bool:
+def is_plain_greedy(params: SamplingParams) -> bool:
     """True when a row's token is just the argmax of its logits, with nothing to report."""
     return (params.greedy and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and not params.logprobs

@@ -228,6 +228,23 @@ class PagedContext:
         return (self._write_by_slot, self._keys_by_slot, self._n_keys, self.cos.contiguous(),
                 self.sin.contiguous())
 
+    def burst_slots(self) -> tuple[torch.Tensor, ...] | None:
+        """For one row's greedy burst (``cpu.step.FusedStep.burst``: its T new tokens decoded one
+        after another, token t stored at ``start + t`` and attending to ``start + t + 1`` keys):
+        write rows ``[T, S]``, key rows ``[S, L]``, cos and sin ``[T, D]``, contiguous on the host;
+        None where the context is not one row of plain causal tokens on the host."""
+        if (len(self._starts) != 1 or self._gaps is not None or self._mask_of[1] is not None
+                or self._positions is not None or self.pool.store.mode.h_mode
+                or torch.device(self.pool.device).type != "cpu"):
+            return None
+        return (self._write_by_slot.t().contiguous(), self._keys_by_slot[:, 0], self.cos[0].contiguous(),
+                self.sin[0].contiguous())
+
+    @property
+    def burst_start(self) -> int:
+        """The first new token's position (one row's: ``burst_slots``)."""
+        return self._starts[0]
+
     def key_rope(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at every key position of ``rows``, ``[R, L, D]`` each (h-mode's recompute).
 

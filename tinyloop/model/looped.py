@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from tinyloop.model.layers import MLP, AttentionContext, Block, RMSNorm, rope_fo
 from tinyloop.model.quant import QuantWeight
 from tinyloop.vocabulary import ExitRule
 
-__all__ = ["LoopedLM", "RowSpec", "ForwardOutput"]
+__all__ = ["Burst", "LoopedLM", "RowSpec", "ForwardOutput"]
 
 _NOISE_MIX = 0x9E3779B97F4A7C15
 _NOISE_CACHE_BYTES = 16 << 20  # randn initial states kept (LoopedLM._noise): 16k positions at hidden 256
@@ -46,6 +46,19 @@ class WholeStep(Protocol):
 
     def run(self, tokens: torch.Tensor, ctx: AttentionContext, loops: int, window: int,
             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def burst(self, token: int, ctx: AttentionContext, loops: int, window: int, init: torch.Tensor | None,
+              limit: int, stops: tuple[int, ...]) -> Burst | None: ...
+
+
+class Burst(NamedTuple):
+    """A greedy burst's picks (``LoopedLM.decode_burst``): a step whose logits could not be
+    sampled from (a NaN or +inf, or nothing finite) ends it, ``unusable``, and picks nothing;
+    ``state``: the last step's final core state ``[H]``."""
+
+    tokens: list[int]
+    unusable: bool
+    state: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -353,6 +366,30 @@ class LoopedLM(nn.Module):
         self.counters["core_row_loops"] += n * len(loops)
         self.counters["fused_steps"] += 1
         return ForwardOutput(logits=done[0], state=done[1], loops_used=list(loops))
+
+    def decode_burst(self, token: int, ctx: AttentionContext, spec: RowSpec, n: int, limit: int,
+                     stops: tuple[int, ...]) -> Burst | None:
+        """One row's ``n`` greedy decode steps over ``ctx``'s new positions in one C call
+        (``fused_step.burst``): the first feeds ``token``, each later one the argmax (ids below
+        ``limit``) of the step before, until a pick in ``stops``. Each step is the one
+        ``forward`` takes a plain decode token through; None where the row is not plain (an exit
+        rule, a warm state, given positions) or the model or context has no such call."""
+        rule = spec.exit if spec.exit is not None else self.config.exit
+        if (self.fused_step is None or rule.kind != "none" or spec.warm_state is not None
+                or spec.positions is not None):
+            return None
+        init = None
+        if self.config.state_init not in ("zeros", "embed"):  # each position's noise, as forward draws it
+            init = self.initial_state(torch.empty(1, n, self.config.hidden), [spec]).view(n, -1).contiguous()
+        window = min(spec.window, spec.kv_loops or spec.loops)
+        done = self.fused_step.burst(token, ctx, spec.loops, window, init, limit, stops)
+        if done is not None:
+            steps = len(done.tokens) + int(done.unusable)
+            self.counters["core_block_calls"] += spec.loops * steps
+            self.counters["core_row_loops"] += spec.loops * steps
+            self.counters["fused_steps"] += steps
+            self.counters["bursts"] += 1
+        return done
 
     def _logits_of(self, act: list[int], h: torch.Tensor, ctx: AttentionContext, windows: torch.Tensor,
                    ids: torch.Tensor | None) -> Callable[[list[int]], torch.Tensor]:
