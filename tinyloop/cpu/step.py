@@ -180,7 +180,7 @@ class FusedStep:
             return None
         if not 0 <= token < self._struct.vocab:
             raise IndexError(f"a token id is outside the embedding of {self._struct.vocab} rows")
-        state = torch.empty(c.hidden, dtype=torch.float32, device="cpu")
+        state = torch.empty(c.hidden, dtype=torch.float32, device="cpu")  # (scratch: the C steps' core state)
         logits = torch.empty(self._struct.head.n, dtype=torch.float32, device="cpu")
         out = (ctypes.c_int64 * n)()
         made = ctypes.c_int64(0)
@@ -196,4 +196,4 @@ class FusedStep:
             raise ValueError(f"a burst of {n} steps from {ctx.burst_start} over {keys.shape[-1]} keys, limit {limit}")
         if code != 5:
             check_code(code, kv)
-        return Burst(list(out[:made.value]), code == 5, state)
+        return Burst(list(out[:made.value]), code == 5)

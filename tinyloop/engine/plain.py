@@ -2,7 +2,7 @@
 
 A lone greedy sequence (``sampling.is_plain_greedy``: no bias, penalties, logprobs or
 ``min_tokens``; no grammar or warm start) decodes a burst instead, where the model has a
-whole-step C call (``Engine.burst``): up to ``decode_burst`` tokens in one call, each step fed
+whole-step C call (``LoopedLM.decode_burst``): up to ``decode_burst`` tokens in one call, each step fed
 the argmax of the step before, with no Python between them. Its tokens are accepted one by one
 as sampled ones are (stop strings, stop tokens, EOS, ``max_tokens``), and what follows a stop
 is dropped with its KV (the sequence ends there). The tokens are the ones one step per token

@@ -53,12 +53,10 @@ class WholeStep(Protocol):
 
 class Burst(NamedTuple):
     """A greedy burst's picks (``LoopedLM.decode_burst``): a step whose logits could not be
-    sampled from (a NaN or +inf, or nothing finite) ends it, ``unusable``, and picks nothing;
-    ``state``: the last step's final core state ``[H]``."""
+    sampled from (a NaN or +inf, or nothing finite) ends it, ``unusable``, and picks nothing."""
 
     tokens: list[int]
     unusable: bool
-    state: torch.Tensor
 
 
 @dataclass(slots=True)
