@@ -114,6 +114,56 @@ def test_int4_products_equal_the_dequantised_weight_times_the_dequantised_activa
     assert_matches(kernels.matmul_q4(x, panels, n, group, None), want)
 
 
+def two_term_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What two-term activations may be off by, per output: each input within half the second
+    term's step, max|block| / (127 * 254) (the residual is within half the first's), times |W|."""
+    blocks = torch.nn.functional.pad(x.double().abs(), (0, -x.shape[1] % kernels.QBLOCK))
+    peak = blocks.view(x.shape[0], -1, kernels.QBLOCK).amax(-1).repeat_interleave(kernels.QBLOCK, 1)
+    return (peak[:, :x.shape[1]] / (2 * 127 * 254)) @ weight.abs().t()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_two_term_activations_take_the_products_near_the_float_activations(
+        path: str, threads: int, rows: int, bits: int) -> None:
+    """``terms=2`` adds the residual's codes as rows of their own: each output within the second
+    term's rounding of x @ W^T (about 250 times nearer than one term), the bias added once."""
+    gen = torch.Generator().manual_seed(rows * 5 + bits)
+    n, k, group = 70, 288, 96
+    x, bias = torch.randn(rows, k, generator=gen) * 3, torch.randn(n, generator=gen)
+    if bits == 8:
+        codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scales = torch.rand(n, generator=gen) * 0.01
+        weight = codes.double() * scales.double()[:, None]
+        panels = kernels.pack_q8(codes)
+        def product(terms: int, b: torch.Tensor | None) -> torch.Tensor:
+            return kernels.matmul_q8(x, panels, n, scales, b, terms)
+    else:
+        packed, scales4, zeros, weight = int4_weight(n, k, group, gen)
+        panels = kernels.pack_q4(packed, scales4, zeros, group)
+        def product(terms: int, b: torch.Tensor | None) -> torch.Tensor:
+            return kernels.matmul_q4(x, panels, n, group, b, terms)
+    exact = x.double() @ weight.t()
+    one, two = product(1, None), product(2, None)
+    bound = two_term_bound(x, weight) + 2e-6 * exact.abs().max()
+    assert ((two.double() - exact).abs() <= bound).all()
+    assert (one.double() - exact).abs().max() > 20 * (two.double() - exact).abs().max()
+    assert_matches(product(2, bias), two.double() + bias.double())
+
+
+def test_two_term_activations_keep_a_bad_rows_nan_in_its_row_and_refuse_other_counts() -> None:
+    gen = torch.Generator().manual_seed(8)
+    codes = torch.randint(-127, 128, (20, 64), generator=gen, dtype=torch.int8)
+    panels, scales = kernels.pack_q8(codes), torch.rand(20, generator=gen)
+    x = torch.randn(3, 64, generator=gen)
+    x[1, 3] = float("inf")
+    y = kernels.matmul_q8(x, panels, 20, scales, None, 2)
+    assert y[1].isnan().all() and torch.isfinite(y[[0, 2]]).all()
+    for terms in (0, 3):
+        with pytest.raises(ValueError, match="1 or 2 int8 terms"):
+            kernels.matmul_q8(x, panels, 20, scales, None, terms)
+
+
 def test_a_product_split_among_threads_equals_it_on_one() -> None:
     gen = torch.Generator().manual_seed(3)
     codes = torch.randint(-127, 128, (1000, 512), generator=gen, dtype=torch.int8)  # 512 kB: split

@@ -46,6 +46,18 @@ def test_quantize_swaps_every_linear_and_the_tied_head(mode: str) -> None:
     assert not any(isinstance(x, nn.Linear) and x.out_features > 1 for x in m.modules())
     assert sum(isinstance(x, QuantLinear) for x in m.modules()) == linears
     assert isinstance(m.packed_head, QuantWeight)  # type: ignore[union-attr]
+    # the head is int8 in both modes (int4's too), its activations in two int8 terms
+    assert m.packed_head.mode == "int8" and m.packed_head.terms == 2  # type: ignore[union-attr]
+    assert {x.quant.mode for x in m.modules() if isinstance(x, QuantLinear)} == {mode}
+    assert {x.quant.terms for x in m.modules() if isinstance(x, QuantLinear)} == {1}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_untied_head_layer_is_the_int8_head(mode: str) -> None:
+    m = init_model(PRESETS["tiny"].replace(max_position=128, tie_embeddings=False), seed=0)
+    quantize_linears(m, mode)
+    assert isinstance(m.lm_head, QuantLinear) and m.packed_head is m.lm_head.quant
+    assert m.lm_head.quant.mode == "int8" and m.lm_head.quant.terms == 2
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -41,7 +41,8 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
 class Weight(ctypes.Structure):  # block.c's tl_weight
-    _fields_ = [("kind", _I64), ("n", _I64), ("k", _I64), ("group", _I64), ("panels", _P), ("scales", _P)]
+    _fields_ = [("kind", _I64), ("n", _I64), ("k", _I64), ("group", _I64), ("panels", _P), ("scales", _P),
+                ("terms", _I64)]
 
 
 class _KV(ctypes.Structure):  # block.c's tl_kv
@@ -90,10 +91,10 @@ def held_weight(holder: PackedWeight | QuantWeight) -> tuple[Weight, torch.Tenso
         return None
     if isinstance(holder, PackedWeight):
         n, k = holder.weight.shape
-        return Weight(0, n, k, 0, panels.data_ptr(), None), panels
+        return Weight(0, n, k, 0, panels.data_ptr(), None, 1), panels
     (n, k), kind = holder.shape, {"int8": 1, "int4": 2, "bf16": 3}[holder.mode]
     scales = holder.scales.data_ptr() if kind == 1 else None
-    return Weight(kind, n, k, holder.group, panels.data_ptr(), scales), panels
+    return Weight(kind, n, k, holder.group, panels.data_ptr(), scales, holder.terms), panels
 
 
 _Watch = tuple[dict[str, "torch.nn.Module | None"], str, torch.nn.Module, object, object]

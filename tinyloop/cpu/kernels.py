@@ -69,8 +69,8 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_quantize_act", None, [_P] + [_I] * 3 + [_P] * 3),
     ("tl_pack_q8", None, [_P] + [_I] * 3 + [_P]),
     ("tl_pack_q4", None, [_P] * 3 + [_I] * 3 + [_P]),
-    ("tl_matmul_q8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 3),
-    ("tl_matmul_q4", ctypes.c_int, [_P] + [_I] * 2 + [_P] + [_I] * 2 + [_P] * 2),
+    ("tl_matmul_q8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 3 + [_I]),
+    ("tl_matmul_q4", ctypes.c_int, [_P] + [_I] * 2 + [_P] + [_I] * 2 + [_P] * 2 + [_I]),
     ("tl_bf16_native", ctypes.c_int, []),
     ("tl_bf16_amx", ctypes.c_int, []),
     ("tl_set_bf16_amx", ctypes.c_int, [ctypes.c_int]),
@@ -570,27 +570,37 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, grou
     return panels
 
 
+def _terms(terms: int) -> int:
+    if terms not in (1, 2):
+        raise ValueError(f"activations come in 1 or 2 int8 terms, not {terms}")
+    return terms
+
+
 def matmul_q8(x: torch.Tensor, panels: torch.Tensor, n: int, scales: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
+              bias: torch.Tensor | None, terms: int = 1) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for x ``[M, K]`` float32 contiguous, W the int8 codes ``pack_q8``
     laid out times ``scales`` ``[n]`` (float32, one per output); x quantised per block
-    (``quantize_activations``). Returns ``[M, n]`` float32."""
+    (``quantize_activations``), in ``terms`` int8 terms: 2 adds the residual's codes
+    (x ~ d1 q1 + d2 q2, ~250x finer), one more row of dot products over the same weight bytes.
+    Returns ``[M, n]`` float32."""
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
     bias = _bias(bias)
     code = load().tl_matmul_q8(x.data_ptr(), m, k, panels.data_ptr(), n, scales.data_ptr(),
-                               None if bias is None else bias.data_ptr(), out.data_ptr())
+                               None if bias is None else bias.data_ptr(), out.data_ptr(), _terms(terms))
     return _allocated(code, out, "a quantised matrix product")
 
 
-def matmul_q4(x: torch.Tensor, panels: torch.Tensor, n: int, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+def matmul_q4(x: torch.Tensor, panels: torch.Tensor, n: int, group: int, bias: torch.Tensor | None,
+              terms: int = 1) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for x ``[M, K]`` float32 contiguous and the 4-bit W ``pack_q4`` laid
-    out; x quantised per block (``quantize_activations``). Returns ``[M, n]`` float32."""
+    out; x quantised per block (``quantize_activations``) in ``terms`` int8 terms (as
+    ``matmul_q8``). Returns ``[M, n]`` float32."""
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
     bias = _bias(bias)
     code = load().tl_matmul_q4(x.data_ptr(), m, k, panels.data_ptr(), n, group,
-                               None if bias is None else bias.data_ptr(), out.data_ptr())
+                               None if bias is None else bias.data_ptr(), out.data_ptr(), _terms(terms))
     return _allocated(code, out, "a quantised matrix product")
 
 

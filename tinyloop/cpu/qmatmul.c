@@ -585,22 +585,47 @@ static void q_pair(const void *job_, int64_t m, int rows, int64_t p) {
     job->pair4(job, m, job->panels + p * job->panel_bytes, p * QPANEL);
 }
 
-/* The product: quantise x, then the panels shared among the threads. Returns 0, or -1 where the
- * scratch memory could not be allocated. */
+/* x's residual after its quantisation, x - d * xq per block (`tl_quantize_act`'s rows): the second
+ * term of two-term activations (NaN where the block's scale is). */
+static void act_residual(const float *x, int64_t M, int64_t K, int64_t Kp, const int8_t *xq, const float *d,
+                         float *r) {
+    const int64_t nb = (Kp + QBLOCK - 1) / QBLOCK;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < K ? k0 + QBLOCK : K;
+            const float scale = d[m * nb + b];
+#pragma omp simd
+            for (int64_t k = k0; k < k1; ++k) r[m * K + k] = x[m * K + k] - scale * (float)xq[m * Kp + k];
+        }
+}
+
+/* The product: quantise x, then the panels shared among the threads. With `terms` 2 each row of
+ * x is quantised twice, x ~ d1 xq1 + d2 xq2 (xq2 the residual's codes, about 2^-8 of the first
+ * term's step): the kernels take the 2M rows in one pass over the panels and each output is the
+ * sum of its two rows' (the bias added once), so the activations' rounding error shrinks ~250x
+ * for the cost of a second row of dot products (a memory-bound product: a few per cent).
+ * Returns 0, or -1 where the scratch memory could not be allocated. */
 static int q_matmul(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, int64_t group,
-                    const float *scales, const float *bias, float *y, int bits) {
+                    const float *scales, const float *bias, float *y, int bits, int64_t terms) {
+    const int64_t R = terms == 2 ? 2 * M : M; /* the rows the kernels see */
     const int64_t Kp = (K + 3) / 4 * 4, nb = (Kp + QBLOCK - 1) / QBLOCK, G = bits == 4 ? K / group : 0;
     const int64_t panel_bytes = bits == 8 ? Kp * QPANEL : G * (group * 8 + 64);
-    const size_t scratch = (size_t)(M * Kp) + (size_t)(M * nb) * (sizeof(float) + sizeof(int32_t))
-                           + (size_t)(M * G) * sizeof(float) + 64;
+    const size_t scratch = (size_t)(R * Kp) + (size_t)(R * nb) * (sizeof(float) + sizeof(int32_t))
+                           + (size_t)(R * G) * sizeof(float) + 64
+                           + (terms == 2 ? (size_t)(M * K + R * N) * sizeof(float) : 0);
     char *memory = malloc(scratch);
     if (memory == NULL) return -1;
     float *d = (float *)(void *)memory;
-    int32_t *sums = (int32_t *)(void *)(d + M * nb);
-    float *xs = (float *)(void *)(sums + M * nb);
-    int8_t *xq = (int8_t *)(void *)(xs + M * G);
+    int32_t *sums = (int32_t *)(void *)(d + R * nb);
+    float *xs = (float *)(void *)(sums + R * nb);
+    float *residual = xs + R * G, *y2 = residual + (terms == 2 ? M * K : 0); /* terms 2 only */
+    int8_t *xq = (int8_t *)(void *)(y2 + (terms == 2 ? R * N : 0));
     tl_quantize_act(x, M, K, Kp, xq, d, sums);
-    for (int64_t m = 0; m < M; ++m) /* int4: each group's sum of the dequantised activations */
+    if (terms == 2) { /* rows M .. 2M - 1: the residuals' codes */
+        act_residual(x, M, K, Kp, xq, d, residual);
+        tl_quantize_act(residual, M, K, Kp, xq + M * Kp, d + M * nb, sums + M * nb);
+    }
+    for (int64_t m = 0; m < R; ++m) /* int4: each group's sum of the dequantised activations */
         for (int64_t g = 0; g < G; ++g) {
             float total = 0.0f;
             for (int64_t b = g * (group / QBLOCK); b < (g + 1) * (group / QBLOCK); ++b)
@@ -610,22 +635,32 @@ static int q_matmul(const float *x, int64_t M, int64_t K, const uint8_t *panels,
     int max_rows;
     rows_fn pair4;
     const rows_fn *kernels = row_kernels(tl_quant_isa(), bits, &max_rows, &pair4);
-    const q_job job = {xq, d, sums, xs, M, K, Kp, nb, N, group, panel_bytes, panels, scales, bias, y, kernels, pair4};
-    sweep(&job, q_panel, pair4 != NULL ? q_pair : NULL, M, N, panel_bytes, max_rows);
+    const q_job job = {xq, d, sums, xs, R, K, Kp, nb, N, group, panel_bytes, panels, scales,
+                       terms == 2 ? NULL : bias, terms == 2 ? y2 : y, kernels, pair4};
+    sweep(&job, q_panel, pair4 != NULL ? q_pair : NULL, R, N, panel_bytes, max_rows);
+    if (terms == 2)
+        for (int64_t m = 0; m < M; ++m) {
+            const float *a = y2 + m * N, *b = y2 + (M + m) * N;
+            float *out = y + m * N;
+#pragma omp simd
+            for (int64_t n = 0; n < N; ++n) out[n] = a[n] + b[n] + (bias != NULL ? bias[n] : 0.0f);
+        }
     free(memory);
     return 0;
 }
 
-/* y [M, N] = x [M, K] W^T (+ bias) for int8 W as `tl_pack_q8` laid it out, scales [N]. */
+/* y [M, N] = x [M, K] W^T (+ bias) for int8 W as `tl_pack_q8` laid it out, scales [N]; x in
+ * `terms` (1 or 2) int8 terms (`q_matmul`). */
 int tl_matmul_q8(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, const float *scales,
-                 const float *bias, float *y) {
-    return q_matmul(x, M, K, panels, N, 0, scales, bias, y, 8);
+                 const float *bias, float *y, int64_t terms) {
+    return q_matmul(x, M, K, panels, N, 0, scales, bias, y, 8, terms);
 }
 
-/* y [M, N] = x [M, K] W^T (+ bias) for int4 W as `tl_pack_q4` laid it out (group a multiple of 32). */
+/* y [M, N] = x [M, K] W^T (+ bias) for int4 W as `tl_pack_q4` laid it out (group a multiple of 32);
+ * x in `terms` (1 or 2) int8 terms. */
 int tl_matmul_q4(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, int64_t group,
-                 const float *bias, float *y) {
-    return q_matmul(x, M, K, panels, N, group, NULL, bias, y, 4);
+                 const float *bias, float *y, int64_t terms) {
+    return q_matmul(x, M, K, panels, N, group, NULL, bias, y, 4, terms);
 }
 
 /* ---- bf16 weights: y = bf16(x) W^T (+ bias), W [N, K] bfloat16 ----
