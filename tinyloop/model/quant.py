@@ -201,7 +201,7 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
     The head is where quantisation error decides the pick: for ``int8`` and ``int4`` it is int8
     with its activations in two int8 terms (``QuantWeight.terms``; about 1% of a batch-1 step),
     which took top-1 agreement with float32 at loops 4 from 0.963 to 0.977 (int8) and 0.883 to
-    0.922 (int4) on the demo model (``bench/vs_llamacpp.py``'s quality table). int4's int8
+    0.918 (int4) on the demo model (``bench/vs_llamacpp.py``'s quality table). int4's int8
     head is llama.cpp's q4_0 mix too (its output matrix stays q6_K)."""
     if mode == "float":
         return 0
