@@ -408,12 +408,12 @@ def test_chain_length_grows_while_accepted_whole_and_shrinks_after_a_rejection()
 
 def test_a_chain_is_verified_without_a_tree_mask(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     masks: list[Any] = []
-    verify = engine.verify
+    context = engine.context
 
-    def recording(seqs: Any, tokens: Any, **kw: Any) -> torch.Tensor:
-        masks.append((kw.get("mask"), kw.get("positions")))
-        return verify(seqs, tokens, **kw)
-    monkeypatch.setattr(engine, "verify", recording)
+    def recording(kvs: Any, starts: Any, n_new: int, extra_mask: Any = None, positions: Any = None) -> Any:
+        masks.append((extra_mask, positions))
+        return context(kvs, starts, n_new, extra_mask=extra_mask, positions=positions)
+    monkeypatch.setattr(engine, "context", recording)
     out = engine.generate(req(PROMPT, max_tokens=24, loops=4, mode="speculative", sampling=GREEDY,
                               draft_loops=2, draft_ahead=4))
     assert out.tokens == plain(engine, PROMPT, 4)

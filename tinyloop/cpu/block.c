@@ -274,6 +274,15 @@ done:
     return code;
 }
 
+/* The softmax probability of id `at` (the maximum) over x[0 .. limit - 1]. */
+static float pick_prob(const float *x, int64_t limit, int64_t at) {
+    const float top = x[at];
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t v = 0; v < limit; ++v) total += expf(x[v] - top);
+    return 1.0f / total;
+}
+
 /* A lone row's greedy burst: up to K steps of `tl_decode_model` at batch 1, each feeding the token
  * the step before picked (the first: `token`), each pick the first maximum of the step's logits
  * over ids below `limit` (`tl_max_rows`, the sampler's greedy rule). Step i stores its K and V at
@@ -284,6 +293,8 @@ done:
  *   cos/sin [K, D] each step's RoPE; write [K, S] each step's KV row per slot; keys [S, L] the
  *          rows of every key (L >= start + K)
  *   stops  [n_stops] ids after which the burst ends (EOS, stop tokens)
+ *   min_prob  the burst also ends after a pick whose softmax probability (over ids below
+ *          `limit`) is below it (a speculative draft's unsure token); 0: never
  *   out    [K] the picked ids; *made how many steps ran to a pick
  * Returns 0 (K steps, or a stop id picked), 5 where step *made's logits held a NaN or +inf or
  * nothing finite (nothing picked from them), or `tl_decode_model`'s code. */
@@ -291,7 +302,7 @@ int tl_decode_burst(const tl_model *m, int64_t token, int64_t K, int64_t loops, 
                     int64_t coda_slot, const float *init, float *state, float *logits, const float *cos,
                     const float *sin, int64_t D, const tl_kv *kv, const int64_t *write, int64_t S,
                     const int64_t *keys, int64_t L, int64_t start, int64_t limit, const int64_t *stops,
-                    int64_t n_stops, int64_t *out, int64_t *made) {
+                    int64_t n_stops, float min_prob, int64_t *out, int64_t *made) {
     const int64_t H = m->hidden;
     *made = 0;
     if (limit < 1 || limit > m->head.n || start + K > L) return 4;
@@ -312,6 +323,7 @@ int tl_decode_burst(const tl_model *m, int64_t token, int64_t K, int64_t loops, 
         *made = i + 1;
         for (int64_t j = 0; j < n_stops; ++j)
             if (stops[j] == at) return 0;
+        if (min_prob > 0.0f && pick_prob(logits, limit, at) < min_prob) return 0;
     }
     return 0;
 }

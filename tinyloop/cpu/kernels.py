@@ -86,7 +86,7 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_decode_stack", ctypes.c_int, [_P] + [_I] * 2 + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _P]),
     ("tl_decode_model", ctypes.c_int, [_P] * 2 + [_I] * 2 + [_P, _I] + [_P] * 4 + [_I] + [_P] * 3 + [_I, _P]),
     ("tl_decode_burst", ctypes.c_int, [_P] + [_I] * 3 + [_P, _I] + [_P] * 5 + [_I, _P, _P, _I, _P, _I, _I, _I, _P, _I]
-     + [_P] * 2),
+     + [_F] + [_P] * 2),
     # inkling2.c (``tinyloop.cpu.inkling2``)
     ("tl_ink_attend_states", ctypes.c_int, [_P] + [_I] * 4 + [_P, _I, _F, _P, _I, _F, _P]),
     ("tl_ink_controller", ctypes.c_int, [_P, _I, _P] + [_I] * 4 + [_P] * 3 + [_F, _P, _F, _P, _P]),

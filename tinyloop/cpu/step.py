@@ -158,10 +158,11 @@ class FusedStep:
         return logits, state
 
     def burst(self, token: int, ctx: AttentionContext, loops: int, window: int, init: torch.Tensor | None,
-              limit: int, stops: tuple[int, ...]) -> Burst | None:
+              limit: int, stops: tuple[int, ...], min_prob: float = 0.0) -> Burst | None:
         """One row's greedy steps over ``ctx``'s T new positions (``PagedContext.burst_slots``):
         the first feeds ``token``, each later one the id the step before picked (the first
-        maximum of its logits below ``limit``), ending after a pick in ``stops``. ``init``
+        maximum of its logits below ``limit``), ending after a pick in ``stops`` or one whose
+        softmax probability is below ``min_prob`` (a speculative draft's stop). ``init``
         ``[T, H]``: each step's initial state (its noise), or None (zeros, or made in C for
         ``embed``). None where the call is not one this covers."""
         if not isinstance(ctx, PagedContext) or loops < 1 or window < 1 or not self.current():
@@ -189,7 +190,7 @@ class FusedStep:
             ctypes.byref(self._struct), token, n, loops, self._core_slots(loops, window), coda_slot,
             None if init is None else init.data_ptr(), state.data_ptr(), logits.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), cos.shape[-1], ctypes.byref(kv), write.data_ptr(), slots, keys.data_ptr(), keys.shape[-1],
-            ctx.burst_start, limit, stop_ids, len(stops), out, ctypes.byref(made))
+            ctx.burst_start, limit, stop_ids, len(stops), min_prob, out, ctypes.byref(made))
         if code == 3:
             raise IndexError(f"a token id is outside the embedding of {self._struct.vocab} rows")
         if code == 4:

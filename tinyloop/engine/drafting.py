@@ -15,13 +15,13 @@ import torch
 from tinyloop.engine.acceptance import DraftTree
 from tinyloop.engine.draft_tree import Candidate, TreeGrowth
 from tinyloop.engine.modes import Core
-from tinyloop.engine.sampling import adjust_logits, draw, greedy_token_prob, target_probs
+from tinyloop.engine.sampling import adjust_logits, draw, greedy_token_prob, picks_argmax, target_probs
 from tinyloop.engine.sequence import Sequence
 from tinyloop.engine.speculation_state import counters
 from tinyloop.errors import KVCacheExhausted
 from tinyloop.grammar.drafts import DraftGrammar
 from tinyloop.model.kvcache import SeqKV
-from tinyloop.model.looped import ForwardOutput, RowSpec
+from tinyloop.model.looped import ForwardOutput, LoopedLM, RowSpec
 
 __all__ = ["DraftJob", "Drafter"]
 
@@ -78,6 +78,8 @@ class Drafter:
 
     def draft(self, jobs: list[DraftJob]) -> None:
         """Draft every job's chain or tree; its forks are freed and its grammar restored on the way out."""
+        if len(jobs) == 1 and self._burst(jobs[0]):
+            return
         rows = [_Row(job, job.seq.kv, 0, _pending(job.seq), job.start) for job in jobs]
         try:
             while rows:
@@ -93,6 +95,26 @@ class Drafter:
                 job.forks = []
                 if job.grammar is not None:
                     job.grammar.restore()  # the matcher back where the sequence is
+
+    def _burst(self, job: DraftJob) -> bool:
+        """A lone greedy chain (its pick the draft's argmax: no grammar, bias or penalty) drafted
+        in one C call (``LoopedLM.decode_burst``: the steps ``_forward`` runs one by one, ending
+        after the first pick below ``draft_min_prob``, as ``_extend`` ends it); False where the
+        draft model has no such call (the chain is then drafted step by step)."""
+        seq, model = job.seq, self.engine.draft_model
+        if (job.growth is not None or job.grammar is not None or not picks_argmax(seq.request.sampling)
+                or not isinstance(model, LoopedLM)):
+            return False
+        ctx = self.engine.context([seq.kv], [job.start], job.depth)
+        spec = RowSpec(loops=job.draft_loops, window=seq.window, start=job.start, noise_seed=seq.noise_seed,
+                       kv_loops=seq.loops)
+        done = model.decode_burst(_pending(seq), ctx, spec, job.depth, self.engine.vocab_limit, (),
+                                  self.engine.draft_min_prob)
+        if done is None:
+            return False
+        job.branches[0].extend(done.tokens)  # (unusable logits end the chain: it is only a draft)
+        counters(seq).stopped_unsure += len(done.tokens) < job.depth and not done.unusable
+        return True
 
     def _extend(self, job: DraftJob, fed: list[tuple[_Row, torch.Tensor]]) -> list[_Row]:
         """Choose the next draft token(s) from the logits of a job's rows just fed; the rows to

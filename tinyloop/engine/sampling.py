@@ -53,6 +53,7 @@ __all__ = [
     "greedy_token",
     "greedy_token_prob",
     "is_plain_greedy",
+    "picks_argmax",
     "logprob_entries",
     "make_generator",
     "sample_batch",
@@ -364,11 +365,15 @@ def _on_device(logits: torch.Tensor) -> bool:
     return not logits.is_cpu
 
 
+def picks_argmax(params: SamplingParams) -> bool:
+    """True when a row's token is just the argmax of its raw logits (greedy, nothing adjusting them)."""
+    return (params.greedy and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and not params.logit_bias and params.min_tokens == 0)
+
+
 def is_plain_greedy(params: SamplingParams) -> bool:
     """True when a row's token is just the argmax of its logits, with nothing to report."""
-    return (params.greedy and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and not params.logprobs
-            and params.top_logprobs == 0 and not params.logit_bias and params.min_tokens == 0)
+    return picks_argmax(params) and not params.logprobs and params.top_logprobs == 0
 
 
 class StopMatcher:

@@ -27,11 +27,16 @@ One ``Speculator.run`` serves every speculative sequence of an engine step, batc
    the sequence's KV; each node of the next level drafts in a KV holding its ancestors' draft
    KV: its parent's fork, taken over by the parent's first child and forked (copy-on-write, only
    the partly filled block is copied) for the others and for the root's children. Forks are
-   freed when their node has no children, and after drafting.
+   freed when their node has no children, and after drafting. On the CPU a lone greedy chain
+   (its pick the draft's argmax) drafts in one C call instead (``LoopedLM.decode_burst``, ending
+   after the first pick below ``draft_min_prob``): the same drafts, with no Python between them.
 3. Verify. One forward at the sequence's loops over the root and every node (up to
    ``1 + K * k`` tokens; ``k + 1`` for a chain), node ``i`` written at position ``L + i`` with
    RoPE position and noise position ``L + depth``, attending to its ancestors only (``extra_mask``).
-   Sequences with the same node count share one batched call.
+   Sequences with the same node count share one batched call. On the CPU a chain's tokens
+   are verified as one-token rows of their sequence instead (``_verify_rows``), the plain
+   decode step's call: the whole step in C (``cpu.step.FusedStep``), each weight read once for
+   all the rows, where a chunk runs the blocks' modules op by op.
 4. Accept (``acceptance.py``) and commit: the root and the accepted path's nodes hold exactly
    the KV that plain decoding writes for those tokens (same positions, same ancestors). A path
    that is not stored right after the root (one off the tree's first branch) is moved there
@@ -68,6 +73,7 @@ from tinyloop.engine.speculation_state import SpeculationState as SpeculationSta
 from tinyloop.engine.speculation_state import counters as counters
 from tinyloop.errors import KVCacheExhausted
 from tinyloop.model.kvcache import SeqKV
+from tinyloop.model.looped import LoopedLM, RowSpec
 
 __all__ = ["CHAIN_GROWTH", "Emission", "SpeculationState", "Speculator", "counters"]
 
@@ -149,10 +155,36 @@ class Speculator:
     def _verify(self, jobs: list[DraftJob]) -> torch.Tensor:
         trees = [job.tree for job in jobs if job.tree is not None]
         if all(job.width == 1 for job in jobs):  # chains: causal at consecutive positions, the default
+            if self.engine.device.type == "cpu" and isinstance(self.engine.model, LoopedLM):
+                return self._verify_rows(jobs, trees)
             return self.engine.verify([j.seq for j in jobs], [list(t.tokens) for t in trees])  # [B, T, V]
         mask = torch.stack([t.mask() for t in trees])  # [B, T, T]
         return self.engine.verify([j.seq for j in jobs], [list(t.tokens) for t in trees], mask=mask,
                                   positions=[t.positions(j.start) for t, j in zip(trees, jobs)])  # [B, T, V]
+
+    @torch.inference_mode()
+    def _verify_rows(self, jobs: list[DraftJob], trees: list[DraftTree]) -> torch.Tensor:
+        """Chains of T tokens on the CPU, as ``Engine.verify`` scores them, with each token a
+        one-token row of its sequence (a ``LoopedLM``'s forward: Inkling-2's does not score a
+        chunk's tokens so; its chains verify as a chunk): row i at position ``start + i``, reading the keys up to
+        its own (those its chain's earlier rows write in the same call included, as every row's
+        K and V are written before any row attends). That is the plain decode step's call, so
+        it runs as one C call (``cpu.step.FusedStep``) reading each weight once for all the
+        rows, where a T-token chunk runs the blocks' modules op by op (bench/LOG.md); logits
+        ``[B, T, V]``."""
+        eng = self.engine
+        kvs, starts, tokens, specs = [], [], [], []
+        for job, tree in zip(jobs, trees):
+            seq = job.seq
+            for i, token in enumerate(tree.tokens):
+                kvs.append(seq.kv)
+                starts.append(job.start + i)
+                tokens.append([token])
+                specs.append(RowSpec(loops=seq.loops, window=seq.window, start=job.start + i,
+                                     noise_seed=seq.noise_seed, exit=seq.exit))
+        out = eng.run_model(torch.tensor(tokens, dtype=torch.long, device=eng.device), eng.context(kvs, starts, 1),
+                            specs)
+        return out.logits[:, -1].float().reshape(len(jobs), len(trees[0]), -1)  # (a group: one size)
 
     def _commit(self, job: DraftJob, logits: torch.Tensor) -> list[Emission]:
         """Accept against the verifier's ``logits`` [T, V], fix the KV, count, emit."""

@@ -48,7 +48,7 @@ class WholeStep(Protocol):
             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
     def burst(self, token: int, ctx: AttentionContext, loops: int, window: int, init: torch.Tensor | None,
-              limit: int, stops: tuple[int, ...]) -> Burst | None: ...
+              limit: int, stops: tuple[int, ...], min_prob: float = 0.0) -> Burst | None: ...
 
 
 class Burst(NamedTuple):
@@ -366,10 +366,11 @@ class LoopedLM(nn.Module):
         return ForwardOutput(logits=done[0], state=done[1], loops_used=list(loops))
 
     def decode_burst(self, token: int, ctx: AttentionContext, spec: RowSpec, n: int, limit: int,
-                     stops: tuple[int, ...]) -> Burst | None:
+                     stops: tuple[int, ...], min_prob: float = 0.0) -> Burst | None:
         """One row's ``n`` greedy decode steps over ``ctx``'s new positions in one C call
         (``fused_step.burst``): the first feeds ``token``, each later one the argmax (ids below
-        ``limit``) of the step before, until a pick in ``stops``. Each step is the one
+        ``limit``) of the step before, until a pick in ``stops`` or one whose softmax probability
+        is below ``min_prob`` (a speculative draft chain's stop). Each step is the one
         ``forward`` takes a plain decode token through; None where the row is not plain (an exit
         rule, a warm state, given positions) or the model or context has no such call."""
         rule = spec.exit if spec.exit is not None else self.config.exit
@@ -380,7 +381,7 @@ class LoopedLM(nn.Module):
         if self.config.state_init not in ("zeros", "embed"):  # each position's noise, as forward draws it
             init = self.initial_state(torch.empty(1, n, self.config.hidden), [spec]).view(n, -1).contiguous()
         window = min(spec.window, spec.kv_loops or spec.loops)
-        done = self.fused_step.burst(token, ctx, spec.loops, window, init, limit, stops)
+        done = self.fused_step.burst(token, ctx, spec.loops, window, init, limit, stops, min_prob)
         if done is not None:
             steps = len(done.tokens) + int(done.unusable)
             self.counters["core_block_calls"] += spec.loops * steps
