@@ -54,6 +54,7 @@
  * (`pool_after_fork`). */
 #define MAX_HELPERS 63
 #define HELPER_SPIN_NS 200000
+#define TICKET_CLOSED 0xffffffffu /* a ticket's task index past any job's tasks */
 
 static struct {
     pthread_mutex_t lock;
@@ -172,11 +173,17 @@ void tl_run_tasks(task_fn fn, const void *job, int64_t n) {
         for (int64_t i = 0; i < n; ++i) fn(job, i);
         return;
     }
+    /* Close the last job first: a helper that read its ticket (gen, i) before this call and this
+     * job's n_tasks after the store below would otherwise pass `i < n_tasks` and claim task i of
+     * a job whose fields are now this one's, running it outside `done`'s count (the job could then
+     * end, its struct leave the stack, while the task still runs). Its CAS now fails. */
+    const uint64_t last = atomic_load(&pool.ticket) >> 32;
+    atomic_store(&pool.ticket, (last << 32) | TICKET_CLOSED);
     atomic_store_explicit(&pool.fn, fn, memory_order_relaxed);
     atomic_store_explicit(&pool.job, job, memory_order_relaxed);
     atomic_store_explicit(&pool.n_tasks, n, memory_order_relaxed);
     atomic_store(&pool.done, 0);
-    const uint64_t gen = ((atomic_load(&pool.ticket) >> 32) + 1) & 0xffffffffu;
+    const uint64_t gen = (last + 1) & 0xffffffffu;
     atomic_store(&pool.ticket, gen << 32);
     if (atomic_load(&pool.sleeping) > 0) {
         pthread_mutex_lock(&pool.lock);
