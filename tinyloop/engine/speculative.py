@@ -162,16 +162,15 @@ class Speculator:
         return self.engine.verify([j.seq for j in jobs], [list(t.tokens) for t in trees], mask=mask,
                                   positions=[t.positions(j.start) for t, j in zip(trees, jobs)])  # [B, T, V]
 
-    @torch.inference_mode()
     def _verify_rows(self, jobs: list[DraftJob], trees: list[DraftTree]) -> torch.Tensor:
         """Chains of T tokens on the CPU, as ``Engine.verify`` scores them, with each token a
-        one-token row of its sequence (a ``LoopedLM``'s forward: Inkling-2's does not score a
-        chunk's tokens so; its chains verify as a chunk): row i at position ``start + i``, reading the keys up to
-        its own (those its chain's earlier rows write in the same call included, as every row's
-        K and V are written before any row attends). That is the plain decode step's call, so
-        it runs as one C call (``cpu.step.FusedStep``) reading each weight once for all the
-        rows, where a T-token chunk runs the blocks' modules op by op (bench/LOG.md); logits
-        ``[B, T, V]``."""
+        one-token row of its sequence (a ``LoopedLM``'s forward; Inkling-2's does not score a
+        chunk so, and its chains verify as a chunk): row i at position ``start + i``, reading the
+        keys up to its own (those its chain's earlier rows write in the same call included, as
+        every row's K and V are written before any row attends). That is the plain decode step's
+        call, so it runs as one C call (``cpu.step.FusedStep``) reading each weight once for all
+        the rows, where a T-token chunk runs the blocks' modules op by op (bench/LOG.md); logits
+        ``[B, T, V]``. (Under ``SpeculativeDecoding.plan``'s inference mode.)"""
         eng = self.engine
         kvs, starts, tokens, specs = [], [], [], []
         for job, tree in zip(jobs, trees):
