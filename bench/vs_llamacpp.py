@@ -44,7 +44,9 @@ Pairs (TinyLoop ``Engine(weights=...)`` / llama.cpp type): ``float32``/``f32``, 
 - GB/s at batch 1: weight bytes a decode step reads x tokens/s. Ours as ``engine_vs_hf.py``
   counts them; llama.cpp's from the GGUF's tensor sizes (``gguf.GGUFReader``): the layers, the
   final norm and the head (the tied ``token_embd``, read whole once per token). Set against the
-  machine's copy bandwidth (``engine_vs_hf.copy_bandwidth``, read + write) in the footer.
+  machine's copy bandwidth (``engine_vs_hf.copy_bandwidth``, read + write) in the footer: the
+  median of a copy timed in each of the tg1 rounds (best of 3), beside the decodes it is set
+  against (this machine's memory speed drifts by a quarter over minutes under other load).
 
 Timing runs in interleaved rounds (``--rounds``): in each, every llama.cpp run of a weight mode and
 ours take turns (llama.cpp first in even rounds, ours first in odd ones), so a load that comes and
@@ -58,7 +60,7 @@ the min-max shows; on a busy machine compare with ``--threads 1``.
 Quality (``quality`` in ``--only``): top-1 agreement with our float32 model along its greedy
 continuations (teacher-forced: one forward over the reference's tokens, ``engine_vs_hf.top1_picks``)
 of ``--quality-prompts`` (16) random prompts (their own seed: the same prompts whatever else
-runs), the mean and the min-max over the prompts, for our ``int8`` / ``int4`` (and ``bf16``)
+runs), the mean, its standard error and the min-max over the prompts, for our ``int8`` / ``int4`` (and ``bf16``)
 engines and for llama.cpp's quantisation schemes applied to our own model (its runtime cannot run
 a looped model): every ``nn.Linear`` weight and the tied
 embedding/head of a float32 copy replaced by ``gguf.quants.dequantize(gguf.quants.quantize(w,
@@ -541,7 +543,8 @@ class Continuations:
 
 def quality_rows(cont: Continuations, others: list[tuple[str, Callable[[], LoopedLM]]],
                  loops_list: list[int]) -> list[str]:
-    """One row per (loops, model): mean top-1 over the prompts and the min-max of the prompts'."""
+    """One row per (loops, model): mean top-1 over the prompts, its standard error (the prompts'
+    spread / sqrt(prompts)) and the min-max of the prompts'."""
     rows = []
     for label, build in others:
         try:
@@ -554,7 +557,8 @@ def quality_rows(cont: Continuations, others: list[tuple[str, Callable[[], Loope
                 continue
             try:
                 got = cont.agreement(other, loops)
-                top1 = f"{statistics.fmean(got):.3f} ({min(got):.3f}-{max(got):.3f})"
+                err = statistics.stdev(got) / len(got) ** 0.5 if len(got) > 1 else 0.0
+                top1 = f"{statistics.fmean(got):.3f} ± {err:.3f} ({min(got):.3f}-{max(got):.3f})"
             except Exception as exc:  # a row, not the run
                 top1 = f"- ({type(exc).__name__}: {exc})"
             rows.append(f"{loops:>5} | {label:<48} | {top1}")
@@ -673,6 +677,8 @@ class Bench:
         a = self.args
         timings = Timings()
         for r in range(a.rounds):
+            if measure == "tg1":  # the memory's speed in this round, for the GB/s fractions
+                timings.run("copy", "copy", partial(copy_bandwidth, a.copy_mb, 3))
             for mode in a.weights:
                 runs: list[tuple[str, str, Callable[[], float]]] = [
                     ("llama", label, partial(llama_rate, llama_command(self.bins, model, measure, a.threads,
@@ -690,6 +696,7 @@ class Bench:
     def rows(self, timings: Timings, live: dict[str, Engine], models: dict[str, Path | str], measure: str,
              loops: int) -> list[str]:
         out = []
+        copy = timings.median("copy", "copy") or self.bandwidth
         for mode in self.args.weights:
             ours_bpt = ours_bytes_per_token(mode, self.config, live[mode], loops) if mode in live else 0
             for label, _, _ in PAIRS[mode]:
@@ -702,8 +709,9 @@ class Bench:
                     g_llama = gguf_bytes_per_token(model) * theirs / 1e9 if theirs and isinstance(model, Path) \
                         else None
                     gbs = f"{_num(g_ours)} / {_num(g_llama)}"
-                    self.gbs_notes.append(f"loops {loops} {mode} {_num(g_ours)} ({_frac(g_ours, self.bandwidth)}) "
-                                          f"vs {label} {_num(g_llama)} ({_frac(g_llama, self.bandwidth)})")
+                    self.gbs_notes.append(f"loops {loops} {mode} {_num(g_ours)} ({_frac(g_ours, copy)}) "
+                                          f"vs {label} {_num(g_llama)} ({_frac(g_llama, copy)}); "
+                                          f"copy {copy / 1e9:.1f} GB/s")
                 out.append(f"{loops:>5} | {MEASURES[measure]:<7} | {mode:<8} | {label:<11} | "
                            f"{timings.cell('ours', mode) if mode in live else '-':>22} | "
                            f"{timings.cell('llama', label):>22} | {ratio} | {gbs}")
@@ -816,7 +824,7 @@ def main() -> None:
             print("\n".join(f"- {n}" for n in dict.fromkeys(bench.notes)))
         qmodes = [m for m in args.weights if m in ("int8", "int4", "bf16")]
         if "quality" in args.only and qmodes:
-            header = f"{'loops':>5} | {'weights':<48} | top-1 mean (min-max over prompts)"
+            header = f"{'loops':>5} | {'weights':<48} | top-1 mean ± standard error (min-max over prompts)"
             print(f"\nquality: top-1 agreement with our float32 along its greedy continuations of {args.tokens} "
                   f"tokens (teacher-forced), {args.quality_prompts} random prompts; llama.cpp cannot run our "
                   f"looped model, so its quantisers are applied to our weights\n{header}")
@@ -826,9 +834,9 @@ def main() -> None:
             print(f"\nquality on the bundled demo model (trained, {DEMO.name}), the same measure along its "
                   f"continuations of {len(DEMO_TEXTS)} Python and addition prompts\n{header}")
             print("\n".join(demo_quality(qmodes, args.loops, args.tokens)))
-    print(f"\ncopy bandwidth ({args.copy_mb} MiB tensor, read + write): {bench.bandwidth / 1e9:.1f} GB/s")
+    print(f"\ncopy bandwidth ({args.copy_mb} MiB tensor, read + write) at the start: {bench.bandwidth / 1e9:.1f} GB/s")
     if bench.gbs_notes:
-        print("batch-1 GB/s of weights read (fraction of the copy bandwidth):\n"
+        print("batch-1 GB/s of weights read (fraction of the copy bandwidth timed in the same rounds):\n"
               + "\n".join(f"  {n}" for n in dict.fromkeys(bench.gbs_notes)))
     print(f"total {time.perf_counter() - t_start:.0f} s")
 

@@ -7,6 +7,7 @@ llama-batched-bench. Seconds; no download, no build.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import subprocess
 import sys
@@ -152,6 +153,18 @@ def test_median_spread_and_turns() -> None:
     assert timings.median("llama", "q8_0") is None and timings.cell("llama", "q8_0") == "-"
 
 
+def test_gbs_fractions_use_the_copy_timed_in_the_same_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    speeds = iter([10e9, 30e9, 20e9])  # the memory's speed drifts from round to round
+    monkeypatch.setattr(vs, "copy_bandwidth", lambda mb, repeat: next(speeds))
+    args = argparse.Namespace(rounds=3, weights=[], threads=1, tokens=4, prompt=4, pp=8, copy_mb=1)
+    bench = vs.Bench(args, "tiny", PRESETS["tiny"], Path("/c"), Path("/b"), 100, bandwidth=99e9)
+    timings = bench.rounds({}, {}, "tg1", [[1, 2]], 1)
+    assert timings.median("copy", "copy") == 20e9  # the median of the rounds', not the start's 99
+    assert vs.Bench(args, "tiny", PRESETS["tiny"], Path("/c"), Path("/b"), 100, bandwidth=99e9) \
+        .rounds({}, {}, "pp", [[1, 2]], 1).median("copy", "copy") is None  # timed for tg1 only
+    assert vs._frac(14.0, 20e9) == "0.70"
+
+
 def test_unrolled_layers() -> None:
     base = PRESETS["base100m"]
     assert [vs.n_layers(base, n) for n in (1, 4)] == [8, 20]
@@ -243,7 +256,13 @@ def test_continuations_count_argmax_agreement() -> None:
     other.head = lambda x: -plain_head(x)  # the argmax becomes the argmin: no position agrees
     assert cont.agreement(other, 2) == [0.0, 0.0]
     rows = vs.quality_rows(cont, [("same", lambda: reference.model), ("broken", lambda: 1 / 0)], [1])
-    assert rows[0].endswith("| 1.000 (1.000-1.000)") and "ZeroDivisionError" in rows[1]
+    assert rows[0].endswith("| 1.000 ± 0.000 (1.000-1.000)") and "ZeroDivisionError" in rows[1]
+    first_only = init_model(config, seed=0)  # agrees along prompt 0's tokens, never along prompt 1's
+    first_only.head = lambda x: plain_head(x) * (1 if x.shape[1] == 3 + 6 - 1 + 1 else -1)
+    halves = cont.agreement(first_only, 1)
+    mean, err = sum(halves) / 2, abs(halves[0] - halves[1]) / 2  # stdev of two / sqrt(2)
+    row = vs.quality_rows(cont, [("half", lambda: first_only)], [1])[0]
+    assert row.endswith(f"| {mean:.3f} ± {err:.3f} ({min(halves):.3f}-{max(halves):.3f})") and err > 0.1
 
 
 def test_tiny_model_through_llama_cpp(tmp_path: Path) -> None:

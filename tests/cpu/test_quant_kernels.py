@@ -91,6 +91,38 @@ def test_int8_products_equal_the_dequantised_weight_times_the_dequantised_activa
     assert_matches(kernels.matmul_q8(x, panels, n, scales, None), want)
 
 
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("n", "k", "group"), SHAPES_Q4)
+def test_grouped_int8_products_equal_the_dequantised_weight_times_the_dequantised_activations(
+        path: str, threads: int, rows: int, n: int, k: int, group: int) -> None:
+    """A scale per group of inputs (``pack_q8(codes, scales, group)``): the fp16 scales in the
+    panels, each group's sums times its own."""
+    gen = torch.Generator().manual_seed(rows * 13 + n + k)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-4
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    panels = kernels.pack_q8(codes, scales, group)
+    scales_bytes = -(-(k // group) * 32 // 64) * 64  # a panel's 16 fp16 scales a group, to a cache line
+    assert panels.numel() == -(-n // 16) * (scales_bytes + k * 16)  # 8.5 bits a weight at group 32
+    weight = codes.double() * scales.half().double().repeat_interleave(group, 1)
+    want = dequantized_activations(x) @ weight.t()
+    assert_matches(kernels.matmul_q8(x, panels, n, None, bias, group=group), want + bias.double())
+    assert_matches(kernels.matmul_q8(x, panels, n, None, None, group=group), want)
+    two = kernels.matmul_q8(x, panels, n, None, None, 2, group)  # two-term activations: near x @ W^T
+    exact = x.double() @ weight.t()
+    assert ((two.double() - exact).abs() <= two_term_bound(x, weight) + 2e-6 * exact.abs().max()).all()
+
+
+def test_grouped_int8_panels_refuse_what_they_cannot_lay_out() -> None:
+    codes = torch.zeros(16, 64, dtype=torch.int8)
+    for group, scales in [(48, torch.ones(16, 1)), (128, torch.ones(16, 0)), (32, torch.ones(16, 3)),
+                          (32, None), (-32, torch.ones(16, 2))]:
+        with pytest.raises(ValueError, match="grouped int8 panels"):
+            kernels.pack_q8(codes, scales, group)
+    with pytest.raises(ValueError, match="a scale per output"):
+        kernels.matmul_q8(torch.zeros(1, 64), kernels.pack_q8(codes), 16, None, None)
+
+
 def int4_weight(n: int, k: int, group: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scales, zeros = torch.rand(k // group, n, generator=gen) * 0.1, torch.randn(k // group, n, generator=gen) * 0.1

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from tinyloop.cpu import kernels
 from tinyloop.engine.engine import Engine
 from tinyloop.errors import RequestError
 from tinyloop.model.presets import PRESETS, init_model
@@ -34,6 +35,32 @@ def test_the_product_is_the_dequantized_weight_s_and_close_to_float(mode: str) -
     assert q.nbytes < w.nbytes / (3 if mode == "int8" else 5)
 
 
+@pytest.mark.skipif(not quant_available("int8"), reason="no int8 kernels")
+def test_grouped_int8_is_q8_0_s_weights_on_either_product() -> None:
+    """A scale per 32 inputs, rounded to fp16 (q8_0's blocks): each weight within half its own
+    group's step; the C kernels and torch's fallback (no panels) give the same product."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 96, generator=gen) * torch.logspace(-3, 0, 96)  # groups of very different sizes
+    q = QuantWeight(w, "int8", 32)
+    assert q.group == 32 and q.scales.shape == (48, 3) and torch.equal(q.scales, q.scales.half().float())
+    step = q.scales.repeat_interleave(32, 1)
+    assert ((q.dequantize() - w).abs() <= step / 2 * (1 + 1e-3)).all()
+    per_output = QuantWeight(w, "int8")
+    small = slice(0, 32)  # the smallest inputs: one scale per output rounds most of them to 0
+    assert (q.dequantize() - w)[:, small].norm() < (per_output.dequantize() - w)[:, small].norm() / 10
+    x = torch.randn(3, 96, generator=gen)
+    exact = x @ q.dequantize().t()
+    products = [q.linear(x)]  # no panels: torch, x and the weight rounded to bfloat16
+    if kernels.available():
+        q.set_panels(True)
+        products.append(q.linear(x))  # x quantised per block of 32
+    for y in products:
+        assert (y - exact).norm() / exact.norm() < 1e-2
+    for bad in (16, 48, -32):
+        with pytest.raises(ValueError, match="an int8 group"):
+            QuantWeight(w, "int8", bad)
+
+
 def model() -> nn.Module:
     return init_model(PRESETS["tiny"].replace(max_position=128), seed=0)
 
@@ -50,6 +77,13 @@ def test_quantize_swaps_every_linear_and_the_tied_head(mode: str) -> None:
     assert m.packed_head.mode == "int8" and m.packed_head.terms == 2  # type: ignore[union-attr]
     assert {x.quant.mode for x in m.modules() if isinstance(x, QuantLinear)} == {mode}
     assert {x.quant.terms for x in m.modules() if isinstance(x, QuantLinear)} == {1}
+    # int8 weights: a scale per 32 inputs where the C kernels build (torch's kernel takes one per output)
+    int8 = [x.quant for x in m.modules() if isinstance(x, QuantLinear) and x.quant.mode == "int8"]
+    want = 32 if kernels.available() else 0
+    assert {q.group for q in [*int8, m.packed_head]} == {want}  # type: ignore[list-item]
+    flat = model()
+    quantize_linears(flat, mode, grouped=False)
+    assert flat.packed_head.group == 0 and flat.packed_head.scales.shape == (flat.packed_head.shape[0],)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("mode", MODES)

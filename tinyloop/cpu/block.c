@@ -38,7 +38,7 @@ typedef struct {
     int64_t kind; /* 0 float32 panels, 1 int8, 2 int4, 3 bf16 */
     int64_t n, k, group;
     const void *panels;
-    const float *scales; /* int8: one per output */
+    const float *scales; /* int8 with group 0: one per output (else its scales are in the panels) */
     int64_t terms;       /* int8 and int4: the activations in 1 or 2 int8 terms (qmatmul.c's `q_matmul`) */
 } tl_weight;
 
@@ -69,7 +69,7 @@ typedef struct {
 static int product(const tl_weight *w, const float *x, int64_t M, float *y) {
     switch (w->kind) {
     case 0: return tl_panel_matmul(x, M, w->k, w->panels, w->n, NULL, y);
-    case 1: return tl_matmul_q8(x, M, w->k, w->panels, w->n, w->scales, NULL, y, w->terms);
+    case 1: return tl_matmul_q8(x, M, w->k, w->panels, w->n, w->scales, w->group, NULL, y, w->terms);
     case 2: return tl_matmul_q4(x, M, w->k, w->panels, w->n, w->group, NULL, y, w->terms);
     default: return tl_matmul_bf16(x, M, w->k, w->panels, w->n, NULL, y);
     }

@@ -93,7 +93,7 @@ def held_weight(holder: PackedWeight | QuantWeight) -> tuple[Weight, torch.Tenso
         n, k = holder.weight.shape
         return Weight(0, n, k, 0, panels.data_ptr(), None, 1), panels
     (n, k), kind = holder.shape, {"int8": 1, "int4": 2, "bf16": 3}[holder.mode]
-    scales = holder.scales.data_ptr() if kind == 1 else None
+    scales = holder.scales.data_ptr() if kind == 1 and not holder.group else None  # (grouped: in the panels)
     return Weight(kind, n, k, holder.group, panels.data_ptr(), scales, holder.terms), panels
 
 

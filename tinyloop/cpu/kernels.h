@@ -32,7 +32,7 @@ void tl_max_rows(const float *x, int64_t B, int64_t V, int64_t *index, int8_t *u
 int tl_panel_matmul(const float *x, int64_t M, int64_t K, const float *panels, int64_t N, const float *bias,
                     float *y);
 int tl_matmul_q8(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, const float *scales,
-                 const float *bias, float *y, int64_t terms);
+                 int64_t group, const float *bias, float *y, int64_t terms);
 int tl_matmul_q4(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, int64_t group,
                  const float *bias, float *y, int64_t terms);
 int tl_matmul_bf16(const float *x, int64_t M, int64_t K, const uint16_t *panels, int64_t N, const float *bias,

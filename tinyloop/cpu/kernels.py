@@ -68,8 +68,9 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [  # kernels.c's entry points
     ("tl_quant_isa", ctypes.c_int, []),
     ("tl_quantize_act", None, [_P] + [_I] * 3 + [_P] * 3),
     ("tl_pack_q8", None, [_P] + [_I] * 3 + [_P]),
+    ("tl_pack_q8g", None, [_P, _P] + [_I] * 3 + [_P]),
     ("tl_pack_q4", None, [_P] * 3 + [_I] * 3 + [_P]),
-    ("tl_matmul_q8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I] + [_P] * 3 + [_I]),
+    ("tl_matmul_q8", ctypes.c_int, [_P] + [_I] * 2 + [_P, _I, _P, _I] + [_P] * 2 + [_I]),
     ("tl_matmul_q4", ctypes.c_int, [_P] + [_I] * 2 + [_P] + [_I] * 2 + [_P] * 2 + [_I]),
     ("tl_bf16_native", ctypes.c_int, []),
     ("tl_bf16_amx", ctypes.c_int, []),
@@ -538,14 +539,25 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return xq, d, sums
 
 
-def pack_q8(codes: torch.Tensor) -> torch.Tensor:
+def pack_q8(codes: torch.Tensor, scales: torch.Tensor | None = None, group: int = 0) -> torch.Tensor:
     """int8 codes ``[N, K]`` laid out for ``matmul_q8`` (on 2 MiB pages where Linux gives them):
-    ``[ceil(N / 16), ceil(K / 4), 16, 4]`` bytes, each code + 128."""
+    ``[ceil(N / 16), ceil(K / 4), 16, 4]`` bytes, each code + 128 (``group`` 0: the scales, one
+    per output, stay outside). With a ``group`` (a multiple of QBLOCK dividing K) and ``scales``
+    ``[N, K / group]``: each panel's scales first, ``[K / group, 16]`` fp16 padded to 64 bytes,
+    then its codes so."""
     if codes.dtype != torch.int8 or codes.dim() != 2:
         raise ValueError(f"int8 panels need int8 codes [N, K], got {codes.dtype} {tuple(codes.shape)}")
+    n, k = codes.shape
+    if group:
+        if group < 0 or group % QBLOCK or k % group or scales is None or scales.shape != (n, k // group):
+            raise ValueError(f"grouped int8 panels need a group of a multiple of {QBLOCK} inputs dividing K "
+                             "and scales [N, K/group]")
+        codes, scales = codes.contiguous(), scales.float().contiguous()
+        panels = huge_page_bytes(-(-n // PANEL) * (-(-(k // group) * 2 * PANEL // 64) * 64 + k * PANEL))
+        load().tl_pack_q8g(codes.data_ptr(), scales.data_ptr(), n, k, group, panels.data_ptr())
+        return panels
     if codes.stride(1) != 1:
         codes = codes.contiguous()
-    n, k = codes.shape
     panels = huge_page_bytes(-(-n // PANEL) * _padded(k) * PANEL)
     load().tl_pack_q8(codes.data_ptr(), codes.stride(0), n, k, panels.data_ptr())
     return panels
@@ -576,17 +588,21 @@ def _terms(terms: int) -> int:
     return terms
 
 
-def matmul_q8(x: torch.Tensor, panels: torch.Tensor, n: int, scales: torch.Tensor,
-              bias: torch.Tensor | None, terms: int = 1) -> torch.Tensor:
+def matmul_q8(x: torch.Tensor, panels: torch.Tensor, n: int, scales: torch.Tensor | None,
+              bias: torch.Tensor | None, terms: int = 1, group: int = 0) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for x ``[M, K]`` float32 contiguous, W the int8 codes ``pack_q8``
-    laid out times ``scales`` ``[n]`` (float32, one per output); x quantised per block
+    laid out times ``scales`` ``[n]`` (float32, one per output), or with ``group`` the scales per
+    group of inputs ``pack_q8`` put in the panels (``scales`` unused); x quantised per block
     (``quantize_activations``), in ``terms`` int8 terms: 2 adds the residual's codes
     (x ~ d1 q1 + d2 q2, ~250x finer), one more row of dot products over the same weight bytes.
     Returns ``[M, n]`` float32."""
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
     bias = _bias(bias)
-    code = load().tl_matmul_q8(x.data_ptr(), m, k, panels.data_ptr(), n, scales.data_ptr(),
+    if group == 0 and (scales is None or scales.shape != (n,)):
+        raise ValueError("int8 panels without a group need a scale per output")
+    code = load().tl_matmul_q8(x.data_ptr(), m, k, panels.data_ptr(), n,
+                               None if group or scales is None else scales.data_ptr(), group,
                                None if bias is None else bias.data_ptr(), out.data_ptr(), _terms(terms))
     return _allocated(code, out, "a quantised matrix product")
 

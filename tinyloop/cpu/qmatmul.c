@@ -18,6 +18,13 @@
  *         the weights as its unsigned operand and the activations as its signed one; the 128 *
  *         sum(xq) that adds is taken off each block's sums, exactly). K is padded to a multiple
  *         of 4 with code 0.
+ *   int8 grouped (`tl_pack_q8g`): W[n, k] = q[n, k] * scale[n, g], a scale per group g of `group`
+ *         inputs (a multiple of 32 dividing K; q8_0's weights at 32). A panel starts with its
+ *         scales, 16 fp16 a group (padded to a cache line), then holds its codes as above: the
+ *         codes stay on cache-line boundaries (scales between groups put every other group's
+ *         loads across two lines: 7-11% slower decode), and the stream prefetched ahead of one
+ *         panel's codes reaches the next one's scales. 8.5 bits a weight at 32.
+ *         y = sum_b d_b scale_g(b) dot_b.
  *   int4  W[n, k] = q[n, k] * scale[g, n] + shift[g, n] (shift = zero - 8 scale, i.e. QuantWeight's
  *         (q - 8) * scale + zero), q in [0, 15], groups g of `group` inputs (a multiple of 32).
  *         Per group, per 8 inputs k..k+7, 64 bytes: byte 4j + i holds column j's code of input
@@ -55,6 +62,8 @@
 #define QBLOCK 32    /* inputs per activation block */
 #define QPANEL 16    /* output columns per panel */
 #define QMAX_ROWS 8  /* rows a panel pass keeps in registers */
+/* bytes of the scales at the start of a grouped int8 panel of K inputs (`tl_pack_q8g`; group 0: none) */
+#define Q8_HEAD_BYTES(K, group) ((group) ? ((K) / (group) * 2 * QPANEL + 63) / 64 * 64 : 0)
 /* bytes: prefetch this far ahead along the panel stream, into L2 (`prefetcht1`: `prefetchnta` ran
  * 1.5-3.4x slower on an Intel Xeon, kernels.c's PANEL_AHEAD). 2 kB against 256 B, measured with the
  * hint already t1 (bench/LOG.md, 2026-12-02 23:50): one-row products 5-20% more GB/s at int8 and
@@ -170,6 +179,25 @@ void tl_quantize_act(const float *x, int64_t M, int64_t K, int64_t Kp, int8_t *x
 /* int8 codes into [ceil(N / 16)][ceil(K / 4)][16][4] bytes, each code + 128. */
 PACK_INTERLEAVED(tl_pack_q8, int8_t, uint8_t, 4, 128)
 
+/* int8 codes [N, K] and a scale per group of `group` inputs, scales [N, K / group] float32, into
+ * panels of Q8_HEAD_BYTES(K, group) + K * 16 bytes: the panel's scales as fp16, [K / group][16]
+ * (zero-padded to a cache line), then its codes as `tl_pack_q8` lays them out (each + 128). */
+void tl_pack_q8g(const int8_t *codes, const float *scales, int64_t N, int64_t K, int64_t group, uint8_t *panels) {
+    const int64_t G = K / group, head = Q8_HEAD_BYTES(K, group), n_panels = (N + QPANEL - 1) / QPANEL;
+    tl_pack_q8(codes, K, N, K, panels + head); /* (panel 0's codes; each panel's in place below) */
+    for (int64_t p = n_panels - 1; p >= 0; --p) { /* from the end: codes move up by `head` per panel */
+        uint8_t *panel = panels + p * (head + K * QPANEL);
+        memmove(panel + head, panels + head + p * K * QPANEL, (size_t)(K * QPANEL));
+        memset(panel, 0, (size_t)head);
+        uint16_t *params = (uint16_t *)(void *)panel;
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t j = 0; j < QPANEL; ++j) {
+                const int64_t n = p * QPANEL + j;
+                params[g * QPANEL + j] = float_to_half(n < N ? scales[n * G + g] : 0.0f);
+            }
+    }
+}
+
 /* int4 codes [N, K / 2] (q[n, 2i] in the low nibble of byte i), scales and zeros [G, N] float32
  * into panels [ceil(N / 16)][G][group * 8 + 64] bytes (see the top of this file). */
 void tl_pack_q4(const uint8_t *codes, const float *scales, const float *zeros, int64_t N, int64_t K, int64_t group,
@@ -279,17 +307,23 @@ static inline void store_row(const q_job *job, int64_t m, int64_t n0, const floa
 
 /* ---- portable C: any row count, one row at a time ---- */
 static void q8_portable(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
+    const int64_t group = job->group, per = group ? group / QBLOCK : job->nb, G = job->nb / per;
     for (int r = 0; r < R; ++r) {
         const int8_t *x = job->xq + (m + r) * job->Kp;
         float acc[QPANEL] = {0};
-        for (int64_t b = 0; b < job->nb; ++b) {
-            const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < job->Kp ? k0 + QBLOCK : job->Kp;
-            int32_t dot[QPANEL] = {0};
-            for (int64_t k = k0; k < k1; ++k)
-                for (int j = 0; j < QPANEL; ++j)
-                    dot[j] += ((int32_t)panel[(k / 4) * 64 + 4 * j + (k % 4)] - 128) * x[k];
-            const float scale = job->d[(m + r) * job->nb + b];
-            for (int j = 0; j < QPANEL; ++j) acc[j] = fmaf((float)dot[j], scale, acc[j]);
+        for (int64_t g = 0; g < G; ++g) {
+            const uint8_t *codes = panel + Q8_HEAD_BYTES(job->K, group); /* (portable: no hoisting) */
+            float t[QPANEL] = {0};
+            for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+                const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < job->Kp ? k0 + QBLOCK : job->Kp;
+                int32_t dot[QPANEL] = {0};
+                for (int64_t k = k0; k < k1; ++k)
+                    for (int j = 0; j < QPANEL; ++j) dot[j] += ((int32_t)codes[(k / 4) * 64 + 4 * j + (k % 4)] - 128) * x[k];
+                const float scale = job->d[(m + r) * job->nb + b];
+                for (int j = 0; j < QPANEL; ++j) t[j] = fmaf((float)dot[j], scale, t[j]);
+            }
+            const uint16_t *params = (const uint16_t *)(const void *)panel + g * QPANEL;
+            for (int j = 0; j < QPANEL; ++j) acc[j] = group ? fmaf(t[j], half_to_float(params[j]), acc[j]) : acc[j] + t[j];
         }
         store_row(job, m + r, n0, acc);
     }
@@ -336,28 +370,39 @@ static void q4_portable(const q_job *job, int64_t m, int R, const uint8_t *panel
 ALWAYS_INLINE void q8_avx2(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
     __m256 acc[4][2];
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const int64_t group = job->group, per = group ? group / QBLOCK : job->nb, G = job->nb / per;
+    const uint8_t *pg = panel + Q8_HEAD_BYTES(job->K, group); /* + k * QPANEL: input k's codes */
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < job->nb; ++b) {
-        const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < job->Kp ? k0 + QBLOCK : job->Kp;
-        __m256i dot[4][2];
-        for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-        for (int64_t k = k0; k < k1; k += 4) {
-            const uint8_t *w = panel + k * QPANEL;
-            __builtin_prefetch(w + Q_AHEAD, 0, 2);
-            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)w), flip);
-            const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)(w + 32)), flip);
-            for (int r = 0; r < R; ++r) {
-                const __m256i xb = _mm256_set1_epi32(load_i32(job->xq + (m + r) * job->Kp + k));
-                const __m256i ax = _mm256_abs_epi8(xb);
-                const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb));
-                const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb));
-                dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(p0, ones));
-                dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(p1, ones));
+    for (int64_t g = 0; g < G; ++g) { /* (one group of every block: a scale per output) */
+        const uint8_t *params = panel + g * 2 * QPANEL;
+        __m256 s[2];
+        for (int h = 0; h < 2; ++h)
+            s[h] = group ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(params + 16 * h)))
+                         : _mm256_set1_ps(1.0f);
+        for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+            const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < job->Kp ? k0 + QBLOCK : job->Kp;
+            __m256i dot[4][2];
+            for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+            for (int64_t k = k0; k < k1; k += 4) {
+                const uint8_t *w = pg + k * QPANEL;
+                __builtin_prefetch(w + Q_AHEAD, 0, 2);
+                const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)w), flip);
+                const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)(w + 32)), flip);
+                for (int r = 0; r < R; ++r) {
+                    const __m256i xb = _mm256_set1_epi32(load_i32(job->xq + (m + r) * job->Kp + k));
+                    const __m256i ax = _mm256_abs_epi8(xb);
+                    const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb));
+                    const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb));
+                    dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(p0, ones));
+                    dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(p1, ones));
+                }
             }
-        }
-        for (int r = 0; r < R; ++r) {
-            const __m256 scale = _mm256_set1_ps(job->d[(m + r) * job->nb + b]);
-            for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), scale, acc[r][h]);
+            for (int r = 0; r < R; ++r) {
+                const __m256 scale = _mm256_set1_ps(job->d[(m + r) * job->nb + b]); /* times the group's scales */
+                for (int h = 0; h < 2; ++h)
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), group ? _mm256_mul_ps(scale, s[h]) : scale,
+                                                acc[r][h]);
+            }
         }
     }
     for (int r = 0; r < R; ++r) {
@@ -435,33 +480,39 @@ ALWAYS_INLINE void store_acc512(const q_job *job, int64_t m, int64_t n0, __m512 
 ALWAYS_INLINE void q8_vnni(const q_job *job, int64_t m, int R, const uint8_t *panel, int64_t n0) {
     __m512 acc[QMAX_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const int64_t Kp = job->Kp, nb = job->nb;
-    for (int64_t b = 0; b < nb; ++b) {
-        const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < Kp ? k0 + QBLOCK : Kp;
-        __m512i dot[QMAX_ROWS], dot2[QMAX_ROWS]; /* dot2: a second chain for one or two rows only */
-        for (int r = 0; r < R; ++r) dot[r] = dot2[r] = _mm512_setzero_si512();
-        int64_t k = k0;
-        for (; k + 8 <= k1; k += 8) {
-            const uint8_t *w = panel + k * QPANEL;
-            __builtin_prefetch(w + Q_AHEAD, 0, 2);
-            __builtin_prefetch(w + Q_AHEAD + 64, 0, 2);
-            const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
-            for (int r = 0; r < R; ++r) {
-                const int8_t *x = job->xq + (m + r) * Kp + k;
-                dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(load_i32(x)));
-                if (R <= 2) dot2[r] = _mm512_dpbusd_epi32(dot2[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
-                else dot[r] = _mm512_dpbusd_epi32(dot[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
+    const int64_t Kp = job->Kp, nb = job->nb, group = job->group, per = group ? group / QBLOCK : nb, G = nb / per;
+    const uint8_t *pg = panel + Q8_HEAD_BYTES(job->K, group); /* + k * QPANEL: input k's codes */
+    for (int64_t g = 0; g < G; ++g) { /* (one group of every block: a scale per output) */
+        const __m512 s = group ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(panel + g * 2 * QPANEL)))
+                               : _mm512_set1_ps(1.0f);
+        for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+            const int64_t k0 = b * QBLOCK, k1 = k0 + QBLOCK < Kp ? k0 + QBLOCK : Kp;
+            __m512i dot[QMAX_ROWS], dot2[QMAX_ROWS]; /* dot2: a second chain for one or two rows only */
+            for (int r = 0; r < R; ++r) dot[r] = dot2[r] = _mm512_setzero_si512();
+            int64_t k = k0;
+            for (; k + 8 <= k1; k += 8) {
+                const uint8_t *w = pg + k * QPANEL;
+                __builtin_prefetch(w + Q_AHEAD, 0, 2);
+                __builtin_prefetch(w + Q_AHEAD + 64, 0, 2);
+                const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
+                for (int r = 0; r < R; ++r) {
+                    const int8_t *x = job->xq + (m + r) * Kp + k;
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(load_i32(x)));
+                    if (R <= 2) dot2[r] = _mm512_dpbusd_epi32(dot2[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
+                    else dot[r] = _mm512_dpbusd_epi32(dot[r], w1, _mm512_set1_epi32(load_i32(x + 4)));
+                }
             }
-        }
-        if (k < k1) { /* a last block of 4 inputs more than a multiple of 8 */
-            const __m512i w0 = _mm512_loadu_si512(panel + k * QPANEL);
-            for (int r = 0; r < R; ++r)
-                dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(load_i32(job->xq + (m + r) * Kp + k)));
-        }
-        for (int r = 0; r < R; ++r) {
-            const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(dot[r], dot2[r]),
-                                                   _mm512_set1_epi32(128 * job->sums[(m + r) * nb + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(job->d[(m + r) * nb + b]), acc[r]);
+            if (k < k1) { /* a last block of 4 inputs more than a multiple of 8 */
+                const __m512i w0 = _mm512_loadu_si512(pg + k * QPANEL);
+                for (int r = 0; r < R; ++r)
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(load_i32(job->xq + (m + r) * Kp + k)));
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(dot[r], dot2[r]),
+                                                       _mm512_set1_epi32(128 * job->sums[(m + r) * nb + b]));
+                const __m512 d = _mm512_set1_ps(job->d[(m + r) * nb + b]); /* times the group's scales */
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), group ? _mm512_mul_ps(d, s) : d, acc[r]);
+            }
         }
     }
     for (int r = 0; r < R; ++r) store_acc512(job, m + r, n0, acc[r]);
@@ -609,7 +660,7 @@ static int q_matmul(const float *x, int64_t M, int64_t K, const uint8_t *panels,
                     const float *scales, const float *bias, float *y, int bits, int64_t terms) {
     const int64_t R = terms == 2 ? 2 * M : M; /* the rows the kernels see */
     const int64_t Kp = (K + 3) / 4 * 4, nb = (Kp + QBLOCK - 1) / QBLOCK, G = bits == 4 ? K / group : 0;
-    const int64_t panel_bytes = bits == 8 ? Kp * QPANEL : G * (group * 8 + 64);
+    const int64_t panel_bytes = bits == 8 ? Q8_HEAD_BYTES(K, group) + Kp * QPANEL : G * (group * 8 + 64);
     const size_t scratch = (size_t)(R * Kp) + (size_t)(R * nb) * (sizeof(float) + sizeof(int32_t))
                            + (size_t)(R * G) * sizeof(float) + 64
                            + (terms == 2 ? (size_t)(M * K + R * N) * sizeof(float) : 0);
@@ -649,11 +700,12 @@ static int q_matmul(const float *x, int64_t M, int64_t K, const uint8_t *panels,
     return 0;
 }
 
-/* y [M, N] = x [M, K] W^T (+ bias) for int8 W as `tl_pack_q8` laid it out, scales [N]; x in
- * `terms` (1 or 2) int8 terms (`q_matmul`). */
+/* y [M, N] = x [M, K] W^T (+ bias) for int8 W as `tl_pack_q8` laid it out, scales [N] (group 0), or
+ * as `tl_pack_q8g` laid it out with its scales per `group` inputs (scales unused); x in `terms` (1
+ * or 2) int8 terms (`q_matmul`). */
 int tl_matmul_q8(const float *x, int64_t M, int64_t K, const uint8_t *panels, int64_t N, const float *scales,
-                 const float *bias, float *y, int64_t terms) {
-    return q_matmul(x, M, K, panels, N, 0, scales, bias, y, 8, terms);
+                 int64_t group, const float *bias, float *y, int64_t terms) {
+    return q_matmul(x, M, K, panels, N, group, group ? NULL : scales, bias, y, 8, terms);
 }
 
 /* y [M, N] = x [M, K] W^T (+ bias) for int4 W as `tl_pack_q4` laid it out (group a multiple of 32);

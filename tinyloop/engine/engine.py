@@ -83,7 +83,7 @@ class Engine(KVAccounting, PrefixEntries):
         self.draft_model = draft_copy(model, draft_weights if weights == "float" else "same")  # quant.py
         self.weights = weights
         if weights != "float":  # int8 / int4 / bf16 linear weights (quant.py); activations float32
-            quantize_linears(model, weights)  # (bf16: the rest of a bfloat16 model, norms and embedding, to float32)
+            quantize_linears(model, weights, grouped=cpu_kernels)  # (bf16: the rest of a bfloat16 model to float32)
         elif pack_weights and model.config.architecture == "looped":  # float32 CPU weights in the layouts
             pack_linears(model)  # decode reads fastest (cpu_linear.py; Inkling-2's small products: torch's)
         for m in {id(m): m for m in (model, self.draft_model)}.values():  # CPU decode attention on
