@@ -5,14 +5,14 @@
 
 Every linear weight of one pass through ``--preset``'s layers (prelude, core once, coda: q/k/v,
 o, gate/up, down per block, the loop adapter) and its LM head, each a ``quant.QuantWeight`` of
-the mode with its panels (int8 grouped by ``INT8_GROUP`` inputs as the engine quantises it where
-the group divides the width), multiplied once in sequence by ``--rows`` rows: what a decode step
-reads (about 100 MB of int8 for ``base100m``, past this machine's caches). Per mode, path
-(``kernels.set_quant_isa``; bf16 runs AVX-512 BF16 on the ``avx512vnni`` path where the CPU has
-it), thread count (``kernels.set_threads``) and row count: milliseconds for the pass (the median
-of ``--rounds`` rounds; in each round every configuration runs once, so a slow spell of a shared
-machine hits all) and the GB/s of panel bytes read, set against the machine's copy bandwidth
-(read + write) measured in the same run. The paths this CPU's build lacks are skipped.
+the mode with its panels (int8 grouped as the engine quantises it, ``quant.int8_group``),
+multiplied once in sequence by ``--rows`` rows: what a decode step reads (about 100 MB of int8
+for ``base100m``, past this machine's caches). Per mode, path (``kernels.set_quant_isa``; bf16
+runs AVX-512 BF16 on the ``avx512vnni`` path where the CPU has it), thread count
+(``kernels.set_threads``) and row count: milliseconds for the pass (the median of ``--rounds``
+rounds; in each round every configuration runs once, so a slow spell of a shared machine hits
+all) and the GB/s of panel bytes read, set against the machine's copy bandwidth (read + write)
+measured in the same run. The paths this CPU's build lacks are skipped.
 """
 
 from __future__ import annotations
@@ -28,12 +28,7 @@ from engine_vs_hf import copy_bandwidth
 
 from tinyloop.cpu import kernels
 from tinyloop.model.presets import PRESETS
-from tinyloop.model.quant import INT8_GROUP, QuantWeight
-
-
-def _group(mode: str, k: int) -> int | None:
-    """The group the engine gives a weight of ``mode`` and input width ``k`` (None: the mode's default)."""
-    return (INT8_GROUP if k % INT8_GROUP == 0 else 0) if mode == "int8" else None
+from tinyloop.model.quant import QuantWeight, int8_group
 
 
 def weight_shapes(preset: str) -> list[tuple[int, int]]:
@@ -65,8 +60,8 @@ def main() -> None:
     paths = [p for p in args.paths if kernels.QUANT_ISAS.index(p) <= best]
     gen = torch.Generator().manual_seed(0)
     shapes = weight_shapes(args.preset)
-    weights = {mode: [QuantWeight(torch.randn(n, k, generator=gen) * 0.02, mode, _group(mode, k)) for n, k in shapes]
-               for mode in args.modes}
+    weights = {mode: [QuantWeight(w, mode, int8_group(mode, w))
+                      for w in (torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes)] for mode in args.modes}
     for ws in weights.values():
         for w in ws:
             w.set_panels(True)

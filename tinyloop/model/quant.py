@@ -49,7 +49,7 @@ from tinyloop.cpu import kernels
 from tinyloop.model.layers import HookFree
 
 __all__ = ["DRAFT_WEIGHTS", "WEIGHT_MODES", "QuantWeight", "QuantLinear", "bf16_weights_on_cpu", "draft_copy",
-           "quantize_linears", "quant_available", "quant_weights"]
+           "int8_group", "quantize_linears", "quant_available", "quant_weights"]
 
 WEIGHT_MODES = ("float", "int8", "int4", "bf16")
 _INT4_GROUP = 32
@@ -135,9 +135,7 @@ class QuantWeight:
         if self.mode == "bf16":
             out = torch.nn.functional.linear(rows, self.q)
         elif self.mode == "int8" and self.group:  # (no torch kernel: the weight dequantised, slow)
-            n, k = self.shape
-            codes = self.q.view(n, k // self.group, self.group).to(rows.dtype)
-            out = torch.nn.functional.linear(rows, (codes * scales.to(rows.dtype)[..., None]).view(n, k))
+            out = torch.nn.functional.linear(rows, self.dequantize().to(rows.dtype))
         elif self.mode == "int8":
             out = torch.ops.aten._weight_int8pack_mm(rows, self.q, scales)
         else:
@@ -200,7 +198,7 @@ def _quantizable(weight: torch.Tensor, mode: str) -> bool:
             and (mode != "int4" or (weight.shape[1] % _INT4_GROUP == 0 and weight.shape[0] % 16 == 0)))
 
 
-def _group(mode: str, weight: torch.Tensor, grouped: bool) -> int | None:
+def int8_group(mode: str, weight: torch.Tensor, grouped: bool = True) -> int | None:
     """An int8 weight's group: ``INT8_GROUP`` where it is ``grouped`` and the group divides its
     input width, else 0 (a scale per output); None (the mode's default) for the other modes."""
     if mode != "int8":
@@ -250,7 +248,7 @@ def quantize_linears(model: nn.Module, mode: str, grouped: bool = True) -> int:
             layer_mode = head_mode if child is lm_head else mode
             if (isinstance(child, nn.Linear) and child.out_features > 1 and _quantizable(child.weight, layer_mode)
                     and not getattr(child, "keep_float", False)):  # (tiny ones a C step reads as float32)
-                setattr(parent, name, QuantLinear(child, layer_mode, _group(layer_mode, child.weight, grouped)))
+                setattr(parent, name, QuantLinear(child, layer_mode, int8_group(layer_mode, child.weight, grouped)))
                 count += 1
     lm_head = getattr(model, "lm_head", None)  # (now the QuantLinear, where it was quantized)
     head = getattr(model, "head_weight", None)
@@ -258,7 +256,7 @@ def quantize_linears(model: nn.Module, mode: str, grouped: bool = True) -> int:
     if isinstance(lm_head, QuantLinear):  # untied: the head layer is quantized already
         packed = lm_head.quant
     elif isinstance(head, torch.Tensor) and _quantizable(head, head_mode):
-        packed = QuantWeight(head, head_mode, _group(head_mode, head, grouped))
+        packed = QuantWeight(head, head_mode, int8_group(head_mode, head, grouped))
         count += 1
     if packed is not None:
         packed.terms = 1 if mode == "bf16" else 2
